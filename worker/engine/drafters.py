@@ -1,0 +1,179 @@
+"""Drafters propose up to g tokens per row; the target verifies them.
+
+- DraftModel: a smaller causal LM with the target's tokenizer, sampled like the target.
+- PromptLookup: copies the continuation of the latest n-gram match in the row's own
+  tokens (prompt and text so far); a point-mass draft, no model.
+- NoDraft: proposes nothing; the engine then decodes with the target alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from transformers import PreTrainedModel
+
+from worker.engine.batch import KVRows, left_pad
+from worker.engine.sampling import DRAFT, keyed_uniform, logits_to_probs, sample
+
+
+@dataclass
+class Proposal:
+    token_ids: torch.Tensor  # [B, g] int64
+    num_draft: torch.Tensor  # [B] int64, proposals per row (<= g)
+    probs: torch.Tensor | None  # [B, g, V] draft probabilities, None for point masses
+
+
+@dataclass
+class DraftInputs:
+    """What a drafter may read of the batch."""
+
+    tokens: list[list[int]]  # per row: prompt + generated so far
+    seeds: torch.Tensor  # [B] int64
+    temperature: torch.Tensor  # [B]
+    top_k: torch.Tensor  # [B]
+    top_p: torch.Tensor  # [B]
+    greedy: bool  # every row is greedy
+
+
+class Drafter(Protocol):
+    name: str
+
+    def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None:
+        """New rows join at the end of the batch, their prompts and first tokens known."""
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only these rows, in this order."""
+
+    def propose(self, batch: DraftInputs, g: int) -> Proposal: ...
+
+    def update(self, num_accepted: torch.Tensor, final_tokens: torch.Tensor) -> None:
+        """After a verify pass (g may have been 0): accepted counts and the target's token."""
+
+    def compact(self) -> None: ...
+
+
+class _Stateless:
+    """A drafter that keeps no per-row state."""
+
+    def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None: ...
+    def select(self, rows: torch.Tensor) -> None: ...
+    def update(self, num_accepted: torch.Tensor, final_tokens: torch.Tensor) -> None: ...
+    def compact(self) -> None: ...
+
+
+class NoDraft(_Stateless):
+    name = "none"
+
+    def propose(self, batch: DraftInputs, g: int) -> Proposal:
+        B = len(batch.tokens)
+        empty = torch.zeros(B, 0, dtype=torch.long)
+        return Proposal(empty, torch.zeros(B, dtype=torch.long), None)
+
+
+class PromptLookup(_Stateless):
+    """n-gram copy from the row's own tokens (Saxena 2023, "prompt lookup decoding")."""
+
+    name = "prompt_lookup"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, batch: DraftInputs, g: int) -> Proposal:
+        B = len(batch.tokens)
+        ids = torch.zeros(B, g, dtype=torch.long)
+        num = torch.zeros(B, dtype=torch.long)
+        for b, seq in enumerate(batch.tokens):
+            cont = self.lookup(torch.tensor(seq), g)
+            ids[b, : len(cont)] = cont
+            num[b] = len(cont)
+        return Proposal(ids, num, None)
+
+    def lookup(self, seq: torch.Tensor, g: int) -> torch.Tensor:
+        """The g tokens after the latest earlier occurrence of seq's last n tokens."""
+        N = seq.shape[0]
+        for n in range(self.max_ngram, self.min_ngram - 1, -1):
+            if N <= n:
+                continue
+            windows = seq[:-1].unfold(0, n, 1)  # [N - n, n]: starts 0 .. N - n - 1
+            hits = (windows == seq[-n:]).all(1).nonzero()
+            if hits.numel():
+                start = int(hits[-1]) + n
+                return seq[start : start + g]
+        return seq[:0]
+
+
+class DraftModel:
+    """A draft LM with its own cache over the batch rows.
+
+    Its cache holds every token of a row except `pending` ones (1 or 2 per row, or more
+    after steps without drafting), which the next proposal feeds first.
+    """
+
+    name = "draft_model"
+
+    def __init__(self, model: PreTrainedModel, pad_id: int = 0) -> None:
+        self.kv = KVRows(model)
+        self.pad_id = pad_id
+        self.pending: list[list[int]] = []
+        self._last: tuple[int, int, list[torch.Tensor]] | None = None  # start, P, drafts
+
+    def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None:
+        new = KVRows(self.kv.model)
+        new.forward(*left_pad(prompts, self.pad_id, self.kv.device))
+        self.kv.extend(new)
+        self.pending += [[t] for t in first_tokens]
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.kv.select(rows.to(self.kv.device))
+        self.pending = [self.pending[i] for i in rows.tolist()]
+
+    def compact(self) -> None:
+        self.kv.compact()
+
+    @torch.inference_mode()
+    def propose(self, batch: DraftInputs, g: int) -> Proposal:
+        B, dev = len(self.pending), self.kv.device
+        ids, valid = left_pad(self.pending, self.pad_id, dev)
+        start, P = self.kv.length, ids.shape[1]
+        logits = self.kv.forward(ids, valid)[:, -1:]  # [B, 1, V]
+        if not batch.greedy:
+            pos = torch.tensor([len(t) for t in batch.tokens], device=dev)[:, None]
+            u = keyed_uniform(batch.seeds.to(dev), pos + torch.arange(g, device=dev), DRAFT)
+            params = (batch.temperature.to(dev), batch.top_k.to(dev), batch.top_p.to(dev))
+        drafts, probs = [], []
+        for j in range(g):
+            if batch.greedy:
+                x = logits[:, 0].argmax(-1)  # [B]
+            else:
+                p = logits_to_probs(logits, *params)[:, 0]  # [B, V]
+                x = sample(p, u[:, j])
+                probs.append(p)
+            drafts.append(x)
+            if j < g - 1:
+                logits = self.kv.forward(x[:, None], torch.ones(B, 1, dtype=torch.bool, device=dev))
+        self._last = (start, P, drafts)
+        token_ids = torch.stack(drafts, 1)  # [B, g]
+        return Proposal(
+            token_ids,
+            torch.full((B,), g, dtype=torch.long, device=dev),
+            torch.stack(probs, 1) if probs else None,
+        )
+
+    def update(self, num_accepted: torch.Tensor, final_tokens: torch.Tensor) -> None:
+        finals = final_tokens.tolist()
+        if self._last is None:  # a step without drafting: the target's token waits
+            for row, t in zip(self.pending, finals):
+                row.append(t)
+            return
+        start, P, drafts = self._last
+        g = len(drafts)
+        # fed this step: pending (P columns), then x_1 .. x_{g-1}; keep x_j iff j <= accepted
+        self.kv.keep(start + P, num_accepted.to(self.kv.device).clamp(max=g - 1))
+        last_draft = drafts[-1].tolist()
+        self.pending = [
+            [last_draft[b], t] if k == g else [t]
+            for b, (k, t) in enumerate(zip(num_accepted.tolist(), finals))
+        ]
+        self._last = None

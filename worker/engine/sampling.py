@@ -1,0 +1,90 @@
+"""Logits to probabilities (temperature, top-k, top-p) and seeded, position-keyed sampling.
+
+Randomness is a pure function of (request seed, token position, stream): the uniform a
+row draws for position t does not depend on the batch it shares or its slot, so a seeded
+request gives the same text at any batch size.
+"""
+
+from __future__ import annotations
+
+import torch
+
+M32 = 0xFFFFFFFF
+# Streams: which use of a position's randomness.
+DRAFT, ACCEPT, SAMPLE = 1, 2, 3
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (lowbias32) on int64 tensors holding values < 2**32."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & M32  # wraps in int64; the low 32 bits are right
+    return x ^ (x >> 16)
+
+
+def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """Uniforms in [0, 1), one per (seed, position).
+
+    seeds: [B] int64; positions: [B, T] int64 -> [B, T] float64
+    """
+    s = seeds[:, None]
+    h = _mix32((positions & M32) ^ _mix32(torch.full_like(positions, stream)))
+    h = _mix32(h ^ (s & M32))
+    h = _mix32(h ^ ((s >> 32) & M32))
+    h2 = _mix32(h ^ 0x9E3779B9)
+    # 53 random bits -> a double in [0, 1)
+    return ((h << 21) | (h2 >> 11)).to(torch.float64) / float(2**53)
+
+
+def logits_to_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+) -> torch.Tensor:
+    """Per-row temperature, then top-k, then top-p (HF's order); temperature 0 is greedy.
+
+    logits: [B, T, V]; temperature, top_p: [B] float; top_k: [B] int (0 = off)
+    returns probs [B, T, V] float32; a greedy row is one-hot at its argmax.
+    """
+    B, T, V = logits.shape
+    logits = logits.float()
+    greedy = temperature <= 0  # [B]
+    if bool(greedy.all()):
+        return _one_hot_argmax(logits)
+    t = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits.dtype)
+    scaled = logits / t[:, None, None]
+    filt_k = (top_k > 0) & (top_k < V)
+    filt_p = top_p < 1.0
+    if bool(filt_k.any() | filt_p.any()):
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, T, V]
+        rank = torch.arange(V, device=logits.device)
+        drop = filt_k[:, None, None] & (rank >= top_k[:, None, None])
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        sorted_probs = sorted_logits.softmax(-1)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        before = sorted_probs.cumsum(-1) - sorted_probs
+        drop = filt_p[:, None, None] & (before >= top_p[:, None, None].to(before.dtype))
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = scaled.softmax(-1)
+    if bool(greedy.any()):
+        probs = torch.where(greedy[:, None, None], _one_hot_argmax(logits), probs)
+    return probs
+
+
+def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
+    probs = torch.zeros_like(logits, dtype=torch.float32)
+    return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+
+
+def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sampling: one token per distribution.
+
+    probs: [..., V] (need not be normalised); uniforms: [...] in [0, 1) -> tokens [...] int64
+    """
+    cdf = probs.double().cumsum(-1)  # [..., V]
+    u = (uniforms.to(cdf.device, cdf.dtype) * cdf[..., -1]).unsqueeze(-1)
+    idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    return idx.clamp_(max=probs.shape[-1] - 1)

@@ -1,0 +1,228 @@
+"""Batched speculative decoding: the step and the generate loop with continuous refill."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from worker.engine.batch import KVRows, Row, left_pad
+from worker.engine.drafters import Drafter, DraftInputs, NoDraft
+from worker.engine.rejection import rejection_sample
+from worker.engine.request import Request, Result
+from worker.engine.sampling import ACCEPT, SAMPLE, keyed_uniform, logits_to_probs, sample
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the model cannot serve; the message names the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def context_length(model: PreTrainedModel) -> int:
+    cfg = model.config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if getattr(cfg, name, None):
+            return int(getattr(cfg, name))
+    return 2**31
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, request: Request, context: int) -> list[int]:
+    """Token ids of the request's prompt; raises RequestError when it cannot fit."""
+    if request.prompt_token_ids is not None:
+        ids = list(request.prompt_token_ids)
+    elif request.messages is not None:
+        if not tokenizer.chat_template:
+            raise RequestError("messages", "this model's tokenizer has no chat template")
+        msgs = [m.model_dump() for m in request.messages]
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False).input_ids
+    else:
+        ids = tokenizer(request.prompt).input_ids
+    if len(ids) >= context:
+        raise RequestError("prompt", f"{len(ids)} tokens, the model's context is {context}")
+    if len(ids) + request.max_new_tokens > context:
+        raise RequestError(
+            "max_new_tokens",
+            f"{request.max_new_tokens} after a {len(ids)}-token prompt exceeds the model's "
+            f"context of {context} tokens",
+        )
+    return ids
+
+
+class SpeculativeEngine:
+    """Generates for many requests at once with a target model and a drafter.
+
+    Greedy output equals the target's own greedy decoding; sampled output follows the
+    target's distribution (rejection.py). At most ``max_batch_size`` requests run at
+    once; a finished row is refilled from the waiting requests at the next step.
+    """
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        drafter: Drafter | None = None,
+        *,
+        max_batch_size: int = 16,
+        draft_length: int = 4,
+    ) -> None:
+        self.target = target
+        self.tokenizer = tokenizer
+        self.drafter = drafter or NoDraft()
+        self.max_batch_size = max_batch_size
+        self.draft_length = 0 if self.drafter.name == "none" else draft_length
+        self.context = context_length(target)
+        eos = target.generation_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        if tokenizer.eos_token_id is not None:
+            eos.append(tokenizer.eos_token_id)
+        self.eos_ids = set(eos)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    # -- the loop -------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(
+        self, requests: Iterable[Request], on_result: Callable[[Result], None] | None = None
+    ) -> list[Result]:
+        """Run every request to completion; results come back in request order.
+
+        A request that cannot be served (too long for the context, ...) gets a Result
+        with ``error`` set; the others go on. ``on_result`` sees each result as it ends.
+        """
+        waiting = deque(enumerate(requests))
+        results: dict[int, Result] = {}
+
+        def done(i: int, res: Result) -> None:
+            results[i] = res
+            if on_result:
+                on_result(res)
+
+        self._reset()
+        while waiting or self.rows:
+            if waiting and len(self.rows) < self.max_batch_size:
+                self._admit(waiting, done)
+            if self.rows:
+                self.step()
+                self._retire(done)
+        return [results[i] for i in sorted(results)]
+
+    def _reset(self) -> None:
+        self.kv = KVRows(self.target)
+        self.rows: list[Row] = []
+        self.order: list[int] = []  # request index of each row
+        self.last = torch.zeros(0, dtype=torch.long)  # [B] token the target has not seen yet
+
+    def _admit(self, waiting: deque, done: Callable[[int, Result], None]) -> None:
+        """Prefill waiting requests into free rows; the prefill yields each first token."""
+        new: list[tuple[int, Row]] = []
+        while waiting and len(self.rows) + len(new) < self.max_batch_size:
+            i, req = waiting.popleft()
+            try:
+                ids = encode_prompt(self.tokenizer, req, self.context)
+            except RequestError as exc:
+                done(i, Result(id=req.id, error=str(exc)))
+                continue
+            new.append((i, Row(req, ids, self.eos_ids, self.tokenizer)))
+        if not new:
+            return
+        t0 = time.perf_counter()
+        rows = [r for _, r in new]
+        prompts = [r.tokens for r in rows]
+        kv = KVRows(self.target)
+        logits = kv.forward(*left_pad(prompts, self.pad_id, self.target.device))[:, -1:]
+        params = self._params(rows)
+        pos = torch.tensor([[len(p)] for p in prompts], device=logits.device)
+        u = keyed_uniform(params[0].to(logits.device), pos, SAMPLE)[:, 0]
+        first = sample(logits_to_probs(logits, *[p.to(logits.device) for p in params[1:]])[:, 0], u)
+        first_list = first.tolist()
+        self.drafter.admit([list(p) for p in prompts], first_list)
+        self.kv.extend(kv)
+        share = (time.perf_counter() - t0) / len(rows)
+        for row, tok in zip(rows, first_list):
+            row.result.counters.target_passes += 1
+            row.result.counters.verify_time += share
+            row.emit([tok])
+        self.rows += rows
+        self.order += [i for i, _ in new]
+        self.last = torch.cat([self.last.to(first.device), first])
+
+    def _retire(self, done: Callable[[int, Result], None]) -> None:
+        """Hand back finished rows and drop them from the batch and both caches."""
+        keep = [b for b, r in enumerate(self.rows) if not r.done]
+        if len(keep) == len(self.rows):
+            return
+        for b, row in enumerate(self.rows):
+            if row.done:
+                done(self.order[b], row.finish())
+        idx = torch.tensor(keep, dtype=torch.long)
+        self.kv.select(idx.to(self.kv.device))
+        self.drafter.select(idx)
+        self.rows = [self.rows[b] for b in keep]
+        self.order = [self.order[b] for b in keep]
+        self.last = self.last[idx.to(self.last.device)]
+        if self.kv.waste() > max(64, self.kv.length // 2):
+            self.kv.compact()
+            self.drafter.compact()
+
+    @staticmethod
+    def _params(rows: list[Row]) -> tuple[torch.Tensor, ...]:
+        """Per-row seeds [B] int64, temperature [B], top_k [B], top_p [B]."""
+        reqs = [r.request for r in rows]
+        return (
+            torch.tensor([r.seed for r in rows], dtype=torch.long),
+            torch.tensor([q.temperature for q in reqs], dtype=torch.float32),
+            torch.tensor([q.top_k for q in reqs], dtype=torch.long),
+            torch.tensor([q.top_p for q in reqs], dtype=torch.float32),
+        )
+
+    # -- the step ---------------------------------------------------------------------
+
+    def step(self) -> None:
+        """Draft g tokens -> one target pass -> accept or reject -> fix caches -> emit."""
+        B, g, dev = len(self.rows), self.draft_length, self.target.device
+        seeds, temperature, top_k, top_p = (p.to(dev) for p in self._params(self.rows))
+        inputs = DraftInputs([r.tokens for r in self.rows], seeds, temperature, top_k, top_p,
+                             greedy=bool((temperature <= 0).all()))
+        t0 = time.perf_counter()
+        prop = self.drafter.propose(inputs, g) if g else NoDraft().propose(inputs, 0)
+        draft_ids, num_draft = prop.token_ids.to(dev), prop.num_draft.to(dev)
+        g = draft_ids.shape[1]
+        t1 = time.perf_counter()
+
+        ids = torch.cat([self.last[:, None].to(dev), draft_ids], 1)  # [B, g + 1]
+        valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev),
+                           torch.arange(g, device=dev)[None] < num_draft[:, None]], 1)
+        start = self.kv.length
+        logits = self.kv.forward(ids, valid)  # [B, g + 1, V]
+        target_probs = logits_to_probs(logits, temperature, top_k, top_p)
+        pos = torch.tensor([len(r.tokens) for r in self.rows], device=dev)[:, None]
+        pos = pos + torch.arange(g + 1, device=dev)  # [B, g + 1] position of each slot
+        out, accepted = rejection_sample(
+            draft_ids, num_draft, prop.probs, target_probs,
+            keyed_uniform(seeds, pos[:, :g], ACCEPT), keyed_uniform(seeds, pos, SAMPLE),
+        )
+        self.kv.keep(start, accepted + 1)  # the last token and the accepted drafts stay
+        final = out.gather(1, accepted[:, None])[:, 0]  # [B] recovered or bonus token
+        self.drafter.update(accepted, final)
+        self.last = final
+        t2 = time.perf_counter()
+
+        for row, toks, n_draft, k in zip(
+            self.rows, out.tolist(), num_draft.tolist(), accepted.tolist()
+        ):
+            kept = row.emit(toks[: k + 1])
+            c = row.result.counters
+            c.observe_step(n_draft, min(k, kept))
+            c.target_passes += 1
+            c.draft_time += (t1 - t0) / B
+            c.verify_time += (t2 - t1) / B
