@@ -10,6 +10,7 @@ and then; no per-step copying.
 
 from __future__ import annotations
 
+import inspect
 import secrets
 
 import torch
@@ -23,6 +24,9 @@ class KVRows:
         self.model = model
         self.cache: DynamicCache | None = None
         self.mask: torch.Tensor | None = None  # [B, L] bool: column holds a real token
+        params = inspect.signature(model.forward).parameters
+        self._new_api = "cache" in params
+        self._takes_cache_position = "cache_position" in params
 
     @property
     def device(self) -> torch.device:
@@ -51,13 +55,15 @@ class KVRows:
         seen = self.mask.sum(1, keepdim=True)  # [B, 1] real tokens so far
         position_ids = (seen + valid.long().cumsum(1) - 1).clamp(min=0)  # [B, T]
         mask = torch.cat([self.mask, valid], dim=1)  # [B, L + T]
+        kwargs = {"cache" if self._new_api else "past_key_values": self.cache}
+        if self._takes_cache_position:  # transformers 4.x; 5.x derives it from the cache
+            kwargs["cache_position"] = torch.arange(L, L + T, device=self.device)
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask.long(),
             position_ids=position_ids,
-            past_key_values=self.cache,
-            cache_position=torch.arange(L, L + T, device=self.device),
             use_cache=True,
+            **kwargs,
         )
         self.mask = mask
         return out.logits

@@ -111,6 +111,7 @@ class SpeculativeEngine:
         while waiting or self.rows:
             if waiting and len(self.rows) < self.max_batch_size:
                 self._admit(waiting, done)
+                self._retire(done)  # max_new_tokens = 1, or EOS first
             if self.rows:
                 self.step()
                 self._retire(done)

@@ -1,0 +1,77 @@
+"""Helpers for engine tests: mixed requests and target-only greedy references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from worker.engine.request import Request
+
+NEAR_TIE = 1e-5  # relative gap between the two best logits that float noise may flip
+
+
+def mixed_requests(n: int, seed: int = 0, max_new: int = 48, **params) -> list[Request]:
+    """n requests with prompts of 2..40 random tokens and max_new_tokens of 1..max_new."""
+    gen = torch.Generator().manual_seed(seed)
+    reqs = []
+    for i in range(n):
+        length = int(torch.randint(2, 41, (1,), generator=gen))
+        # a repeated chunk gives prompt lookup something to find
+        base = torch.randint(3, 259, (max(1, length // 2),), generator=gen).tolist()
+        ids = (base * 3)[:length]
+        new = int(torch.randint(1, max_new + 1, (1,), generator=gen))
+        reqs.append(Request(id=i, prompt_token_ids=ids, max_new_tokens=new, **params))
+    return reqs
+
+
+@pytest.fixture(scope="session")
+def make_requests():
+    return mixed_requests
+
+
+@pytest.fixture(scope="session")
+def greedy_reference(tiny_models):
+    """Target-only greedy `generate`, one request at a time, memoised."""
+    target = tiny_models["target"]
+    memo: dict[tuple, list[int]] = {}
+
+    def ref(req: Request) -> list[int]:
+        key = (tuple(req.prompt_token_ids), req.max_new_tokens)
+        if key not in memo:
+            ids = torch.tensor([req.prompt_token_ids])
+            out = target.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False)
+            memo[key] = out[0, ids.shape[1]:].tolist()
+        return memo[key]
+
+    return ref
+
+
+@pytest.fixture(scope="session")
+def check_greedy(tiny_models, greedy_reference):
+    """Compare results to the reference; a divergence must be a float near-tie.
+
+    Returns the number of near-tie divergences (the caller reports them).
+    """
+    target = tiny_models["target"]
+
+    def check(requests, results) -> int:
+        ties = 0
+        for req, res in zip(requests, results):
+            assert res.error is None, res.error
+            want = greedy_reference(req)
+            if res.token_ids == want:
+                continue
+            i = next(j for j, (a, b) in enumerate(zip(res.token_ids, want)) if a != b)
+            prefix = torch.tensor([req.prompt_token_ids + want[:i]])
+            with torch.no_grad():
+                logits = target(prefix).logits[0, -1]
+            a, b = logits[want[i]], logits[res.token_ids[i]]
+            gap = float((a - b).abs() / a.abs().clamp_min(1e-6))
+            assert gap < NEAR_TIE, (
+                f"request {req.id}: token {i} is {res.token_ids[i]}, target-only greedy "
+                f"gives {want[i]}; relative logit gap {gap:.2e} is no near-tie"
+            )
+            ties += 1
+        return ties
+
+    return check

@@ -1,0 +1,39 @@
+"""Temperature / top-k / top-p and the position-keyed uniforms."""
+
+import torch
+
+from worker.engine.sampling import SAMPLE, keyed_uniform, logits_to_probs, sample
+
+
+def test_greedy_rows_are_one_hot_and_sampled_rows_are_softmax():
+    logits = torch.tensor([[[1.0, 3.0, 2.0]], [[1.0, 3.0, 2.0]]])
+    probs = logits_to_probs(logits, torch.tensor([0.0, 2.0]), torch.tensor([0, 0]),
+                            torch.tensor([1.0, 1.0]))
+    assert probs[0, 0].tolist() == [0.0, 1.0, 0.0]
+    assert torch.allclose(probs[1, 0], (logits[1, 0] / 2).softmax(-1))
+
+
+def test_top_k_and_top_p_keep_the_right_tokens():
+    logits = torch.log(torch.tensor([[[0.1, 0.4, 0.2, 0.3]]])).expand(3, 1, 4)
+    probs = logits_to_probs(logits, torch.ones(3), torch.tensor([2, 0, 3]),
+                            torch.tensor([1.0, 0.6, 0.8]))
+    assert torch.allclose(probs[0, 0], torch.tensor([0, 4 / 7, 0, 3 / 7]))
+    assert torch.allclose(probs[1, 0], torch.tensor([0, 4 / 7, 0, 3 / 7]))  # 0.4+0.3 >= 0.6
+    assert torch.allclose(probs[2, 0], torch.tensor([0, 4 / 9, 2 / 9, 3 / 9]))  # k=3 renormalises first, then p 0.8
+
+
+def test_keyed_uniforms_depend_only_on_seed_and_position():
+    seeds = torch.tensor([7, 7, 8])
+    pos = torch.tensor([[0, 1, 2], [0, 1, 2], [0, 1, 2]])
+    u = keyed_uniform(seeds, pos, SAMPLE)
+    assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert torch.equal(keyed_uniform(seeds[:1], pos[:1, 1:], SAMPLE), u[:1, 1:])
+    big = keyed_uniform(torch.arange(1000), torch.arange(100)[None].expand(1000, 100), SAMPLE)
+    assert 0 <= big.min() and big.max() < 1 and abs(big.mean() - 0.5) < 0.005
+
+
+def test_inverse_cdf_sampling_never_picks_a_zero_probability_token():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.5, 0.0]).expand(10_000, 5)
+    toks = sample(probs, torch.rand(10_000, dtype=torch.float64))
+    assert set(toks.tolist()) == {1, 3}
+    assert sample(probs[:1], torch.tensor([0.0])).item() == 1

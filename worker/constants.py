@@ -1,0 +1,14 @@
+"""Names shared by producers and workers: one place for each queue and task name."""
+
+from __future__ import annotations
+
+from configs.settings import Settings, get_settings
+
+GENERATE_TASK = "specq.generate_chunk"  # args: job_id, start, end (item indices, end exclusive)
+WORKER_PAIR_ENV = "SPECQ_WORKER_PAIR"  # set by `specq worker --pair`; read through Settings
+INSPECT_TIMEOUT = 1.0  # seconds to wait for workers to say which queues they consume
+
+
+def queue_name(pair: str, settings: Settings | None = None) -> str:
+    """The Celery queue that workers serving ``pair`` consume."""
+    return f"{(settings or get_settings()).queue_prefix}.{pair}"
