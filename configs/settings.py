@@ -24,6 +24,13 @@ class Settings(BaseSettings):
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
     chunk_size: int = Field(64, ge=1)
     max_batch_size: int = Field(16, ge=1)
+    # The job pipeline (worker/app.py, api/client.py).
+    queue_prefix: str = Field("specq", description="prefix of every Celery queue name")
+    visibility_timeout: int = Field(
+        3600, ge=1, description="seconds before an unacknowledged chunk is redelivered; "
+        "must exceed the longest chunk"
+    )
+    worker_pair: str | None = Field(None, description="the pair a worker serves (specq worker)")
 
     @property
     def sqlalchemy_url(self) -> str:

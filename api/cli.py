@@ -1,0 +1,211 @@
+"""The `specq` command: submit, follow and read jobs; run workers; the embedded `run`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from typing import Any
+
+from api.client import Client, Job
+from api.inputs import InputError
+from configs.settings import get_settings
+
+SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return args.func(args) or 0
+    except InputError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (KeyError, FileNotFoundError, TimeoutError, RuntimeError) as exc:
+        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 1
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specq", description=__doc__)
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    sub = p.add_subparsers(required=True, metavar="COMMAND")
+
+    s = sub.add_parser("submit", help="validate and store a JSONL file, send it to workers")
+    s.add_argument("file")
+    s.add_argument("--pair", required=True)
+    _job_flags(s)
+    s.add_argument("--wait", action="store_true", help="wait with a progress bar")
+    s.set_defaults(func=cmd_submit)
+
+    s = sub.add_parser("run", help="the embedded default: the whole flow in this process")
+    s.add_argument("file")
+    s.add_argument("--pair", default="smollm2-135m")
+    s.add_argument("--output", "-o", default="results.jsonl")
+    _job_flags(s)
+    s.set_defaults(func=cmd_run)
+
+    for name, func, text in [("status", cmd_status, "a job's status and counts"),
+                             ("metrics", cmd_metrics, "a job's acceptance metrics"),
+                             ("cancel", cmd_cancel, "cancel a job at its next chunk")]:
+        s = sub.add_parser(name, help=text)
+        s.add_argument("job", type=int)
+        s.set_defaults(func=func)
+
+    s = sub.add_parser("results", help="export a job's items as JSONL (streamed)")
+    s.add_argument("job", type=int)
+    s.add_argument("--output", "-o", default="-", help="file, or - for stdout")
+    s.set_defaults(func=cmd_results)
+
+    s = sub.add_parser("jobs", help="the latest jobs")
+    s.add_argument("--limit", type=int, default=20)
+    s.set_defaults(func=cmd_jobs)
+
+    s = sub.add_parser("worker", help="run a Celery worker for one pair (one per GPU)")
+    s.add_argument("--pair", required=True)
+    s.add_argument("--loglevel", default="info")
+    s.add_argument("--hostname", "-n", default=None, help="worker name (default PAIR@HOST)")
+    s.set_defaults(func=cmd_worker)
+
+    s = sub.add_parser("migrate", help="create or upgrade the database schema (alembic)")
+    s.set_defaults(func=cmd_migrate)
+    return p
+
+
+def _job_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--stop", action="append", help="a stop string (repeatable)")
+    p.add_argument("--seed", type=int)
+    p.add_argument("--chunk-size", type=int, help="items per task (default SPECQ_CHUNK_SIZE)")
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in SAMPLING_FLAGS if getattr(args, k) is not None}
+
+
+def _print_state(state) -> None:
+    print(json.dumps(state.as_dict(), indent=2))
+
+
+def cmd_submit(args: argparse.Namespace) -> int:
+    client = Client()
+    job = client.submit(args.file, pair=args.pair, chunk_size=args.chunk_size, **_sampling(args))
+    state = job.status()
+    print(f"job {job.id}: {state.total} items on pair {state.pair}, {state.status}")
+    if state.note:
+        print(f"note: {state.note}")
+    if args.wait:
+        _print_state(job.wait(progress=True))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from configs.presets import get_preset
+    from db.session import redact
+    from worker.pairs import load_pair
+    from worker.tasks import run_inline
+
+    settings = get_settings()
+    t0 = time.perf_counter()
+    client = Client(settings, auto_migrate=True)
+    job = client.submit(args.file, pair=args.pair, chunk_size=args.chunk_size, enqueue=False,
+                        **_sampling(args))
+    print(f"job {job.id}: {job.status(check_workers=False).total} items stored in "
+          f"{redact(settings.sqlalchemy_url)}; loading pair {args.pair}", file=sys.stderr)
+    pair = load_pair(get_preset(args.pair, settings.presets_file), settings)
+    run_inline(sessions=client.sessions, engine=pair.engine(), pair=pair.preset.name,
+               job_id=job.id, progress=True)
+    n = export(job, args.output)
+    m = job.metrics()
+    print(f"job {job.id}: {m.completed} completed, {m.failed} failed; {n} results in "
+          f"{args.output}; {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    print(json.dumps(_summary(m.as_dict()), indent=2))
+    return 0 if m.pending == 0 else 1
+
+
+def _summary(d: dict[str, Any]) -> dict[str, Any]:
+    def r(v: Any) -> Any:
+        return round(v, 4) if isinstance(v, float) else [r(x) for x in v] if isinstance(v, list) else v
+
+    return {k: r(v) for k, v in d.items()}
+
+
+def export(job: Job, output: str) -> int:
+    """Write the job's results as JSONL, one line per item in order; returns the count."""
+    out = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")  # noqa: SIM115
+    n = 0
+    try:
+        for item in job.results():
+            out.write(json.dumps(item.as_dict(), ensure_ascii=False) + "\n")
+            n += 1
+    finally:
+        if out is not sys.stdout:
+            out.close()
+    return n
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    _print_state(Client().job(args.job).status())
+    return 0
+
+
+def cmd_metrics(args: argparse.Namespace) -> int:
+    print(json.dumps(_summary(Client().job(args.job).metrics().as_dict()), indent=2))
+    return 0
+
+
+def cmd_cancel(args: argparse.Namespace) -> int:
+    _print_state(Client().job(args.job).cancel())
+    return 0
+
+
+def cmd_results(args: argparse.Namespace) -> int:
+    n = export(Client().job(args.job), args.output)
+    if args.output != "-":
+        print(f"{n} results written to {args.output}", file=sys.stderr)
+    return 0
+
+
+def cmd_jobs(args: argparse.Namespace) -> int:
+    print(f"{'id':>6}  {'status':<11} {'pair':<16} {'done':>15}  created")
+    for s in Client().jobs(limit=args.limit):
+        created = s.created_at.strftime("%Y-%m-%d %H:%M:%S") if s.created_at else ""
+        print(f"{s.id:>6}  {s.status:<11} {s.pair:<16} {f'{s.done}/{s.total}':>15}  {created}")
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    """Replace this process with a Celery worker consuming the pair's queue only."""
+    from configs.presets import get_preset
+    from worker.constants import WORKER_PAIR_ENV, queue_name
+
+    settings = get_settings()
+    get_preset(args.pair, settings.presets_file)  # an unknown pair fails here, clearly
+    os.environ[WORKER_PAIR_ENV] = args.pair
+    argv = [sys.executable, "-m", "celery", "-A", "worker.app", "worker", "-P", "solo", "-c", "1",
+            "-Q", queue_name(args.pair, settings), "--loglevel", args.loglevel,
+            "-n", args.hostname or f"{args.pair}@%h", "--without-gossip", "--without-mingle"]
+    sys.stdout.flush()
+    os.execv(sys.executable, argv)
+    return 0  # not reached
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from db.session import migrate, redact
+
+    url = get_settings().sqlalchemy_url
+    migrate(url)
+    print(f"{redact(url)}: schema at head", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,404 @@
+"""The Python client: submit a job, follow it, read its results and metrics, cancel it.
+
+    client = Client()                                   # URLs from SPECQ_* settings
+    job = client.submit("prompts.jsonl", pair="tiny", max_new_tokens=64)
+    job.wait(progress=True)
+    for item in job.results(): ...
+    print(job.metrics().as_dict())
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
+from functools import cached_property, lru_cache
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from celery import Celery
+from kombu.utils.url import maybe_sanitize_url
+from pydantic import ValidationError
+from sqlalchemy.orm import Session, sessionmaker
+from tqdm import tqdm
+from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
+
+from api.inputs import (
+    MAX_PROBLEMS,
+    InputError,
+    Source,
+    describe,
+    normalise,
+    open_source,
+    parse_entries,
+)
+from configs.presets import PairPreset, UnknownPair, get_preset
+from configs.settings import Settings, get_settings
+from db import repository as repo
+from db.models import ItemStatus, JobStatus
+from db.session import migrate, session_factory
+from worker.app import make_app
+from worker.constants import GENERATE_TASK, INSPECT_TIMEOUT, queue_name
+from worker.engine.request import SamplingParams
+from worker.engine.speculative import RequestError, context_length, encode_prompt
+from worker.pairs import locate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class JobState:
+    """Where a job stands: its status and item counts, and a note when nothing serves it."""
+
+    id: int
+    status: str
+    pair: str
+    total: int
+    completed: int
+    failed: int
+    cancelled: int
+    pending: int
+    created_at: datetime | None = None
+    finished_at: datetime | None = None
+    error: str | None = None
+    note: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return JobStatus(self.status).finished
+
+    @property
+    def done(self) -> int:
+        return self.total - self.pending
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for k in ("created_at", "finished_at"):
+            d[k] = d[k].isoformat() if d[k] else None
+        return d
+
+
+@dataclass
+class JobMetrics:
+    """A job's counters summed over its items in SQL; every rate is derived from them."""
+
+    job_id: int
+    status: str
+    total: int
+    completed: int
+    failed: int
+    cancelled: int
+    pending: int
+    draft_steps: int
+    proposed: int
+    accepted: int
+    target_passes: int
+    new_tokens: int
+    draft_time: float
+    verify_time: float
+    wall_time: float | None  # first item start → last item finish
+    accepted_by_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens per draft step, bonus token included: 1 + accepted / draft_steps."""
+        return 1 + self.accepted / self.draft_steps if self.draft_steps else None
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        """Share of draft steps whose i-th draft token was accepted."""
+        return [n / self.draft_steps for n in self.accepted_by_position] if self.draft_steps else []
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        return self.new_tokens / self.wall_time if self.wall_time else None
+
+    @property
+    def engine_tokens_per_second(self) -> float | None:
+        """Tokens per second of drafting + verifying time (the engine's own throughput)."""
+        busy = self.draft_time + self.verify_time
+        return self.new_tokens / busy if busy else None
+
+    def as_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        for name in ("acceptance_rate", "mean_acceptance_length", "acceptance_by_position",
+                     "tokens_per_second", "engine_tokens_per_second"):
+            d[name] = getattr(self, name)
+        return d
+
+
+@dataclass
+class ItemResult:
+    """One item's outcome, as stored."""
+
+    index: int
+    custom_id: str | None
+    status: str
+    output: str | None
+    finish_reason: str | None
+    error: str | None
+    prompt_tokens: int | None
+    counters: dict[str, Any]
+    worker: str | None
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Client:
+    """Submits jobs and reads them back; the database and broker come from ``settings``."""
+
+    def __init__(self, settings: Settings | None = None, *, auto_migrate: bool = False) -> None:
+        self.settings = settings or get_settings()
+        self.sessions: sessionmaker[Session] = session_factory(self.settings.sqlalchemy_url)
+        if auto_migrate:
+            migrate(self.settings.sqlalchemy_url)
+
+    @cached_property
+    def celery(self) -> Celery:
+        return make_app(self.settings)
+
+    # -- submission -----------------------------------------------------------------
+
+    def submit(
+        self,
+        source: Source,
+        *,
+        pair: str,
+        chunk_size: int | None = None,
+        enqueue: bool = True,
+        **sampling: Any,
+    ) -> Job:
+        """Validate the whole spec, store the job and its items, then send its chunks.
+
+        ``source``: a JSONL file (str or path), or an iterable of prompts (strings, chat
+        message lists, or dicts shaped like JSONL lines). ``sampling``: the job's default
+        SamplingParams, which a line's own parameters override. Raises InputError naming
+        every problem found (up to MAX_PROBLEMS) before anything is stored.
+        """
+        t0 = time.perf_counter()
+        preset = self._preset(pair)
+        try:
+            defaults = SamplingParams(**sampling).model_dump()
+        except ValidationError as exc:
+            raise InputError([f"sampling parameter {p}" for p in describe(exc)]) from None
+        chunk_size = chunk_size or self.settings.chunk_size
+        if chunk_size < 1:
+            raise InputError([f"chunk_size: must be at least 1, got {chunk_size}"])
+        name, entries = open_source(source)
+        total = self._validate(entries, defaults, *prompt_checker(preset, self.settings))
+        if total == 0:
+            raise InputError([f"{name or 'prompts'}: no prompts"])
+        t1 = time.perf_counter()
+        with self.sessions.begin() as s:
+            job = repo.create_job(s, pair=preset.name, params=defaults, chunk_size=chunk_size,
+                                  source=name)
+            rows = (dict(normalise(raw), index=i) for i, (_, raw) in enumerate(entries))
+            stored = repo.insert_items(s, job_id=job.id, rows=rows)
+            if stored != total:
+                raise InputError([f"{name}: changed while it was submitted"])
+            job.total = stored
+            job.status = JobStatus.queued.value
+        t2 = time.perf_counter()
+        log.info("job %d: %d items validated in %.2f s, stored in %.2f s",
+                 job.id, total, t1 - t0, t2 - t1)
+        handle = Job(self, job.id)
+        if enqueue:
+            handle.enqueue()
+        return handle
+
+    def _preset(self, pair: str) -> PairPreset:
+        try:
+            return get_preset(pair, self.settings.presets_file)
+        except UnknownPair as exc:
+            raise InputError([f"pair: {exc}"]) from None
+
+    @staticmethod
+    def _validate(
+        entries: Any, defaults: dict[str, Any], tokenizer: PreTrainedTokenizerBase, context: int
+    ) -> int:
+        problems: list[str] = []
+        seen: dict[str, str] = {}
+        total = 0
+        for where, got in parse_entries(entries, defaults):
+            total += 1
+            if isinstance(got, list):
+                problems += got
+            else:
+                cid = got.row["custom_id"]
+                if cid is not None:
+                    if cid in seen:
+                        problems.append(f"{where}: custom_id: {cid!r} is already used at "
+                                        f"{seen[cid]}")
+                    seen[cid] = where
+                try:
+                    encode_prompt(tokenizer, got.request, context)
+                except RequestError as exc:
+                    problems.append(f"{where}: {exc}")
+            if len(problems) >= MAX_PROBLEMS:
+                raise InputError(problems, truncated=True)
+        if problems:
+            raise InputError(problems)
+        return total
+
+    # -- reading --------------------------------------------------------------------
+
+    def job(self, job_id: int) -> Job:
+        with self.sessions() as s:
+            if repo.get_job(s, job_id=job_id) is None:
+                raise KeyError(f"job {job_id}: not found")
+        return Job(self, job_id)
+
+    def jobs(self, limit: int = 50) -> list[JobState]:
+        """The latest jobs, newest first."""
+        with self.sessions() as s:
+            ids = [j.id for j in repo.list_jobs(s, limit=limit)]
+        return [Job(self, i).status(check_workers=False) for i in ids]
+
+    def workers_for(self, pair: str) -> list[str] | None:
+        """Hostnames of the workers consuming ``pair``'s queue; None if the broker is down."""
+        queue = queue_name(pair, self.settings)
+        try:
+            replies = self.celery.control.inspect(timeout=INSPECT_TIMEOUT).active_queues() or {}
+        except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
+            log.warning("broker %s: %s", maybe_sanitize_url(self.settings.broker_url), exc)
+            return None
+        return sorted(h for h, qs in replies.items() if any(q.get("name") == queue for q in qs))
+
+
+class Job:
+    """A handle on one stored job."""
+
+    def __init__(self, client: Client, job_id: int) -> None:
+        self.client = client
+        self.id = job_id
+
+    def __repr__(self) -> str:
+        return f"Job({self.id})"
+
+    def enqueue(self) -> None:
+        """Send one task per chunk to the pair's queue: references only, never prompts."""
+        with self.client.sessions() as s:
+            job = repo.get_job(s, job_id=self.id)
+        app = self.client.celery
+        queue = queue_name(job.pair, self.client.settings)
+        try:
+            with app.producer_or_acquire() as producer:
+                for start, end in job.chunks():
+                    app.send_task(GENERATE_TASK, args=[job.id, start, end], queue=queue,
+                                  producer=producer)
+        except Exception as exc:
+            error = (f"could not send chunks to {maybe_sanitize_url(self.client.settings.broker_url)}"
+                     f": {type(exc).__name__}: {exc}")
+            with self.client.sessions.begin() as s:
+                repo.set_job_status(s, job_id=self.id, status=JobStatus.failed, error=error)
+            raise RuntimeError(f"job {self.id}: {error}") from exc
+        log.info("job %d: %d chunks sent to queue %s", job.id, len(job.chunks()), queue)
+
+    def status(self, check_workers: bool = True) -> JobState:
+        with self.client.sessions() as s:
+            job = repo.get_job(s, job_id=self.id)
+            if job is None:
+                raise KeyError(f"job {self.id}: not found")
+            counts = repo.status_counts(s, job_id=self.id)
+        state = JobState(
+            id=job.id, status=job.status, pair=job.pair, total=job.total,
+            completed=counts[ItemStatus.completed.value], failed=counts[ItemStatus.failed.value],
+            cancelled=counts[ItemStatus.cancelled.value], pending=counts[ItemStatus.pending.value],
+            created_at=job.created_at, finished_at=job.finished_at, error=job.error,
+        )
+        if check_workers and not state.finished and state.pending:
+            workers = self.client.workers_for(job.pair)
+            queue = queue_name(job.pair, self.client.settings)
+            if workers is None:
+                state.note = "the broker cannot be reached"
+            elif not workers:
+                state.note = (f"no worker is consuming queue {queue!r}; start one with "
+                              f"`specq worker --pair {job.pair}`")
+        return state
+
+    def wait(
+        self, progress: bool = True, poll: float = 0.5, timeout: float | None = None
+    ) -> JobState:
+        """Block until the job is completed, failed or cancelled; returns its last state."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        state = self.status()
+        if state.note:
+            log.warning("job %d: %s", self.id, state.note)
+        bar = tqdm(total=state.total, desc=f"job {self.id}", unit="item", disable=not progress)
+        last_check = time.monotonic()
+        try:
+            while True:
+                bar.update(state.done - bar.n)
+                if state.finished:
+                    return state
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"job {self.id}: still {state.status} after {timeout} s "
+                                       f"({state.done}/{state.total} items done)")
+                time.sleep(poll)
+                check = time.monotonic() - last_check > 30
+                state = self.status(check_workers=check)
+                if check:
+                    last_check = time.monotonic()
+                    if state.note:
+                        log.warning("job %d: %s", self.id, state.note)
+        finally:
+            bar.close()
+
+    def results(self, batch: int = 1000) -> Iterator[ItemResult]:
+        """Every item in index order, streamed from the database."""
+        with self.client.sessions() as s:
+            for it in repo.iter_items(s, job_id=self.id, batch=batch):
+                counters = {c: getattr(it, c) for c in repo.COUNTER_COLUMNS}
+                counters["accepted_by_position"] = it.accepted_by_position
+                yield ItemResult(
+                    index=it.index, custom_id=it.custom_id, status=it.status,
+                    output=it.output, finish_reason=it.finish_reason, error=it.error,
+                    prompt_tokens=it.prompt_tokens, counters=counters, worker=it.worker,
+                )
+
+    def metrics(self) -> JobMetrics:
+        with self.client.sessions() as s:
+            job = repo.get_job(s, job_id=self.id)
+            if job is None:
+                raise KeyError(f"job {self.id}: not found")
+            counts = repo.status_counts(s, job_id=self.id)
+            sums = repo.counter_sums(s, job_id=self.id)
+            by_position = repo.accepted_by_position(s, job_id=self.id)
+        first, last = sums.pop("first_started"), sums.pop("last_finished")
+        return JobMetrics(
+            job_id=self.id, status=job.status, total=job.total,
+            completed=counts[ItemStatus.completed.value], failed=counts[ItemStatus.failed.value],
+            cancelled=counts[ItemStatus.cancelled.value], pending=counts[ItemStatus.pending.value],
+            **{k: (float(v) if k.endswith("_time") else int(v)) for k, v in sums.items()},
+            wall_time=repo.elapsed(first, last), accepted_by_position=by_position,
+        )
+
+    def cancel(self) -> JobState:
+        """Stop the job at its next chunk; items already finished stay."""
+        with self.client.sessions.begin() as s:
+            repo.request_cancel(s, job_id=self.id)
+        return self.status(check_workers=False)
+
+
+@lru_cache(maxsize=8)
+def _checker(preset_json: str, data_dir: str) -> tuple[PreTrainedTokenizerBase, int]:
+    preset = PairPreset.model_validate_json(preset_json)
+    where, kwargs = locate(preset.target, Path(data_dir))
+    trust = preset.trust_remote_code
+    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust, **kwargs)
+    config = AutoConfig.from_pretrained(where, trust_remote_code=trust, **kwargs)
+    # context_length reads only model.config: the config alone answers it, no weights.
+    return tokenizer, context_length(SimpleNamespace(config=config))
+
+
+def prompt_checker(preset: PairPreset, settings: Settings) -> tuple[PreTrainedTokenizerBase, int]:
+    """The target's tokenizer and context length (loaded once per process, no weights)."""
+    return _checker(preset.model_dump_json(), str(settings.data_dir))

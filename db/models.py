@@ -1,0 +1,125 @@
+"""Jobs and their items: the source of truth for what was asked and what came back."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from enum import Enum
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class JobStatus(str, Enum):
+    """A job's life, named as in the OpenAI Batch API.
+
+    validating → queued → in_progress → completed; failed when the job itself cannot run
+    (a single item's failure is the item's, the job still completes); cancelling →
+    cancelled once no item is pending.
+    """
+
+    validating = "validating"
+    queued = "queued"
+    in_progress = "in_progress"
+    completed = "completed"
+    failed = "failed"
+    cancelling = "cancelling"
+    cancelled = "cancelled"
+
+    @property
+    def finished(self) -> bool:
+        return self in (JobStatus.completed, JobStatus.failed, JobStatus.cancelled)
+
+
+class ItemStatus(str, Enum):
+    """One prompt's state: pending until a worker writes its outcome, once."""
+
+    pending = "pending"
+    completed = "completed"
+    failed = "failed"
+    cancelled = "cancelled"
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s_%(column_1_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    status: Mapped[str] = mapped_column(String(16), default=JobStatus.validating.value)
+    pair: Mapped[str] = mapped_column(String(200))
+    params: Mapped[dict[str, Any]] = mapped_column(JSON)  # SamplingParams defaults of the job
+    total: Mapped[int] = mapped_column(Integer, default=0)  # number of items
+    chunk_size: Mapped[int] = mapped_column(Integer)
+    source: Mapped[str | None] = mapped_column(Text)  # the submitted file, if any
+    error: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+    def chunks(self) -> list[tuple[int, int]]:
+        """The item index ranges [start, end) that are sent to workers, one task each."""
+        return [(s, min(s + self.chunk_size, self.total)) for s in range(0, self.total, self.chunk_size)]
+
+
+class Item(Base):
+    """One prompt of a job and, once written, its outcome and counters."""
+
+    __tablename__ = "items"
+    __table_args__ = (
+        UniqueConstraint("job_id", "custom_id"),
+        Index("ix_items_job_id_status", "job_id", "status"),
+    )
+
+    job_id: Mapped[int] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)  # 0-based, input order
+    custom_id: Mapped[str | None] = mapped_column(String(512))
+    prompt: Mapped[str | None] = mapped_column(Text)  # exactly one of prompt, messages
+    messages: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    params: Mapped[dict[str, Any] | None] = mapped_column(JSON)  # per-item overrides
+    status: Mapped[str] = mapped_column(String(16), default=ItemStatus.pending.value)
+    output: Mapped[str | None] = mapped_column(Text)
+    token_ids: Mapped[list[int] | None] = mapped_column(JSON)
+    finish_reason: Mapped[str | None] = mapped_column(String(16))
+    error: Mapped[str | None] = mapped_column(Text)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    # Counters (worker/engine/counters.py); rates are derived from them, never stored.
+    draft_steps: Mapped[int | None] = mapped_column(Integer)
+    proposed: Mapped[int | None] = mapped_column(Integer)
+    accepted: Mapped[int | None] = mapped_column(Integer)
+    accepted_by_position: Mapped[list[int] | None] = mapped_column(JSON)
+    target_passes: Mapped[int | None] = mapped_column(Integer)
+    new_tokens: Mapped[int | None] = mapped_column(Integer)
+    draft_time: Mapped[float | None] = mapped_column(Float)
+    verify_time: Mapped[float | None] = mapped_column(Float)
+    worker: Mapped[str | None] = mapped_column(String(255))  # hostname that wrote the outcome
+    writes: Mapped[int] = mapped_column(Integer, default=0)  # outcomes written: 0 or 1
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

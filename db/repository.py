@@ -1,0 +1,245 @@
+"""Reads and writes of jobs and items; keyword-only functions over a Session.
+
+Writers that change a job's items take the job's row lock first (lock_job), so that two
+workers finishing chunks of the same job at once cannot both miss the job's completion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import bindparam, func, insert, select, text, update
+from sqlalchemy.orm import Session
+
+from db.models import Item, ItemStatus, Job, JobStatus, utcnow
+
+PENDING = ItemStatus.pending.value
+COUNTER_COLUMNS = (
+    "draft_steps", "proposed", "accepted", "target_passes", "new_tokens", "draft_time",
+    "verify_time",
+)
+OUTCOME_COLUMNS = (
+    "status", "output", "token_ids", "finish_reason", "error", "prompt_tokens",
+    "accepted_by_position", "worker", "started_at", "finished_at", *COUNTER_COLUMNS,
+)
+
+
+def create_job(
+    session: Session, *, pair: str, params: dict[str, Any], chunk_size: int, source: str | None
+) -> Job:
+    job = Job(pair=pair, params=params, chunk_size=chunk_size, source=source,
+              status=JobStatus.validating.value, total=0)
+    session.add(job)
+    session.flush()
+    return job
+
+
+ITEM_INPUT_COLUMNS = ("index", "custom_id", "prompt", "messages", "params")
+
+
+def insert_items(
+    session: Session, *, job_id: int, rows: Iterable[dict[str, Any]], batch: int = 2000
+) -> int:
+    """Insert items (dicts of ITEM_INPUT_COLUMNS) in multi-row batches; returns the count."""
+    stmt = insert(Item.__table__)
+    n = 0
+    chunk: list[dict[str, Any]] = []
+    for row in rows:
+        chunk.append({"job_id": job_id, "status": PENDING, "writes": 0, **row})
+        if len(chunk) >= batch:
+            session.execute(stmt, chunk)
+            n += len(chunk)
+            chunk = []
+    if chunk:
+        session.execute(stmt, chunk)
+        n += len(chunk)
+    return n
+
+
+def get_job(session: Session, *, job_id: int) -> Job | None:
+    return session.execute(
+        select(Job).where(Job.id == job_id).execution_options(populate_existing=True)
+    ).scalar_one_or_none()
+
+
+def list_jobs(session: Session, *, limit: int = 50) -> list[Job]:
+    return list(session.scalars(select(Job).order_by(Job.id.desc()).limit(limit)))
+
+
+def lock_job(session: Session, *, job_id: int) -> Job | None:
+    """Take the job's row lock for the rest of the transaction (an UPDATE locks the row
+    in PostgreSQL and takes the write lock in SQLite) and return the job as committed."""
+    session.execute(update(Job).where(Job.id == job_id).values(status=Job.status))
+    return get_job(session, job_id=job_id)
+
+
+def set_job_status(
+    session: Session, *, job_id: int, status: JobStatus, error: str | None = None
+) -> None:
+    values: dict[str, Any] = {"status": status.value}
+    if error is not None:
+        values["error"] = error
+    if status.finished:
+        values["finished_at"] = utcnow()
+    session.execute(update(Job).where(Job.id == job_id).values(**values))
+
+
+def start_job(session: Session, *, job_id: int) -> None:
+    """queued → in_progress, at the first chunk a worker takes."""
+    session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == JobStatus.queued.value)
+        .values(status=JobStatus.in_progress.value, started_at=utcnow())
+    )
+
+
+def pending_items(session: Session, *, job_id: int, start: int, end: int) -> list[Item]:
+    """The chunk's items that have no outcome yet, in index order."""
+    return list(session.scalars(
+        select(Item)
+        .where(Item.job_id == job_id, Item.index >= start, Item.index < end,
+               Item.status == PENDING)
+        .order_by(Item.index)
+    ))
+
+
+def write_outcomes(session: Session, *, job_id: int, outcomes: list[dict[str, Any]]) -> int:
+    """Write each outcome (a dict with ``index`` and OUTCOME_COLUMNS) to its item, once.
+
+    Idempotent: only pending items are written, so a redelivered chunk changes nothing
+    already written. Returns how many items were written. Call under lock_job.
+    """
+    if not outcomes:
+        return 0
+    indices = [o["index"] for o in outcomes]
+    pending = set(session.scalars(
+        select(Item.index).where(Item.job_id == job_id, Item.index.in_(indices),
+                                 Item.status == PENDING)
+    ))
+    rows = [{"b_index": o["index"], **{c: o[c] for c in OUTCOME_COLUMNS}}
+            for o in outcomes if o["index"] in pending]
+    if not rows:
+        return 0
+    table = Item.__table__
+    stmt = (
+        update(table)
+        .where(table.c.job_id == job_id, table.c.index == bindparam("b_index"),
+               table.c.status == PENDING)
+        .values(writes=table.c.writes + 1, **{c: bindparam(c) for c in OUTCOME_COLUMNS})
+    )
+    session.execute(stmt, rows)
+    return len(rows)
+
+
+def cancel_pending(
+    session: Session, *, job_id: int, start: int | None = None, end: int | None = None
+) -> int:
+    """Mark pending items (of one chunk, or all) cancelled. Call under lock_job."""
+    stmt = update(Item).where(Item.job_id == job_id, Item.status == PENDING)
+    if start is not None and end is not None:
+        stmt = stmt.where(Item.index >= start, Item.index < end)
+    result = session.execute(
+        stmt.values(status=ItemStatus.cancelled.value, finished_at=utcnow()),
+        execution_options={"synchronize_session": False},
+    )
+    return result.rowcount
+
+
+def status_counts(session: Session, *, job_id: int) -> dict[str, int]:
+    """Item count per ItemStatus value (every status present, zeros included)."""
+    counts = {s.value: 0 for s in ItemStatus}
+    rows = session.execute(
+        select(Item.status, func.count()).where(Item.job_id == job_id).group_by(Item.status)
+    )
+    counts.update({status: n for status, n in rows})
+    return counts
+
+
+def settle_job(session: Session, *, job_id: int) -> JobStatus:
+    """Derive the job's end from its items: once none is pending, an in-progress job is
+    completed and a cancelling one cancelled. Call under lock_job; returns the status."""
+    job = get_job(session, job_id=job_id)
+    status = JobStatus(job.status)
+    if status.finished or status == JobStatus.validating:
+        return status
+    pending = session.scalar(
+        select(func.count()).where(Item.job_id == job_id, Item.status == PENDING)
+    )
+    if pending:
+        return status
+    end = JobStatus.cancelled if status == JobStatus.cancelling else JobStatus.completed
+    set_job_status(session, job_id=job_id, status=end)
+    return end
+
+
+def request_cancel(session: Session, *, job_id: int) -> JobStatus:
+    """Cancel a job: a queued job (no chunk started) ends at once; a running one becomes
+    cancelling, and each worker cancels its chunk's items at the chunk's start."""
+    job = lock_job(session, job_id=job_id)
+    if job is None:
+        raise KeyError(job_id)
+    status = JobStatus(job.status)
+    if status in (JobStatus.validating, JobStatus.queued):
+        cancel_pending(session, job_id=job_id)
+        set_job_status(session, job_id=job_id, status=JobStatus.cancelled)
+        return JobStatus.cancelled
+    if status == JobStatus.in_progress:
+        set_job_status(session, job_id=job_id, status=JobStatus.cancelling)
+        return settle_job(session, job_id=job_id)
+    return status
+
+
+def iter_items(session: Session, *, job_id: int, batch: int = 1000) -> Iterator[Item]:
+    """Every item of the job in index order, streamed (server-side cursor where there is one)."""
+    stmt = (
+        select(Item).where(Item.job_id == job_id).order_by(Item.index)
+        .execution_options(yield_per=batch)
+    )
+    yield from session.scalars(stmt)
+
+
+def counter_sums(session: Session, *, job_id: int) -> dict[str, Any]:
+    """Sums of the item counters, and the first start and last finish, in SQL."""
+    sums = [func.coalesce(func.sum(getattr(Item, c)), 0).label(c) for c in COUNTER_COLUMNS]
+    row = session.execute(
+        select(*sums, func.min(Item.started_at).label("first_started"),
+               func.max(Item.finished_at).label("last_finished"))
+        .where(Item.job_id == job_id, Item.draft_steps.is_not(None))
+    ).one()
+    return dict(row._mapping)
+
+
+_BY_POSITION = {
+    "sqlite": """
+        SELECT CAST(p.key AS INTEGER) AS pos, SUM(p.value) AS n
+        FROM items, json_each(items.accepted_by_position) AS p
+        WHERE items.job_id = :job_id AND json_type(items.accepted_by_position) = 'array'
+        GROUP BY pos ORDER BY pos""",
+    "postgresql": """
+        SELECT p.ord - 1 AS pos, SUM(p.value::int) AS n
+        FROM items,
+             json_array_elements_text(items.accepted_by_position) WITH ORDINALITY AS p(value, ord)
+        WHERE items.job_id = :job_id AND json_typeof(items.accepted_by_position) = 'array'
+        GROUP BY pos ORDER BY pos""",
+}
+
+
+def accepted_by_position(session: Session, *, job_id: int) -> list[int]:
+    """Draft tokens accepted at each draft slot, summed over the job's items in SQL."""
+    dialect = session.get_bind().dialect.name
+    rows = session.execute(text(_BY_POSITION[dialect]), {"job_id": job_id}).all()
+    out = [0] * (max((pos for pos, _ in rows), default=-1) + 1)
+    for pos, n in rows:
+        out[pos] = int(n)
+    return out
+
+
+def elapsed(first: datetime | None, last: datetime | None) -> float | None:
+    """Seconds between two stored timestamps (SQLite hands them back without a zone)."""
+    if first is None or last is None:
+        return None
+    if (first.tzinfo is None) != (last.tzinfo is None):
+        first, last = first.replace(tzinfo=None), last.replace(tzinfo=None)
+    return (last - first).total_seconds()

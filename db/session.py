@@ -1,0 +1,59 @@
+"""Engines, sessions and migrations for one database URL."""
+
+from __future__ import annotations
+
+import logging
+from functools import lru_cache
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+log = logging.getLogger(__name__)
+
+ALEMBIC_INI = Path(__file__).with_name("alembic.ini")
+
+
+def redact(url: str) -> str:
+    """The URL with its password hidden, fit for logs and error messages."""
+    return make_url(url).render_as_string(hide_password=True)
+
+
+def _sqlite_pragmas(dbapi_conn, _record) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")  # readers do not block the writer
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA busy_timeout=30000")
+    cur.close()
+
+
+@lru_cache(maxsize=8)
+def get_engine(url: str) -> Engine:
+    """One engine per URL and process; SQLite files get WAL mode and a busy timeout."""
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        if parsed.database and parsed.database != ":memory:":
+            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"timeout": 30})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+def session_factory(url: str) -> sessionmaker[Session]:
+    return sessionmaker(get_engine(url), expire_on_commit=False)
+
+
+def migrate(url: str, revision: str = "head") -> None:
+    """Bring the database's schema to ``revision`` with Alembic (creates every table)."""
+    cfg = Config(str(ALEMBIC_INI))
+    cfg.set_main_option("script_location", str(ALEMBIC_INI.parent / "migrations"))
+    cfg.attributes["url"] = url
+    log.info("migrating %s to %s", redact(url), revision)
+    with get_engine(url).begin() as conn:
+        cfg.attributes["connection"] = conn
+        command.upgrade(cfg, revision)
