@@ -133,7 +133,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def _summary(d: dict[str, Any]) -> dict[str, Any]:
     def r(v: Any) -> Any:
-        return round(v, 4) if isinstance(v, float) else [r(x) for x in v] if isinstance(v, list) else v
+        if isinstance(v, list):
+            return [r(x) for x in v]
+        return round(v, 4) if isinstance(v, float) else v
 
     return {k: r(v) for k, v in d.items()}
 

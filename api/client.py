@@ -295,8 +295,8 @@ class Job:
                     app.send_task(GENERATE_TASK, args=[job.id, start, end], queue=queue,
                                   producer=producer)
         except Exception as exc:
-            error = (f"could not send chunks to {maybe_sanitize_url(self.client.settings.broker_url)}"
-                     f": {type(exc).__name__}: {exc}")
+            broker = maybe_sanitize_url(self.client.settings.broker_url)
+            error = f"could not send chunks to {broker}: {type(exc).__name__}: {exc}"
             with self.client.sessions.begin() as s:
                 repo.set_job_status(s, job_id=self.id, status=JobStatus.failed, error=error)
             raise RuntimeError(f"job {self.id}: {error}") from exc

@@ -84,7 +84,8 @@ class Job(Base):
 
     def chunks(self) -> list[tuple[int, int]]:
         """The item index ranges [start, end) that are sent to workers, one task each."""
-        return [(s, min(s + self.chunk_size, self.total)) for s in range(0, self.total, self.chunk_size)]
+        size, total = self.chunk_size, self.total
+        return [(s, min(s + size, total)) for s in range(0, total, size)]
 
 
 class Item(Base):

@@ -120,7 +120,7 @@ def run_chunk(
             report.job_status = status.value
             return report
         if job.pair != pair:
-            raise RuntimeError(f"job {job_id} is for pair {job.pair!r}, this worker serves {pair!r}")
+            raise RuntimeError(f"job {job_id} is for pair {job.pair!r}; this worker: {pair!r}")
         repo.start_job(s, job_id=job_id)
         params = dict(job.params)
         items = [(it.index, it.prompt, it.messages, it.params)

@@ -1,7 +1,7 @@
 """jobs and items
 
 Revision ID: 0001
-Revises: 
+Revises:
 Create Date: 2026-11-29
 """
 
@@ -56,7 +56,8 @@ def upgrade() -> None:
     sa.Column('writes', sa.Integer(), nullable=False),
     sa.Column('started_at', sa.DateTime(timezone=True), nullable=True),
     sa.Column('finished_at', sa.DateTime(timezone=True), nullable=True),
-    sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], name=op.f('fk_items_job_id_jobs'), ondelete='CASCADE'),
+    sa.ForeignKeyConstraint(['job_id'], ['jobs.id'], name=op.f('fk_items_job_id_jobs'),
+                            ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('job_id', 'index', name=op.f('pk_items')),
     sa.UniqueConstraint('job_id', 'custom_id', name=op.f('uq_items_job_id_custom_id'))
     )

@@ -1,0 +1,48 @@
+"""Clients on SQLite (a temporary file) and on a fresh PostgreSQL database of this session."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from sqlalchemy import create_engine, text
+
+from api.client import Client
+from configs.settings import Settings
+from db.session import get_engine
+from worker.tiny import build_tiny_pair
+
+PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    name = f"specq_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    yield url
+    get_engine(url).dispose()
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    """The settings' data directory, with the tiny pair built in it once."""
+    root = tmp_path_factory.mktemp("data")
+    build_tiny_pair(root / "tiny")
+    return root
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def client(request, data_dir, tmp_path):
+    if request.param == "sqlite":
+        url = f"sqlite:///{tmp_path / 'specq.db'}"
+    else:
+        url = request.getfixturevalue("pg_url")
+    settings = Settings(database_url=url, data_dir=data_dir, chunk_size=4,
+                        broker_url="redis://127.0.0.1:6379/15", queue_prefix="specq-unused")
+    return Client(settings, auto_migrate=True)

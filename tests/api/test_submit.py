@@ -1,0 +1,98 @@
+"""Submission: the whole spec is validated first; bad input stores nothing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from sqlalchemy import func, select
+
+from api.inputs import InputError
+from db.models import Item, Job, JobStatus
+
+
+def counts(client) -> tuple[int, int]:
+    with client.sessions() as s:
+        return s.scalar(select(func.count()).select_from(Job)), s.scalar(
+            select(func.count()).select_from(Item))
+
+
+def write_jsonl(path, lines) -> str:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return str(path)
+
+
+def test_a_file_is_stored_with_its_items(client, tmp_path):
+    path = write_jsonl(tmp_path / "in.jsonl", [
+        {"custom_id": "a", "prompt": "Correct: he go home"},
+        "",
+        {"messages": [{"role": "user", "content": "Summarise: the cat sat"}], "max_new_tokens": 4},
+        {"custom_id": "c", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "Rewrite: hi", "max_tokens": 3}},
+    ])
+    job = client.submit(path, pair="tiny", enqueue=False, max_new_tokens=8, temperature=0.5)
+    state = job.status(check_workers=False)
+    assert (state.status, state.total, state.pending) == (JobStatus.queued.value, 3, 3)
+    items = list(job.results())
+    assert [(i.index, i.custom_id) for i in items] == [(0, "a"), (1, None), (2, "c")]
+    with client.sessions() as s:
+        job_row = s.get(Job, job.id)
+        assert job_row.params["max_new_tokens"] == 8 and job_row.params["temperature"] == 0.5
+        assert s.get(Item, (job.id, 1)).params == {"max_new_tokens": 4}
+        assert s.get(Item, (job.id, 2)).params == {"max_new_tokens": 3}
+
+
+def test_prompts_from_python(client):
+    job = client.submit(["Fix: he go", [{"role": "user", "content": "Sum up: a b c"}]],
+                        pair="tiny", enqueue=False)
+    assert job.status(check_workers=False).total == 2
+    assert [j.id for j in client.jobs()][0] == job.id
+
+
+LONG = " ".join(["word"] * 600)  # 3000 bytes: beyond the tiny model's 512-token context
+
+
+@pytest.mark.parametrize("lines, pair, sampling, expected", [
+    (['{"prompt": "ok"}', '{"prompt": "broken"'], "tiny", {}, r"line 2: not valid JSON"),
+    ([{"prompt": "ok"}], "no-such-pair", {}, r"pair: unknown pair 'no-such-pair'; known: .*tiny"),
+    ([{"prompt": "ok"}, {"prompt": "   "}], "tiny", {}, r"line 2: prompt: must not be empty"),
+    ([{"prompt": "ok"}, {"prompt": LONG}], "tiny", {},
+     r"line 2: prompt: \d+ tokens, the model's context is 512"),
+    ([{"prompt": "ok", "temperature": -1}], "tiny", {},
+     r"line 1: temperature: Input should be greater than or equal to 0"),
+    ([{"prompt": "ok"}], "tiny", {"temperature": -1},
+     r"sampling parameter temperature: Input should be greater than or equal to 0"),
+    ([{"custom_id": "x", "prompt": "a"}, {"custom_id": "y", "prompt": "b"},
+      {"custom_id": "x", "prompt": "c"}], "tiny", {},
+     r"line 3: custom_id: 'x' is already used at line 1"),
+    ([{"prompt": "ok", "max_new_tokens": 0}], "tiny", {}, r"line 1: max_new_tokens: Input should"),
+    ([{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}], "tiny", {},
+     r"line 1: give exactly one of prompt, messages"),
+])
+def test_bad_input_names_where_and_stores_nothing(client, tmp_path, lines, pair, sampling,
+                                                   expected):
+    path = write_jsonl(tmp_path / "bad.jsonl", lines)
+    before = counts(client)
+    with pytest.raises(InputError, match=expected):
+        client.submit(path, pair=pair, enqueue=False, **sampling)
+    assert counts(client) == before
+
+
+def test_a_missing_file_stores_nothing(client, tmp_path):
+    before = counts(client)
+    with pytest.raises(InputError, match=r"missing\.jsonl: file not found"):
+        client.submit(tmp_path / "missing.jsonl", pair="tiny", enqueue=False)
+    assert counts(client) == before
+
+
+def test_every_problem_is_reported_at_once(client, tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": ""}, {"prompt": "ok"}, "{oops"])
+    with pytest.raises(InputError) as err:
+        client.submit(path, pair="tiny", enqueue=False)
+    assert [p.split(":")[0] for p in err.value.problems] == ["line 1", "line 3"]
+
+
+def test_an_empty_file_is_refused(client, tmp_path):
+    path = write_jsonl(tmp_path / "empty.jsonl", [""])
+    with pytest.raises(InputError, match="no prompts"):
+        client.submit(path, pair="tiny", enqueue=False)

@@ -1,0 +1,130 @@
+"""Real services for the pipeline: a fresh PostgreSQL database, a Redis DB and queue prefix
+of this test session, and Celery workers started as `specq worker` subprocesses."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import redis
+from sqlalchemy import create_engine, text
+
+from api.client import Client
+from configs.settings import Settings
+from db.session import get_engine
+from worker.tiny import build_tiny_pair
+
+ROOT = Path(__file__).resolve().parents[2]
+PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    name = f"specq_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    yield url
+    get_engine(url).dispose()
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def settings(pg_url, tmp_path_factory):
+    """PostgreSQL + Redis settings; the queue prefix keeps this session's queues apart."""
+    data_dir = tmp_path_factory.mktemp("data")
+    build_tiny_pair(data_dir / "tiny")
+    prefix = f"specq-test-{uuid.uuid4().hex[:8]}"
+    db = random.randint(1, 15)
+    yield Settings(database_url=pg_url, broker_url=f"redis://127.0.0.1:6379/{db}",
+                   data_dir=data_dir, queue_prefix=prefix, visibility_timeout=10, chunk_size=25)
+    r = redis.Redis(host="127.0.0.1", port=6379, db=db)
+    keys = list(r.scan_iter(f"{prefix}*"))
+    if keys:
+        r.delete(*keys)
+
+
+@pytest.fixture(scope="session")
+def client(settings):
+    return Client(settings, auto_migrate=True)
+
+
+def worker_env(settings: Settings) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECQ_")}
+    env.update(
+        SPECQ_DATABASE_URL=settings.database_url, SPECQ_BROKER_URL=settings.broker_url,
+        SPECQ_DATA_DIR=str(settings.data_dir), SPECQ_QUEUE_PREFIX=settings.queue_prefix,
+        SPECQ_VISIBILITY_TIMEOUT=str(settings.visibility_timeout),
+        SPECQ_MAX_BATCH_SIZE=str(settings.max_batch_size),
+    )
+    return env
+
+
+class WorkerProcess:
+    """`specq worker --pair PAIR` in a subprocess, its log in a file."""
+
+    def __init__(self, settings: Settings, pair: str, name: str, log_dir: Path) -> None:
+        self.name = f"{name}-{uuid.uuid4().hex[:6]}"
+        self.log = log_dir / f"{self.name}.log"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "api.cli", "worker", "--pair", pair, "-n", f"{self.name}@%h"],
+            cwd=ROOT, env=worker_env(settings), stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+        )
+
+    def wait_ready(self, client: Client, pair: str, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"worker exited {self.proc.returncode}:\n{self.output()}")
+            if any(h.startswith(self.name + "@") for h in client.workers_for(pair) or []):
+                return
+            time.sleep(0.5)
+        raise TimeoutError(f"worker not ready after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return self.log.read_text()[-4000:]
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # warm shutdown: finish the current chunk
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+@pytest.fixture(scope="session")
+def start_worker(tmp_path_factory):
+    """start_worker(settings, pair, name) -> a ready WorkerProcess, stopped at session end."""
+    started: list[WorkerProcess] = []
+    log_dir = tmp_path_factory.mktemp("workers")
+
+    def start(settings: Settings, pair: str = "tiny", name: str = "w") -> WorkerProcess:
+        w = WorkerProcess(settings, pair, name, log_dir)
+        started.append(w)
+        w.wait_ready(Client(settings), pair)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()
+
+
+@pytest.fixture(scope="session")
+def tiny_worker(settings, start_worker):
+    return start_worker(settings, "tiny", "tiny")

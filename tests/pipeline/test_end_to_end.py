@@ -1,0 +1,73 @@
+"""Python client → Redis → a real Celery worker (subprocess) → PostgreSQL, and back."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from sqlalchemy import select
+
+from db.models import Item, ItemStatus, JobStatus
+from db.repository import COUNTER_COLUMNS
+
+log = logging.getLogger(__name__)
+
+
+def test_500_prompts_each_get_one_output_and_metrics_sum_up(client, tiny_worker):
+    prompts = [f"Rewrite sentence {i}: the quick brown fox jumps over the dog" for i in range(500)]
+    t0 = time.perf_counter()
+    job = client.submit(prompts, pair="tiny", max_new_tokens=12, chunk_size=25)
+    state = job.wait(progress=False, timeout=300)
+    wall = time.perf_counter() - t0
+    log.warning("500 prompts end to end in %.1f s", wall)
+    assert state.status == JobStatus.completed.value, tiny_worker.output()
+    assert (state.total, state.completed, state.pending) == (500, 500, 0)
+
+    items = list(job.results())
+    assert [it.index for it in items] == list(range(500))
+    assert all(it.status == ItemStatus.completed.value and it.output is not None for it in items)
+    assert all(it.finish_reason in ("stop", "length") for it in items)
+    with client.sessions() as s:
+        writes = s.scalars(select(Item.writes).where(Item.job_id == job.id)).all()
+    assert writes == [1] * 500
+
+    m = job.metrics()
+    for name in COUNTER_COLUMNS:
+        total = sum(it.counters[name] for it in items)
+        assert getattr(m, name) == (total if isinstance(total, int) else m.__dict__[name]), name
+    assert abs(m.draft_time - sum(it.counters["draft_time"] for it in items)) < 1e-6
+    by_pos = [0] * max(len(it.counters["accepted_by_position"]) for it in items)
+    for it in items:
+        for i, n in enumerate(it.counters["accepted_by_position"]):
+            by_pos[i] += n
+    assert m.accepted_by_position == by_pos
+    assert m.proposed > 0 and m.acceptance_rate == m.accepted / m.proposed
+    assert m.mean_acceptance_length == 1 + m.accepted / m.draft_steps
+    assert m.completed == 500 and m.tokens_per_second > 0
+
+
+def test_a_pair_no_worker_serves_stays_queued_and_says_so(client, tiny_worker):
+    job = client.submit(["Correct: he go home"], pair="tiny-lookup", max_new_tokens=4)
+    time.sleep(1)
+    state = job.status()
+    assert state.status == JobStatus.queued.value and state.pending == 1
+    assert "no worker is consuming queue" in state.note and "tiny-lookup" in state.note
+    assert job.cancel().status == JobStatus.cancelled.value
+
+
+def test_cancelling_a_running_job_stops_it_at_the_next_chunk(client, tiny_worker):
+    chunk = 8
+    job = client.submit([f"Summarise item {i}: a b c d e f" for i in range(240)], pair="tiny",
+                        max_new_tokens=32, chunk_size=chunk)
+    deadline = time.monotonic() + 120
+    while (state := job.status(check_workers=False)).completed < 2 * chunk:
+        assert time.monotonic() < deadline, tiny_worker.output()
+        time.sleep(0.05)
+    done_at_cancel = state.completed
+    assert job.cancel().status in (JobStatus.cancelling.value, JobStatus.cancelled.value)
+    state = job.wait(progress=False, timeout=120)
+    assert state.status == JobStatus.cancelled.value
+    assert state.pending == 0 and state.cancelled > 0
+    assert done_at_cancel <= state.completed <= done_at_cancel + 2 * chunk
+    kept = [it for it in job.results() if it.status == ItemStatus.completed.value]
+    assert len(kept) == state.completed and all(it.output is not None for it in kept)
