@@ -17,7 +17,7 @@ from transformers import (
 
 from configs.presets import ModelSource, PairPreset
 from configs.settings import Settings, get_settings
-from worker.engine.drafters import DraftModel, Drafter, NoDraft, PromptLookup
+from worker.engine.drafters import Drafter, DraftModel, NoDraft, PromptLookup
 from worker.engine.speculative import SpeculativeEngine
 
 log = logging.getLogger(__name__)

@@ -85,7 +85,7 @@ def build_draft(target: LlamaForCausalLM, kind: str, seed: int = 1) -> LlamaForC
     scale = {"near": 0.002, "noisy": 0.05}[kind]
     draft = LlamaForCausalLM(_config(cfg.vocab_size, cfg.num_hidden_layers)).eval()
     with torch.no_grad():
-        for (name, p), (_, q) in zip(draft.named_parameters(), target.named_parameters()):
+        for p, q in zip(draft.parameters(), target.parameters()):
             noise = torch.randn(q.shape, generator=gen) * q.std().clamp_min(1e-3) * scale
             p.copy_(q + noise)
     return draft

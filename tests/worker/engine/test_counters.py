@@ -1,0 +1,37 @@
+"""Per-request counters add up, whatever the drafter."""
+
+import pytest
+
+from worker.engine.drafters import DraftModel, NoDraft, PromptLookup
+from worker.engine.speculative import SpeculativeEngine
+
+
+@pytest.mark.parametrize("drafter", ["noisy", "prompt_lookup", "none"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_counters_are_consistent(drafter, temperature, tiny_models, tiny_tokenizer,
+                                 make_requests):
+    d = {"none": NoDraft(), "prompt_lookup": PromptLookup()}.get(drafter) or DraftModel(
+        tiny_models[drafter])
+    g = 4
+    requests = make_requests(20, seed=5, temperature=temperature)
+    results = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, d, max_batch_size=6,
+                                draft_length=g).generate(requests)
+    for req, res in zip(requests, results):
+        c = res.counters
+        assert c.new_tokens == len(res.token_ids) >= 1
+        assert len(res.token_ids) <= req.max_new_tokens
+        assert res.finish_reason == ("length" if len(res.token_ids) == req.max_new_tokens
+                                     and res.token_ids[-1] != 2 else "stop")
+        assert 0 <= c.accepted <= c.proposed <= g * c.draft_steps
+        assert sum(c.accepted_by_position) == c.accepted
+        assert all(a >= b for a, b in zip(c.accepted_by_position, c.accepted_by_position[1:]))
+        # each target pass emits one token of its own (the last may be cut by a limit)
+        assert c.accepted + c.target_passes - 1 <= c.new_tokens <= c.accepted + c.target_passes
+        assert c.draft_time >= 0 and c.verify_time > 0
+        if drafter == "none":
+            assert c.proposed == 0 and c.target_passes == c.new_tokens
+            assert c.acceptance_rate is None and c.mean_acceptance_length is None
+        elif c.draft_steps:
+            assert c.mean_acceptance_length == 1 + c.accepted / c.draft_steps
+    if drafter != "none":
+        assert sum(r.counters.proposed for r in results) > 0

