@@ -19,11 +19,15 @@ class Counters:
     accepted_by_position: list[int] = field(default_factory=list)  # [i]: accepted at draft slot i
     target_passes: int = 0  # target forward passes this request took part in (prefill included)
     new_tokens: int = 0
+    steps_by_draft_length: list[int] = field(default_factory=list)  # [g]: steps run with g
     draft_time: float = 0.0  # seconds: this request's share of batch drafting time
     verify_time: float = 0.0  # seconds: its share of target passes (prefill included)
 
-    def observe_step(self, num_draft: int, num_accepted: int) -> None:
-        """Record one draft/verify step with ``num_draft`` proposed, ``num_accepted`` kept."""
+    def observe_step(self, num_draft: int, num_accepted: int, g: int = 0) -> None:
+        """Record one step at draft length g: ``num_draft`` proposed, ``num_accepted`` kept."""
+        if len(self.steps_by_draft_length) <= g:
+            self.steps_by_draft_length += [0] * (g + 1 - len(self.steps_by_draft_length))
+        self.steps_by_draft_length[g] += 1
         if num_draft:
             self.draft_steps += 1
             self.proposed += num_draft

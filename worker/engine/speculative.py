@@ -12,6 +12,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from worker.engine.batch import KVRows, Row, left_pad
 from worker.engine.drafters import Drafter, DraftInputs, NoDraft
+from worker.engine.policy import DraftLengthPolicy
 from worker.engine.rejection import rejection_sample
 from worker.engine.request import Request, Result
 from worker.engine.sampling import ACCEPT, SAMPLE, keyed_uniform, logits_to_probs, sample
@@ -74,12 +75,16 @@ class SpeculativeEngine:
         *,
         max_batch_size: int = 16,
         draft_length: int = 4,
+        adaptive: bool = True,
+        max_draft_length: int = 8,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter or NoDraft()
         self.max_batch_size = max_batch_size
-        self.draft_length = 0 if self.drafter.name == "none" else draft_length
+        default = 0 if self.drafter.name == "none" else draft_length
+        self.policy = DraftLengthPolicy(default=default, max_g=max_draft_length,
+                                        adaptive=adaptive and default > 0)
         self.context = context_length(target)
         eos = target.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -190,27 +195,32 @@ class SpeculativeEngine:
 
     def step(self) -> None:
         """Draft g tokens -> one target pass -> accept or reject -> fix caches -> emit."""
-        B, g, dev = len(self.rows), self.draft_length, self.target.device
+        B, dev = len(self.rows), self.target.device
         seeds, temperature, top_k, top_p = (p.to(dev) for p in self._params(self.rows))
+        # a seeded sampled row must see the same g whatever its neighbours: no adapting then
+        g = self.policy.choose(pinned=any(r.request.seed is not None and r.request.temperature > 0
+                                          for r in self.rows))
         inputs = DraftInputs([r.tokens for r in self.rows], seeds, temperature, top_k, top_p,
                              greedy=bool((temperature <= 0).all()))
-        t0 = time.perf_counter()
+        t0 = _clock(dev)
         prop = self.drafter.propose(inputs, g) if g else NoDraft().propose(inputs, 0)
         draft_ids, num_draft = prop.token_ids.to(dev), prop.num_draft.to(dev)
-        g = draft_ids.shape[1]
-        t1 = time.perf_counter()
+        t1 = _clock(dev)
+        n = int(num_draft.max()) if g else 0  # prompt lookup may find less than g anywhere
+        draft_ids, probs = draft_ids[:, :n], None if prop.probs is None else prop.probs[:, :n]
 
         ids = torch.cat([self.last[:, None].to(dev), draft_ids], 1)  # [B, g + 1]
         valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev),
-                           torch.arange(g, device=dev)[None] < num_draft[:, None]], 1)
+                           torch.arange(n, device=dev)[None] < num_draft[:, None]], 1)
         start = self.kv.length
-        logits = self.kv.forward(ids, valid)  # [B, g + 1, V]
+        logits = self.kv.forward(ids, valid)  # [B, n + 1, V]
+        t_verify = _clock(dev) - t1
         target_probs = logits_to_probs(logits, temperature, top_k, top_p)
         pos = torch.tensor([len(r.tokens) for r in self.rows], device=dev)[:, None]
-        pos = pos + torch.arange(g + 1, device=dev)  # [B, g + 1] position of each slot
+        pos = pos + torch.arange(n + 1, device=dev)  # [B, n + 1] position of each slot
         out, accepted = rejection_sample(
-            draft_ids, num_draft, prop.probs, target_probs,
-            keyed_uniform(seeds, pos[:, :g], ACCEPT), keyed_uniform(seeds, pos, SAMPLE),
+            draft_ids, num_draft, probs, target_probs,
+            keyed_uniform(seeds, pos[:, :n], ACCEPT), keyed_uniform(seeds, pos, SAMPLE),
         )
         self.kv.keep(start, accepted + 1)  # the last token and the accepted drafts stay
         final = out.gather(1, accepted[:, None])[:, 0]  # [B] recovered or bonus token
@@ -218,12 +228,19 @@ class SpeculativeEngine:
         self.last = final
         t2 = time.perf_counter()
 
-        for row, toks, n_draft, k in zip(
-            self.rows, out.tolist(), num_draft.tolist(), accepted.tolist()
-        ):
+        num_draft_l, accepted_l = num_draft.tolist(), accepted.tolist()
+        self.policy.observe(g, num_draft_l, accepted_l, t1 - t0, t_verify, n + 1)
+        for row, toks, n_draft, k in zip(self.rows, out.tolist(), num_draft_l, accepted_l):
             kept = row.emit(toks[: k + 1])
             c = row.result.counters
-            c.observe_step(n_draft, min(k, kept))
+            c.observe_step(n_draft, min(k, kept), g)
             c.target_passes += 1
             c.draft_time += (t1 - t0) / B
             c.verify_time += (t2 - t1) / B
+
+
+def _clock(device: torch.device) -> float:
+    """perf_counter once the device has finished its queued work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

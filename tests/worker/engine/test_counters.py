@@ -15,7 +15,7 @@ def test_counters_are_consistent(drafter, temperature, tiny_models, tiny_tokeniz
     g = 4
     requests = make_requests(20, seed=5, temperature=temperature)
     results = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, d, max_batch_size=6,
-                                draft_length=g).generate(requests)
+                                draft_length=g, adaptive=False).generate(requests)
     for req, res in zip(requests, results):
         c = res.counters
         assert c.new_tokens == len(res.token_ids) >= 1
@@ -24,6 +24,7 @@ def test_counters_are_consistent(drafter, temperature, tiny_models, tiny_tokeniz
                                      and res.token_ids[-1] != 2 else "stop")
         assert 0 <= c.accepted <= c.proposed <= g * c.draft_steps
         assert sum(c.accepted_by_position) == c.accepted
+        assert sum(c.steps_by_draft_length) == c.target_passes - 1  # all steps but the prefill
         assert all(a >= b for a, b in zip(c.accepted_by_position, c.accepted_by_position[1:]))
         # each target pass emits one token of its own (the last may be cut by a limit)
         assert c.accepted + c.target_passes - 1 <= c.new_tokens <= c.accepted + c.target_passes

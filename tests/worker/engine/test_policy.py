@@ -1,0 +1,62 @@
+"""Draft-length choice: the speedup arithmetic and the choices it leads to."""
+
+import pytest
+
+from worker.engine.drafters import DraftModel
+from worker.engine.policy import (
+    DraftLengthPolicy,
+    expected_tokens,
+    measured_speedup,
+    theorem_speedup,
+)
+from worker.engine.speculative import SpeculativeEngine
+
+
+def test_speedup_arithmetic():
+    # Leviathan Thm 3.8: (1 - a^(g+1)) / ((1 - a)(g c + 1))
+    for a, g, c in [(0.8, 4, 0.1), (0.5, 1, 0.0), (0.3, 7, 0.25)]:
+        assert theorem_speedup(a, g, c) == pytest.approx((1 - a ** (g + 1)) / ((1 - a) * (g * c + 1)))
+    assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 3) == 4.0
+    # a flat verify cost turns the measured form into the theorem
+    assert measured_speedup(0.7, 3, 0.02, 0.1, 0.1) == pytest.approx(theorem_speedup(0.7, 3, 0.2))
+    # a verify pass that costs 2x halves the gain
+    assert measured_speedup(0.7, 3, 0.0, 0.1, 0.2) == pytest.approx(expected_tokens(0.7, 3) / 2)
+    # half the rows proposing: half the expected extra tokens
+    assert expected_tokens(0.5, 2, propose_rate=0.5) == pytest.approx(1 + 0.5 * 0.75)
+
+
+def _feed(policy, g, alpha_hits, t_draft, t_verify_by_n, steps=20):
+    for _ in range(steps):
+        gg = policy.choose()
+        n = gg if gg else 0
+        acc = [min(alpha_hits, n)] * 4
+        policy.observe(gg, [n] * 4, acc, t_draft * gg, t_verify_by_n(gg + 1), gg + 1)
+    return gg
+
+
+def test_policy_speculates_when_it_pays_and_stops_when_it_does_not():
+    good = DraftLengthPolicy(default=4, max_g=8)
+    g = _feed(good, 4, alpha_hits=8, t_draft=0.01, t_verify_by_n=lambda n: 0.1 + 0.01 * n)
+    assert g >= 4 and good.predicted(g) > 2
+    bad = DraftLengthPolicy(default=4, max_g=8)
+    g = _feed(bad, 4, alpha_hits=0, t_draft=0.05, t_verify_by_n=lambda n: 0.1 * n)
+    assert g == 0 and bad.history.count(0) > 10
+    assert 4 in bad.history[2:], "it probes again now and then"
+    pinned = DraftLengthPolicy(default=3, adaptive=False)
+    assert _feed(pinned, 3, 0, 0.05, lambda n: 0.1 * n) == 3
+
+
+def test_engine_adapts_to_the_draft(tiny_models, tiny_tokenizer, make_requests):
+    requests = make_requests(16, seed=7, max_new=64)
+    for name in ("near", "unrelated"):
+        engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer,
+                                   DraftModel(tiny_models[name]), max_batch_size=4)
+        results = engine.generate(requests)
+        history = engine.policy.history
+        zeros = history.count(0) / len(history)
+        if name == "near":
+            assert zeros < 0.5, history
+        else:
+            assert zeros > 0.5, history
+        steps = [sum(r.counters.steps_by_draft_length) for r in results]
+        assert all(s >= 0 for s in steps)

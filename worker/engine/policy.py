@@ -1,0 +1,162 @@
+"""Choosing the draft length g each step: speculate only where it pays.
+
+Expected tokens per step with g drafts (Leviathan et al. 2023, arXiv 2211.17192, Thm 3.8,
+with f the share of rows that propose at all, 1 for a draft model):
+    E(g) = 1 + f * (a + a^2 + ... + a^g)
+Cost per step, measured: g * t_draft + t_verify(g + 1), where t_verify(n) is a target pass
+over n tokens per row (on a CPU, or at large batches, clearly more than t_verify(1)).
+Predicted speedup over plain decoding: E(g) * t_verify(1) / (g * t_draft + t_verify(g + 1)).
+With c = t_draft / t_verify(1) and t_verify flat this is Thm 3.8's
+(1 - a^(g+1)) / ((1 - a)(g c + 1)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def expected_tokens(alpha: float, g: int, propose_rate: float = 1.0) -> float:
+    """E(g): tokens a step emits when each draft token is accepted with probability alpha."""
+    return 1.0 + propose_rate * sum(alpha**i for i in range(1, g + 1))
+
+
+def theorem_speedup(alpha: float, g: int, c: float) -> float:
+    """Leviathan Thm 3.8: (1 - a^(g+1)) / ((1 - a)(g c + 1)), verify cost taken as flat."""
+    return expected_tokens(alpha, g) / (g * c + 1.0)
+
+
+def measured_speedup(alpha: float, g: int, t_draft: float, t_verify_1: float,
+                     t_verify_g1: float, propose_rate: float = 1.0) -> float:
+    """The same with the measured cost of a verify pass over g + 1 tokens."""
+    return expected_tokens(alpha, g, propose_rate) * t_verify_1 / (g * t_draft + t_verify_g1)
+
+
+class _Decayed:
+    """An exponentially decayed mean."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay, self.weight, self.total = decay, 0.0, 0.0
+
+    def add(self, value: float, weight: float = 1.0) -> None:
+        self.weight = self.weight * self.decay + weight
+        self.total = self.total * self.decay + value * weight
+
+    @property
+    def mean(self) -> float | None:
+        return self.total / self.weight if self.weight > 0 else None
+
+
+@dataclass
+class DraftLengthPolicy:
+    """Estimates acceptance and costs as the engine runs and picks g to maximise speedup.
+
+    ``adaptive=False`` pins g to ``default``. While g = 0 wins, acceptance cannot be
+    observed, so the policy probes with g = default every ``probe_every`` steps (the
+    interval doubles each time the probe loses, and resets when it wins).
+    """
+
+    default: int = 4
+    max_g: int = 8
+    adaptive: bool = True
+    decay: float = 0.9
+    probe_every: int = 16
+    steps: int = 0
+    history: list[int] = field(default_factory=list)  # g of each step
+
+    def __post_init__(self) -> None:
+        self.max_g = max(self.max_g, self.default)
+        self._accepted = _Decayed(self.decay)  # alpha's MLE: accepted / (accepted + rejections)
+        self._trials = _Decayed(self.decay)
+        self._proposing = _Decayed(self.decay)  # share of rows that proposed
+        self._t_draft = _Decayed(self.decay)  # seconds per draft token step
+        self._t_verify: dict[int, _Decayed] = {}  # tokens per row -> seconds per pass
+        self._since_probe = 0
+        self._probe_interval = self.probe_every
+
+    # -- estimates ----------------------------------------------------------------
+
+    @property
+    def alpha(self) -> float | None:
+        a, t = self._accepted.mean, self._trials.mean
+        return None if a is None or not t else min(a / t, 0.999)
+
+    @property
+    def propose_rate(self) -> float:
+        return self._proposing.mean if self._proposing.mean is not None else 1.0
+
+    @property
+    def t_draft(self) -> float | None:
+        return self._t_draft.mean
+
+    def t_verify(self, n: int) -> float | None:
+        """Seconds for a target pass over n tokens per row: measured, else a linear fit."""
+        if n in self._t_verify:
+            return self._t_verify[n].mean
+        pts = sorted((k, d.mean) for k, d in self._t_verify.items())
+        if not pts:
+            return None
+        if len(pts) == 1:
+            return pts[0][1]
+        (n0, t0), (n1, t1) = pts[0], pts[-1]
+        slope = max(0.0, (t1 - t0) / (n1 - n0))
+        return t0 + slope * (n - n0)
+
+    def predicted(self, g: int) -> float | None:
+        """Predicted speedup of g over plain decoding, from the current estimates."""
+        if g == 0:
+            return 1.0
+        a, td, t1, tg = self.alpha, self.t_draft, self.t_verify(1), self.t_verify(g + 1)
+        if None in (a, td, t1, tg):
+            return None
+        return measured_speedup(a, g, td, t1, tg, self.propose_rate)
+
+    # -- the choice -----------------------------------------------------------------
+
+    def choose(self, pinned: bool = False) -> int:
+        """g for the next step; ``pinned`` (e.g. seeded sampling in the batch) forces default."""
+        if not self.adaptive or pinned or self.default == 0:
+            return self.default
+        if self.alpha is None or self.t_draft is None:
+            return self.default  # warm-up: measure acceptance and draft cost first
+        if 1 not in self._t_verify:
+            return 0  # warm-up: measure a plain step
+        scores = {g: self.predicted(g) or 0.0 for g in range(self.max_g + 1)}
+        best = max(scores, key=scores.get)
+        if best == 0:
+            self._since_probe += 1
+            if self._since_probe >= self._probe_interval:
+                self._since_probe = 0
+                self._probe_interval *= 2
+                return self.default
+        else:
+            self._probe_interval = self.probe_every
+        return best
+
+    def observe(self, g: int, num_draft: list[int], num_accepted: list[int],
+                t_draft: float, t_verify: float, verify_tokens: int) -> None:
+        """Record one step at draft length g: per-row proposals and acceptances, the
+        drafting time, and the target pass's time over ``verify_tokens`` tokens per row."""
+        self.steps += 1
+        self.history.append(g)
+        self._t_verify.setdefault(verify_tokens, _Decayed(self.decay)).add(t_verify)
+        if g == 0:
+            return
+        self._t_draft.add(t_draft / g)
+        proposing = [(n, k) for n, k in zip(num_draft, num_accepted) if n > 0]
+        self._proposing.add(len(proposing) / max(1, len(num_draft)))
+        if proposing:
+            accepted = sum(k for _, k in proposing)
+            rejections = sum(1 for n, k in proposing if k < n)
+            self._accepted.add(accepted)
+            self._trials.add(accepted + rejections)
+
+    def snapshot(self) -> dict:
+        """The current estimates, for benchmarks and logs."""
+        return {
+            "alpha": self.alpha,
+            "propose_rate": self.propose_rate,
+            "t_draft": self.t_draft,
+            "t_verify": {n: d.mean for n, d in sorted(self._t_verify.items())},
+            "steps": self.steps,
+            "g_history": list(self.history),
+        }
