@@ -15,7 +15,8 @@ from worker.engine.speculative import SpeculativeEngine
 def test_speedup_arithmetic():
     # Leviathan Thm 3.8: (1 - a^(g+1)) / ((1 - a)(g c + 1))
     for a, g, c in [(0.8, 4, 0.1), (0.5, 1, 0.0), (0.3, 7, 0.25)]:
-        assert theorem_speedup(a, g, c) == pytest.approx((1 - a ** (g + 1)) / ((1 - a) * (g * c + 1)))
+        want = (1 - a ** (g + 1)) / ((1 - a) * (g * c + 1))
+        assert theorem_speedup(a, g, c) == pytest.approx(want)
     assert expected_tokens(0.0, 5) == 1.0 and expected_tokens(1.0, 3) == 4.0
     # a flat verify cost turns the measured form into the theorem
     assert measured_speedup(0.7, 3, 0.02, 0.1, 0.1) == pytest.approx(theorem_speedup(0.7, 3, 0.2))
