@@ -27,6 +27,7 @@ class KVRows:
         params = inspect.signature(model.forward).parameters
         self._new_api = "cache" in params
         self._takes_cache_position = "cache_position" in params
+        self._takes_logits_to_keep = "logits_to_keep" in params
 
     @property
     def device(self) -> torch.device:
@@ -41,11 +42,12 @@ class KVRows:
         return 0 if self.mask is None else self.mask.shape[1]
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, valid: torch.Tensor,
+                last_only: bool = False) -> torch.Tensor:
         """Append T columns per row and return their logits.
 
         input_ids: [B, T] int64; valid: [B, T] bool (False = padding, masked for good)
-        returns logits [B, T, V]
+        returns logits [B, T, V], or [B, 1, V] for the last column when ``last_only``
         """
         B, T = input_ids.shape
         if self.cache is None:
@@ -58,6 +60,8 @@ class KVRows:
         kwargs = {"cache" if self._new_api else "past_key_values": self.cache}
         if self._takes_cache_position:  # transformers 4.x; 5.x derives it from the cache
             kwargs["cache_position"] = torch.arange(L, L + T, device=self.device)
+        if last_only and self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
         out = self.model(
             input_ids=input_ids,
             attention_mask=mask.long(),
@@ -66,7 +70,7 @@ class KVRows:
             **kwargs,
         )
         self.mask = mask
-        return out.logits
+        return out.logits[:, -1:] if last_only else out.logits
 
     def keep(self, start: int, keep_len: torch.Tensor) -> None:
         """Of the columns from ``start`` on, keep the first keep_len[b] real ones per row.

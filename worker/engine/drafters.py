@@ -122,7 +122,7 @@ class DraftModel:
 
     def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None:
         new = KVRows(self.kv.model)
-        new.forward(*left_pad(prompts, self.pad_id, self.kv.device))
+        new.forward(*left_pad(prompts, self.pad_id, self.kv.device), last_only=True)
         self.kv.extend(new)
         self.pending += [[t] for t in first_tokens]
 
@@ -138,7 +138,7 @@ class DraftModel:
         B, dev = len(self.pending), self.kv.device
         ids, valid = left_pad(self.pending, self.pad_id, dev)
         start, P = self.kv.length, ids.shape[1]
-        logits = self._fit(self.kv.forward(ids, valid)[:, -1:])  # [B, 1, V]
+        logits = self._fit(self.kv.forward(ids, valid, last_only=True))  # [B, 1, V]
         if not batch.greedy:
             pos = torch.tensor([len(t) for t in batch.tokens], device=dev)[:, None]
             u = keyed_uniform(batch.seeds.to(dev), pos + torch.arange(g, device=dev), DRAFT)

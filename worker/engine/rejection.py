@@ -67,3 +67,23 @@ def rejection_sample(
     out[:, :g] = torch.where(accept.long().cumprod(1).bool(), x, -1)
     out[rows, num_accepted] = final
     return out, num_accepted
+
+
+def greedy_accept(
+    draft_token_ids: torch.Tensor, num_draft: torch.Tensor, target_token_ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """rejection_sample for greedy rows, without probabilities: p is one-hot at the
+    target's argmax, so a draft token is accepted while it equals that argmax.
+
+    draft_token_ids: [B, g]; num_draft: [B]; target_token_ids: [B, g + 1] (argmax per slot)
+    returns (output_token_ids [B, g + 1], num_accepted [B]) as rejection_sample does
+    """
+    B, g = draft_token_ids.shape
+    rows = torch.arange(B, device=draft_token_ids.device)
+    in_draft = torch.arange(g, device=rows.device)[None, :] < num_draft[:, None]
+    accept = ((draft_token_ids == target_token_ids[:, :g]) & in_draft).long().cumprod(1)
+    num_accepted = accept.sum(1)
+    out = torch.full((B, g + 1), -1, dtype=torch.long, device=rows.device)
+    out[:, :g] = torch.where(accept.bool(), draft_token_ids, -1)
+    out[rows, num_accepted] = target_token_ids[rows, num_accepted]
+    return out, num_accepted

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from worker.engine.batch import KVRows, Row, left_pad
 from worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from worker.engine.policy import DraftLengthPolicy
-from worker.engine.rejection import rejection_sample
+from worker.engine.rejection import greedy_accept, rejection_sample
 from worker.engine.request import Request, Result
 from worker.engine.sampling import ACCEPT, SAMPLE, keyed_uniform, logits_to_probs, sample
 
@@ -145,7 +145,7 @@ class SpeculativeEngine:
         rows = [r for _, r in new]
         prompts = [r.tokens for r in rows]
         kv = KVRows(self.target)
-        logits = kv.forward(*left_pad(prompts, self.pad_id, self.target.device))[:, -1:]
+        logits = kv.forward(*left_pad(prompts, self.pad_id, self.target.device), last_only=True)
         params = self._params(rows)
         pos = torch.tensor([[len(p)] for p in prompts], device=logits.device)
         u = keyed_uniform(params[0].to(logits.device), pos, SAMPLE)[:, 0]
@@ -215,13 +215,16 @@ class SpeculativeEngine:
         start = self.kv.length
         logits = self.kv.forward(ids, valid)  # [B, n + 1, V]
         t_verify = _clock(dev) - t1
-        target_probs = logits_to_probs(logits, temperature, top_k, top_p)
-        pos = torch.tensor([len(r.tokens) for r in self.rows], device=dev)[:, None]
-        pos = pos + torch.arange(n + 1, device=dev)  # [B, n + 1] position of each slot
-        out, accepted = rejection_sample(
-            draft_ids, num_draft, probs, target_probs,
-            keyed_uniform(seeds, pos[:, :n], ACCEPT), keyed_uniform(seeds, pos, SAMPLE),
-        )
+        if inputs.greedy:
+            out, accepted = greedy_accept(draft_ids, num_draft, logits.argmax(-1))
+        else:
+            target_probs = logits_to_probs(logits, temperature, top_k, top_p)
+            pos = torch.tensor([len(r.tokens) for r in self.rows], device=dev)[:, None]
+            pos = pos + torch.arange(n + 1, device=dev)  # [B, n + 1] position of each slot
+            out, accepted = rejection_sample(
+                draft_ids, num_draft, probs, target_probs,
+                keyed_uniform(seeds, pos[:, :n], ACCEPT), keyed_uniform(seeds, pos, SAMPLE),
+            )
         self.kv.keep(start, accepted + 1)  # the last token and the accepted drafts stay
         final = out.gather(1, accepted[:, None])[:, 0]  # [B] recovered or bonus token
         self.drafter.update(accepted, final)

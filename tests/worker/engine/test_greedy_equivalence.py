@@ -27,9 +27,12 @@ def test_greedy_equals_target_generate(drafter, tiny_models, tiny_tokenizer, mak
     for bs in BATCH_SIZES:
         engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer,
                                    _drafter(drafter, tiny_models), max_batch_size=bs,
-                                   draft_length=4)
+                                   draft_length=4, adaptive=False)
         results = engine.generate(requests)
         ties += check_greedy(requests, results)
+        adaptive = SpeculativeEngine(tiny_models["target"], tiny_tokenizer,
+                                     _drafter(drafter, tiny_models), max_batch_size=bs)
+        ties += check_greedy(requests, adaptive.generate(requests))
         accepted[bs] = sum(r.counters.accepted for r in results)
         proposed[bs] = sum(r.counters.proposed for r in results)
     log.warning("drafter %s: near-tie divergences %d; accepted/proposed per batch size %s",

@@ -3,7 +3,7 @@
 import torch
 from scipy.stats import chisquare
 
-from worker.engine.rejection import rejection_sample
+from worker.engine.rejection import greedy_accept, rejection_sample
 
 P = torch.tensor([0.05, 0.40, 0.25, 0.20, 0.10])  # target
 Q = torch.tensor([0.30, 0.10, 0.25, 0.05, 0.30])  # draft, deliberately unlike P
@@ -91,3 +91,17 @@ def test_rows_with_fewer_drafts_get_a_bonus_from_the_target():
     )
     assert accepted.tolist() == [0, 1]
     assert out.tolist() == [[2, -1, -1], [2, 2, -1]]
+
+
+def test_greedy_fast_path_equals_the_general_sampler():
+    gen = torch.Generator().manual_seed(3)
+    B, g, V = 500, 4, 5
+    target_ids = torch.randint(0, V, (B, g + 1), generator=gen)
+    drafts = torch.where(torch.rand(B, g, generator=gen) < 0.7, target_ids[:, :g],
+                         torch.randint(0, V, (B, g), generator=gen))
+    num = torch.randint(0, g + 1, (B,), generator=gen)
+    one_hot = torch.nn.functional.one_hot(target_ids, V).float()
+    want = rejection_sample(drafts, num, None, one_hot, torch.rand(B, g, dtype=torch.float64),
+                            torch.rand(B, g + 1, dtype=torch.float64))
+    got = greedy_accept(drafts, num, target_ids)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
