@@ -121,9 +121,14 @@ class KVRows:
         """Columns that compaction would free."""
         return 0 if self.mask is None else self.length - int(self.mask.sum(1).max())
 
-    def compact(self) -> None:
-        """Move each row's real columns to the right end, in order, and drop the rest."""
-        if self.mask is None or self.waste() == 0:
+    def compact(self, force: bool = False) -> None:
+        """Move each row's real columns to the right end, in order, and drop the rest.
+
+        Unless forced, only once at least 64 columns and half the cache would be freed,
+        so the copy happens now and then, not every step.
+        """
+        waste = self.waste()
+        if waste == 0 or (not force and waste < max(64, self.length // 2)):
             return
         L = self.length
         keep = int(self.mask.sum(1).max())

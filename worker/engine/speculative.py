@@ -176,9 +176,6 @@ class SpeculativeEngine:
         self.rows = [self.rows[b] for b in keep]
         self.order = [self.order[b] for b in keep]
         self.last = self.last[idx.to(self.last.device)]
-        if self.kv.waste() > max(64, self.kv.length // 2):
-            self.kv.compact()
-            self.drafter.compact()
 
     @staticmethod
     def _params(rows: list[Row]) -> tuple[torch.Tensor, ...]:
@@ -229,6 +226,8 @@ class SpeculativeEngine:
         final = out.gather(1, accepted[:, None])[:, 0]  # [B] recovered or bonus token
         self.drafter.update(accepted, final)
         self.last = final
+        self.kv.compact()  # both compact only when enough rejected columns piled up
+        self.drafter.compact()
         t2 = time.perf_counter()
 
         num_draft_l, accepted_l = num_draft.tolist(), accepted.tolist()
