@@ -1,0 +1,209 @@
+"""`specq bench` on the tiny pair (never a speed asserted), its arithmetic, the shallow draft."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import pytest
+import torch
+
+from worker.bench import add_arguments, run
+from worker.bench.figures import alpha_mle, figures, predicted, t_verify_at
+from worker.bench.greedy import NearTieCheck, compare
+from worker.bench.prompts import PromptFileError, load_prompts
+from worker.bench.runner import FIXED, NONE, Run, Step
+from worker.drafts import DraftBuildError, shallow_draft, skip_draft
+from worker.engine.counters import Counters
+from worker.engine.drafters import DraftModel
+from worker.engine.request import Request, Result
+from worker.engine.speculative import SpeculativeEngine
+
+
+def _args(tmp_path, *extra: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args([
+        "--prompts", "4", "--max-new-tokens", "8", "--batch-sizes", "1,2",
+        "--draft-lengths", "1,2", "--device", "cpu", "--dtype", "float32",
+        "--data-dir", str(tmp_path / "data"), "--output-dir", str(tmp_path / "out"), *extra,
+    ])
+
+
+def _finite(x) -> None:
+    if isinstance(x, dict):
+        for v in x.values():
+            _finite(v)
+    elif isinstance(x, list):
+        for v in x:
+            _finite(v)
+    elif isinstance(x, float):
+        assert math.isfinite(x)
+
+
+@pytest.mark.parametrize("pair,drafts", [("tiny", "preset,shallow:2"), ("tiny-lookup", "preset")])
+def test_bench_runs_end_to_end(tmp_path, capsys, pair, drafts):
+    assert run(_args(tmp_path, "--pair", pair, "--draft", drafts)) == 0
+    report = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert (tmp_path / "out" / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "specq-adaptive" in capsys.readouterr().out
+
+    assert {"environment", "config", "reference", "runs"} <= report.keys()
+    assert {"torch", "device", "dtype", "cpu_count"} <= report["environment"].keys()
+    _finite(report)
+    runs = report["runs"]
+    n_drafts = len(report["config"]["drafts"])
+    assert n_drafts == len(drafts.split(","))
+    seen = {(r["method"], r["draft"], r["batch_size"], r["g"]) for r in runs}
+    for B in (1, 2):
+        assert ("hf", None, B, None) in seen and ("specq-none", None, B, 0) in seen
+        for d in report["config"]["drafts"]:
+            assert {("specq-fixed", d, B, 1), ("specq-fixed", d, B, 2),
+                    ("specq-adaptive", d, B, None)} <= seen
+    assert sum(r["method"] == "hf-assisted" for r in runs) == n_drafts
+    for r in runs:
+        assert r["new_tokens"] > 0 and r["tokens_per_s"] > 0
+        assert r["speedup_vs_hf"] is not None and r["speedup_vs_none"] is not None
+        if not r["reference"]:  # greedy: every method gives the target's own tokens
+            assert r["greedy"]["mismatches"] == 0, r
+        if r["method"] == FIXED:
+            assert 0 <= r["acceptance_rate"] <= 1 and r["mean_acceptance_length"] >= 1
+            assert r["c"] > 0 and r["predicted_theorem"] > 0 and r["efficiency"] > 0
+            assert r["steps"] == r["g_counts"][str(r["g"])]
+    assert report["greedy_mismatched_runs"] == 0
+
+
+def test_predicted_speedups_by_hand():
+    # alpha 0.5, g 2: E = 1 + .5 + .25 = 1.75; c = 0.01 / 0.04 = 0.25
+    thm, meas = predicted(0.5, 1.0, {2: 10}, t_draft=0.01, t_step=0.04, t_verify={3: 0.06})
+    assert thm == pytest.approx(1.75 / 1.5)  # (1 - a^3) / ((1 - a)(2c + 1))
+    assert meas == pytest.approx(1.75 * 0.04 / (2 * 0.01 + 0.06))  # 0.875
+    # half the rows propose: E = 1 + 0.5 * 0.75
+    _, meas = predicted(0.5, 0.5, {2: 10}, t_draft=0.01, t_step=0.04, t_verify={3: 0.06})
+    assert meas == pytest.approx(1.375 * 0.04 / 0.08)
+    # a mix of g = 0 and g = 2 steps (adaptive), two of each
+    thm, meas = predicted(0.5, 1.0, {0: 2, 2: 2}, t_draft=0.01, t_step=0.04,
+                          t_verify={1: 0.04, 3: 0.06})
+    assert thm == pytest.approx((2 * 1 + 2 * 1.75) / (2 * 1 + 2 * 1.5))
+    assert meas == pytest.approx(5.5 * 0.04 / (2 * 0.04 + 2 * (0.02 + 0.06)))
+    # t_verify between measured points: the line through the extremes
+    assert t_verify_at(3, {1: 1.0, 5: 3.0}) == pytest.approx(2.0)
+    assert t_verify_at(9, {2: 0.5}) == 0.5
+
+
+def test_alpha_and_figures_from_steps():
+    # (proposed, accepted) per row: full accept, partial, none, a row that proposed nothing
+    steps = [Step(2, [2, 2, 2, 0], [2, 1, 0, 0], t_draft=0.02, t_verify=0.06, verify_tokens=3)]
+    alpha, f = alpha_mle(steps)
+    assert alpha == pytest.approx(3 / (3 + 2)) and f == pytest.approx(3 / 4)
+
+    def result(i, proposed, accepted, by_pos, tokens):
+        c = Counters(draft_steps=1 if proposed else 0, proposed=proposed, accepted=accepted,
+                     accepted_by_position=by_pos)
+        return Result(id=i, token_ids=[5] * tokens, counters=c)
+
+    results = [result(0, 2, 2, [1, 1], 3), result(1, 2, 1, [1], 2), result(2, 2, 0, [], 1),
+               result(3, 0, 0, [], 1)]
+    spec = Run(FIXED, 4, seconds=1.0, outputs=[r.token_ids for r in results], draft="x", g=2,
+               results=results, steps=steps)
+    none = Run(NONE, 4, seconds=1.4, outputs=[[5]] * 7, g=0, results=[],
+               steps=[Step(0, [0] * 4, [0] * 4, 0.0, 0.04, 1)])
+    hf = Run("hf", 4, seconds=3.5, outputs=[[5]] * 7)
+    row = figures(spec, hf, none)
+    assert row["tokens_per_s"] == 7 and row["speedup_vs_hf"] == pytest.approx(3.5)
+    assert row["speedup_vs_none"] == pytest.approx(1.4)
+    assert row["acceptance_rate"] == pytest.approx(3 / 6)
+    assert row["mean_acceptance_length"] == pytest.approx(1 + 3 / 3)
+    assert row["acceptance_by_position"] == pytest.approx([2 / 3, 1 / 3])
+    assert row["t_draft"] == pytest.approx(0.01) and row["c"] == pytest.approx(0.25)
+    e = 1 + 0.75 * (0.6 + 0.36)
+    assert row["predicted_measured"] == pytest.approx(e * 0.04 / (0.02 + 0.06))
+    assert row["efficiency"] == pytest.approx(1.4 / row["predicted_measured"])
+
+
+def test_greedy_compare_flags_a_real_mismatch(tiny_models):
+    target = tiny_models["target"]
+    prompt = [5, 6, 7, 8]
+    with torch.no_grad():
+        logits = target(input_ids=torch.tensor([prompt])).logits[0, -1]
+    best, worst = int(logits.argmax()), int(logits.argmin())
+    check = NearTieCheck(target, [prompt])
+    same = compare([[best, 9]], [[best, 9]], check)
+    assert same == {"equal": 1, "near_ties": 0, "mismatches": 0, "mismatch_ids": []}
+    assert compare([[best, 9]], [[worst, 9]], check)["mismatches"] == 1
+
+
+def test_prompts_cycle_and_file_errors(tmp_path):
+    assert len(load_prompts(40)) == 40
+    f = tmp_path / "p.jsonl"
+    f.write_text('"plain"\n{"prompt": "p"}\n{"messages": [{"role": "user", "content": "m"}]}\n')
+    assert [c[0].content for c in load_prompts(4, f)] == ["plain", "p", "m", "plain"]
+    f.write_text('{"prompt": "ok"}\n{"nope": 1}\n')
+    with pytest.raises(PromptFileError, match=":2:"):
+        load_prompts(2, f)
+
+
+# -- the shallow draft --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_shallow_draft_shares_the_targets_modules(tiny_models, k):
+    target = tiny_models["target"]
+    draft = shallow_draft(target, k)
+    assert draft.config.num_hidden_layers == k and len(draft.model.layers) == k
+    assert draft.model.embed_tokens.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()
+    assert draft.lm_head.weight.data_ptr() == target.lm_head.weight.data_ptr()
+    assert draft.model.norm.weight.data_ptr() == target.model.norm.weight.data_ptr()
+    for i in range(k):
+        assert draft.model.layers[i] is target.model.layers[i]
+        assert draft.model.layers[i].self_attn.layer_idx == i
+    target_ptrs = {p.data_ptr() for p in target.parameters()}
+    assert all(p.data_ptr() in target_ptrs for p in draft.parameters())
+
+
+def test_shallow_draft_rejects_bad_depth(tiny_models):
+    target = tiny_models["target"]
+    for k in (0, target.config.num_hidden_layers):
+        with pytest.raises(DraftBuildError, match="num_layers"):
+            shallow_draft(target, k)
+
+
+def test_skip_draft_shares_weights_with_its_own_layer_numbers(tiny_models):
+    target = tiny_models["target"]
+    draft = skip_draft(target, [0, 3])
+    assert [layer.self_attn.layer_idx for layer in draft.model.layers] == [0, 1]
+    assert draft.model.layers[1].self_attn.q_proj is target.model.layers[3].self_attn.q_proj
+    assert draft.model.layers[1].mlp is target.model.layers[3].mlp
+    assert target.model.layers[3].self_attn.layer_idx == 3  # the target is untouched
+    target_ptrs = {p.data_ptr() for p in target.parameters()}
+    assert all(p.data_ptr() in target_ptrs for p in draft.parameters())
+    with pytest.raises(DraftBuildError, match="keep"):
+        skip_draft(target, [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("build", [lambda t: shallow_draft(t, 1), lambda t: shallow_draft(t, 2),
+                                   lambda t: skip_draft(t, [0, 3])],
+                         ids=["shallow1", "shallow2", "skip0+3"])
+def test_self_draft_speculation_equals_target_greedy(tiny_models, tiny_tokenizer, build):
+    target = tiny_models["target"]
+    k = 2
+    drafter = DraftModel(build(target), pad_id=tiny_tokenizer.pad_token_id)
+    engine = SpeculativeEngine(target, tiny_tokenizer, drafter, max_batch_size=4,
+                               draft_length=3, adaptive=False)
+    gen = torch.Generator().manual_seed(k)
+    prompts = [(torch.randint(3, 259, (4,), generator=gen).tolist() * 4)[: 6 + 3 * i]
+               for i in range(8)]
+    requests = [Request(id=i, prompt_token_ids=p, max_new_tokens=10 + 2 * i)
+                for i, p in enumerate(prompts)]
+    results = engine.generate(requests)
+    want = []
+    for req in requests:
+        ids = torch.tensor([req.prompt_token_ids])
+        with torch.no_grad():
+            out = target.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False)
+        want.append(out[0, ids.shape[1]:].tolist())
+    verdict = compare(want, [r.token_ids for r in results], NearTieCheck(target, prompts))
+    assert verdict["mismatches"] == 0 and verdict["equal"] >= len(prompts) - 1, verdict
+    assert sum(r.counters.proposed for r in results) > 0
+    assert sum(r.counters.accepted for r in results) > 0

@@ -1,0 +1,243 @@
+"""`specq bench`: when does speculation pay? Side by side, in one process, on the same
+prompts and pair:
+
+(a) hf             HF plain `generate`, target alone, batched, left padded, greedy;
+(b) hf-assisted    HF assisted generation one prompt at a time (assistant_model= or
+                   prompt_lookup_num_tokens=), as a user runs it;
+(c) specq-none     the specq engine without speculation (the NoDraft drafter);
+(d) specq-fixed    the engine with a fixed draft length g, for each g asked;
+(e) specq-adaptive the engine choosing g (0 included) each step.
+
+Run with `python -m worker.bench --help`. The CLI wires it as
+`add_arguments(subparser)` and `run(args)`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import transformers
+
+from configs.presets import get_preset
+from configs.settings import Settings
+from worker.bench.figures import figures
+from worker.bench.greedy import NearTieCheck, compare
+from worker.bench.prompts import load_prompts
+from worker.bench.report import LEGEND, plot, table, write_json
+from worker.bench.runner import (
+    ASSISTED,
+    FIXED,
+    HF,
+    METHODS,
+    NONE,
+    Run,
+    Target,
+    run_assisted,
+    run_hf,
+    run_specq,
+)
+from worker.drafts import shallow_draft, skip_draft
+from worker.engine.drafters import Drafter, DraftModel, PromptLookup
+from worker.engine.request import Request
+from worker.engine.speculative import encode_prompt
+from worker.pairs import Pair, load_pair
+
+log = logging.getLogger(__name__)
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of integers: {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"need integers >= 1: {text!r}")
+    return values
+
+
+def _methods(text: str) -> list[str]:
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown method(s) {unknown}; known: {list(METHODS)}")
+    return names
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The bench's options, on a parser of its own or a `specq bench` subparser."""
+    p.add_argument("--pair", default="smollm2-135m", help="model-pair preset")
+    p.add_argument("--draft", default="preset",
+                   help="comma-separated drafters to compare: preset (the preset's own), "
+                   "lookup (prompt lookup), shallow:K (the target's first K layers), "
+                   "skip:A+B (its first A and last B layers); see worker/drafts.py")
+    p.add_argument("--prompts", type=int, default=16, help="number of prompts")
+    p.add_argument("--prompts-file", type=Path, default=None,
+                   help="JSONL prompts (string, {prompt} or {messages}) instead of the built-in")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16, 64])
+    p.add_argument("--draft-lengths", type=_ints, default=list(range(1, 9)))
+    p.add_argument("--methods", type=_methods, default=list(METHODS),
+                   help=f"comma-separated subset of {','.join(METHODS)}")
+    p.add_argument("--hf-lookup-tokens", type=int, default=10,
+                   help="prompt_lookup_num_tokens for HF assisted prompt lookup")
+    p.add_argument("--output-dir", type=Path, default=Path("bench"))
+    p.add_argument("--device", default=None, help="overrides SPECQ_DEVICE")
+    p.add_argument("--dtype", default=None, help="overrides SPECQ_DTYPE")
+    p.add_argument("--data-dir", type=Path, default=None, help="overrides SPECQ_DATA_DIR")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (1 is steadier on a shared, busy machine)")
+
+
+def _drafters(spec: str, pair: Pair, lookup_tokens: int
+              ) -> list[tuple[str, Callable[[], Drafter], dict]]:
+    """(name, drafter factory, HF assisted kwargs) for each drafter named in ``spec``."""
+    pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else 0
+    vocab = pair.target.get_output_embeddings().weight.shape[0]
+    out = []
+    for name in [x.strip() for x in spec.split(",") if x.strip()]:
+        kind = name
+        if name == "preset":
+            kind = {"model": "model", "prompt_lookup": "lookup"}.get(pair.preset.drafter, "none")
+            name = f"preset:{kind}"
+        if kind == "none":
+            log.warning("drafter %s proposes nothing: no speculative runs for it", name)
+        elif kind == "lookup":
+            out.append((name, PromptLookup, {"prompt_lookup_num_tokens": lookup_tokens}))
+        elif kind == "model" or kind.startswith(("shallow:", "skip:")):
+            if kind == "model":
+                model = pair.drafter.kv.model  # type: ignore[attr-defined]
+            elif kind.startswith("shallow:"):
+                model = shallow_draft(pair.target, int(kind.split(":", 1)[1]))
+            else:  # skip:A+B, the first A and the last B layers
+                first, last = (int(x) for x in kind.split(":", 1)[1].split("+"))
+                total = pair.target.config.num_hidden_layers
+                model = skip_draft(pair.target, [*range(first), *range(total - last, total)])
+            out.append((name, lambda m=model: DraftModel(m, pad_id=pad, vocab_size=vocab),
+                        {"assistant_model": model}))
+        else:
+            raise ValueError(f"--draft: unknown drafter {name!r}")
+    return out
+
+
+def environment(pair: Pair) -> dict:
+    dev = pair.target.device
+    return {
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "python": platform.python_version(), "platform": platform.platform(),
+        "device": str(dev), "dtype": str(pair.target.dtype).removeprefix("torch."),
+        "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+def bench(args: argparse.Namespace) -> dict:
+    """Run every configuration; returns the report (also written as JSON and PNG)."""
+    overrides = {k: v for k in ("device", "dtype", "data_dir")
+                 if (v := getattr(args, k, None)) is not None}
+    settings = Settings(**overrides)
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    pair = load_pair(get_preset(args.pair, settings.presets_file), settings)
+    engine = pair.engine()  # for its EOS ids and pad id, the same the runs use
+    new = args.max_new_tokens
+    target = Target(pair.target, pair.tokenizer, engine.eos_ids, engine.pad_id)
+    prompts = [encode_prompt(pair.tokenizer, Request(messages=m, max_new_tokens=new),
+                             engine.context) for m in load_prompts(args.prompts, args.prompts_file)]
+    drafters = _drafters(args.draft, pair, args.hf_lookup_tokens)
+    methods = {METHODS[m] for m in args.methods}
+    max_g = max(args.draft_lengths)
+    log.info("%d prompts of %d-%d tokens; drafters %s", len(prompts),
+             min(map(len, prompts)), max(map(len, prompts)), [d[0] for d in drafters])
+
+    runs: list[tuple[Run, Run | None, Run | None]] = []  # run, its hf and none baselines
+
+    def done(run: Run, hf: Run | None, none: Run | None) -> None:
+        runs.append((run, hf, none))
+        log.info("%s %s B=%d g=%s: %.1f tok/s", run.method, run.draft or "", run.batch_size,
+                 run.g, run.new_tokens / run.seconds)
+
+    hf1 = none1 = None
+    for B in args.batch_sizes:
+        hf = run_hf(target, prompts, B, new) if HF in methods else None
+        none = run_specq(target, prompts, B, new) if NONE in methods else None
+        for r in (hf, none):
+            if r is not None:
+                done(r, hf, none)
+        if B == min(args.batch_sizes):
+            hf1, none1 = hf, none
+        for name, make, _ in drafters:
+            if FIXED in methods:
+                for g in args.draft_lengths:
+                    done(run_specq(target, prompts, B, new, make_drafter=make, draft=name, g=g,
+                                   max_g=max_g), hf, none)
+            if METHODS["adaptive"] in methods:
+                done(run_specq(target, prompts, B, new, make_drafter=make, draft=name, g=None,
+                               max_g=max_g), hf, none)
+    if ASSISTED in methods:  # batch size is irrelevant: compare with the smallest's baselines
+        for name, _, assistant in drafters:
+            done(run_assisted(target, prompts, new, name, assistant), hf1, none1)
+
+    reference = next((r for r, _, _ in runs if r.method == HF), None) or runs[0][0]
+    near_tie = NearTieCheck(pair.target, prompts)
+    rows = []
+    for run, hf, none in runs:
+        row = figures(run, hf, none)
+        row["reference"] = run is reference
+        row["greedy"] = None if run is reference else compare(reference.outputs, run.outputs,
+                                                              near_tie)
+        rows.append(row)
+    mismatched = sum(1 for r in rows if r["greedy"] and r["greedy"]["mismatches"])
+    if mismatched:
+        log.error("greedy outputs differ from the reference in %d run(s)", mismatched)
+    return {
+        "environment": environment(pair),
+        "config": {
+            "pair": args.pair, "drafts": [d[0] for d in drafters], "prompts": len(prompts),
+            "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": new,
+            "batch_sizes": args.batch_sizes, "draft_lengths": args.draft_lengths,
+            "methods": sorted(methods), "hf_lookup_tokens": args.hf_lookup_tokens,
+            "command": " ".join(sys.argv),
+        },
+        "reference": f"{reference.method} B={reference.batch_size}",
+        "greedy_mismatched_runs": mismatched,
+        "runs": rows,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Bench, print the table, write bench.json and bench.png under --output-dir.
+    Returns 1 when greedy outputs mismatched (not near-ties), else 0."""
+    report = bench(args)
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_json(out / "bench.json", report)
+    plot(out / "bench.png", report["runs"])
+    env = report["environment"]
+    print(f"specq bench: {args.pair}, {report['config']['prompts']} prompts, "
+          f"{args.max_new_tokens} new tokens, {env['device']} {env['dtype']}, "
+          f"{env['cpu_count']} CPUs, torch {env['torch']}; reference: {report['reference']}")
+    print(table(report["runs"]))
+    print(LEGEND)
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
+    return 1 if report["greedy_mismatched_runs"] else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m worker.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    add_arguments(p)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run(args)

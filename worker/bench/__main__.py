@@ -1,0 +1,5 @@
+import sys
+
+from worker.bench import main
+
+sys.exit(main())

@@ -1,0 +1,109 @@
+"""The bench's outputs: a terminal table, a JSON file of every figure, a PNG plot."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from worker.bench.runner import ADAPTIVE, ASSISTED, FIXED, HF, NONE
+
+log = logging.getLogger(__name__)
+
+COLUMNS = [  # header, key, format
+    ("draft", "draft", "{}"), ("method", "method", "{}"), ("B", "batch_size", "{}"),
+    ("g", "g", "{}"), ("tok/s", "tokens_per_s", "{:.1f}"), ("xHF", "speedup_vs_hf", "{:.2f}"),
+    ("xnone", "speedup_vs_none", "{:.2f}"), ("acc", "acceptance_rate", "{:.2f}"),
+    ("alpha", "alpha", "{:.2f}"), ("mal", "mean_acceptance_length", "{:.2f}"),
+    ("c", "c", "{:.2f}"), ("thm3.8", "predicted_theorem", "{:.2f}"),
+    ("pred", "predicted_measured", "{:.2f}"), ("eff", "efficiency", "{:.2f}"),
+    ("greedy", "greedy", "{}"),
+]
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    v = row.get(key)
+    if key == "greedy":
+        if not v:
+            return "ref" if row.get("reference") else "-"
+        flag = "" if not v["mismatches"] else " MISMATCH"
+        tie = f"~{v['near_ties']}" if v["near_ties"] else ""
+        return f"{v['equal']}/{v['equal'] + v['near_ties'] + v['mismatches']}{tie}{flag}"
+    if key == "g" and v is None and row["method"] == ADAPTIVE:
+        return "auto"
+    return "-" if v is None else fmt.format(v)
+
+
+def table(rows: list[dict]) -> str:
+    """Plain fixed-width text, one line per run."""
+    cells = [[h for h, _, _ in COLUMNS]] + [[_cell(r, k, f) for _, k, f in COLUMNS]
+                                             for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+LEGEND = (
+    "xHF: speedup over HF plain generate at the same batch size (hf-assisted: over batch 1); "
+    "xnone: over specq without speculation; acc: accepted/proposed; alpha: per-token "
+    "acceptance probability; mal: mean acceptance length (bonus included); c: draft step / "
+    "plain decode step; thm3.8: Leviathan Thm 3.8 from alpha, g, c; pred: with the measured "
+    "verify cost; eff: xnone / pred; greedy: prompts equal to the reference (~near-ties)."
+)
+
+
+def write_json(path: Path, report: dict) -> None:
+    path.write_text(json.dumps(report, indent=1, allow_nan=False))
+    log.info("wrote %s", path)
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    """Speedup over HF plain vs batch size per method; acceptance by draft position."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax0, ax1, ax2) = plt.subplots(1, 3, figsize=(18, 5.5))
+    for ax, key, title in [(ax0, "tokens_per_s", "New tokens per second"),
+                           (ax1, "speedup_vs_hf", "Speedup over HF plain generate")]:
+        series: dict[str, list[tuple[int, float]]] = {}
+        for r in rows:
+            if r.get(key) is not None:
+                series.setdefault(_label(r), []).append((r["batch_size"], r[key]))
+        for label, pts in series.items():
+            xs, ys = zip(*sorted(pts))
+            style = "o--" if label in (HF, NONE) else "s" if ASSISTED in label else "o-"
+            ax.plot(xs, ys, style, label=label)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_title(title)
+        if series:
+            ax.legend(fontsize=7)
+    ax0.set_yscale("log")
+    ax1.axhline(1.0, color="grey", lw=0.8)
+
+    smallest = min((r["batch_size"] for r in rows), default=1)
+    for r in rows:
+        acc = r.get("acceptance_by_position")
+        if r["batch_size"] == smallest and acc and r["method"] in (FIXED, ADAPTIVE):
+            ax2.plot(range(1, len(acc) + 1), acc, "o-", label=_label(r))
+    ax2.set_xlabel("draft position i")
+    ax2.set_ylabel("share of draft steps accepting >= i tokens")
+    ax2.set_ylim(0, 1)
+    ax2.set_title(f"Acceptance by draft position (batch {smallest})")
+    if ax2.lines:
+        ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    log.info("wrote %s", path)
+
+
+def _label(r: dict) -> str:
+    if r["method"] in (HF, NONE):
+        return r["method"]
+    g = "auto" if r["method"] == ADAPTIVE else r["g"]
+    suffix = "" if r["method"] == ASSISTED else f" g={g}"
+    return f"{r['method']} {r['draft']}{suffix}"

@@ -1,0 +1,160 @@
+"""Running one configuration: HF plain, HF assisted, or a specq engine, timed alike.
+
+Every runner takes prompt token ids and returns a Run: wall seconds, the generated ids
+of each prompt (up to and including EOS), and for specq the results and every step the
+engine's draft-length policy observed (g, proposals, acceptances, draft and verify time).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import PreTrainedModel
+
+from worker.engine.batch import left_pad
+from worker.engine.drafters import Drafter, NoDraft
+from worker.engine.request import Request, Result
+from worker.engine.speculative import SpeculativeEngine
+
+log = logging.getLogger(__name__)
+
+HF, ASSISTED, NONE, FIXED, ADAPTIVE = "hf", "hf-assisted", "specq-none", "specq-fixed", \
+    "specq-adaptive"
+METHODS = {"hf": HF, "assisted": ASSISTED, "none": NONE, "fixed": FIXED, "adaptive": ADAPTIVE}
+
+
+@dataclass
+class Step:
+    """One engine step as the policy saw it."""
+
+    g: int
+    num_draft: list[int]  # per row
+    accepted: list[int]  # per row
+    t_draft: float  # seconds drafting (all g tokens)
+    t_verify: float  # seconds of the target pass
+    verify_tokens: int  # tokens per row in that pass
+
+
+@dataclass
+class Run:
+    method: str
+    batch_size: int
+    seconds: float
+    outputs: list[list[int]]  # per prompt: generated ids up to and including EOS
+    draft: str | None = None
+    g: int | None = None  # fixed draft length; None for adaptive and HF
+    results: list[Result] | None = None
+    steps: list[Step] = field(default_factory=list)
+    snapshot: dict | None = None  # the engine policy's own (decayed) estimates
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(o) for o in self.outputs)
+
+
+@dataclass
+class Target:
+    """What every runner needs to know of the target."""
+
+    model: PreTrainedModel
+    tokenizer: object
+    eos_ids: set[int]
+    pad_id: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def cut_at_eos(ids: list[int], eos_ids: set[int]) -> list[int]:
+    for i, t in enumerate(ids):
+        if t in eos_ids:
+            return ids[: i + 1]
+    return ids
+
+
+def _hf_generate(t: Target, prompts: list[list[int]], max_new: int, **extra) -> list[list[int]]:
+    ids, valid = left_pad(prompts, t.pad_id, t.model.device)  # [B, T]
+    out = t.model.generate(
+        input_ids=ids, attention_mask=valid.long(), max_new_tokens=max_new, do_sample=False,
+        pad_token_id=t.pad_id, eos_token_id=sorted(t.eos_ids), **extra,
+    )  # [B, T + new]
+    return [cut_at_eos(row, t.eos_ids) for row in out[:, ids.shape[1]:].tolist()]
+
+
+def run_hf(t: Target, prompts: list[list[int]], batch_size: int, max_new: int) -> Run:
+    """(a) plain batched greedy `generate` with the target alone, left padded."""
+    _hf_generate(t, prompts[:batch_size], 2)  # warm-up
+    outputs: list[list[int]] = []
+    _sync(t.model.device)
+    t0 = time.perf_counter()
+    for i in range(0, len(prompts), batch_size):
+        outputs += _hf_generate(t, prompts[i : i + batch_size], max_new)
+    _sync(t.model.device)
+    return Run(HF, batch_size, time.perf_counter() - t0, outputs)
+
+
+def run_assisted(t: Target, prompts: list[list[int]], max_new: int, draft: str,
+                 assistant: dict) -> Run:
+    """(b) HF assisted generation one prompt at a time (``assistant`` holds either
+    assistant_model= or prompt_lookup_num_tokens=), as a user would run it."""
+    _hf_generate(t, prompts[:1], 4, **assistant)  # warm-up
+    _sync(t.model.device)
+    t0 = time.perf_counter()
+    outputs = [_hf_generate(t, [p], max_new, **assistant)[0] for p in prompts]
+    _sync(t.model.device)
+    return Run(ASSISTED, 1, time.perf_counter() - t0, outputs, draft=draft)
+
+
+def _recording(engine: SpeculativeEngine) -> list[Step]:
+    """Record every step the engine's policy observes (the policy's own estimates are
+    decayed means, weighted to the last steps; the bench wants the whole run)."""
+    steps: list[Step] = []
+    observe = engine.policy.observe
+
+    def observe_and_record(g, num_draft, num_accepted, t_draft, t_verify, verify_tokens):
+        steps.append(Step(g, list(num_draft), list(num_accepted), t_draft, t_verify,
+                          verify_tokens))
+        observe(g, num_draft, num_accepted, t_draft, t_verify, verify_tokens)
+
+    engine.policy.observe = observe_and_record
+    return steps
+
+
+def run_specq(t: Target, prompts: list[list[int]], batch_size: int, max_new: int, *,
+              make_drafter: Callable[[], Drafter] = NoDraft, draft: str | None = None,
+              g: int | None = 0, max_g: int = 8) -> Run:
+    """(c) no speculation (the default NoDraft), (d) fixed g, or (e) adaptive (g=None).
+
+    A fresh engine (fresh policy, fresh drafter) is timed after a throwaway one warms up.
+    """
+    adaptive = g is None
+
+    def engine() -> SpeculativeEngine:
+        length = min(4, max_g) if adaptive else g
+        return SpeculativeEngine(t.model, t.tokenizer, make_drafter(), max_batch_size=batch_size,
+                                 draft_length=length, adaptive=adaptive,
+                                 max_draft_length=max(max_g, length))
+
+    requests = [Request(id=i, prompt_token_ids=p, max_new_tokens=max_new)
+                for i, p in enumerate(prompts)]
+    warm = [r.model_copy(update={"max_new_tokens": 4}) for r in requests[:batch_size]]
+    engine().generate(warm)
+    eng = engine()
+    steps = _recording(eng)
+    _sync(t.model.device)
+    t0 = time.perf_counter()
+    results = eng.generate(requests)
+    _sync(t.model.device)
+    seconds = time.perf_counter() - t0
+    for r in results:
+        if r.error:
+            raise RuntimeError(f"request {r.id}: {r.error}")
+    method = NONE if g == 0 else ADAPTIVE if adaptive else FIXED
+    return Run(method, batch_size, seconds, [r.token_ids for r in results], draft=draft, g=g,
+               results=results, steps=steps, snapshot=eng.policy.snapshot())
