@@ -81,6 +81,11 @@ def parse_entries(
     for index, (where, raw) in enumerate(raw_entries):
         try:
             row = normalise(raw)
+            texts = [row["prompt"] or ""] + [str(m.get("content", "")) for m in
+                                             row["messages"] or [] if isinstance(m, dict)]
+            if any("\x00" in t for t in texts):
+                raise _Problem("prompt: contains a NUL character (\\u0000), which no text "
+                               "column can store")
             overrides = row["params"] or {}
             request = Request(id=index, prompt=row["prompt"], messages=row["messages"],
                               **{**defaults, **overrides})

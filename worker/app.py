@@ -24,7 +24,13 @@ def make_app(settings: Settings) -> Celery:
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
-        broker_transport_options={"visibility_timeout": settings.visibility_timeout},
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout,
+            # Sweep for chunks abandoned by a dead worker every few seconds (the default
+            # sweep runs only every 10th timer tick, i.e. every ~100 s).
+            "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 2)),
+            "unacked_restore_throttle": 1,
+        },
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=True,
         worker_send_task_events=False,

@@ -16,7 +16,7 @@ from typing import Any
 
 from celery.signals import worker_init, worker_process_init
 from pydantic import ValidationError
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from configs.presets import get_preset
@@ -116,7 +116,8 @@ def run_chunk(
             log.info("job %s: cancelling; chunk [%d, %d): %d items cancelled",
                      job_id, start, end, report.cancelled)
             return report
-        if status.finished:
+        if status.finished:  # e.g. a chunk redelivered after its job completed
+            report.skipped = end - start
             report.job_status = status.value
             return report
         if job.pair != pair:
@@ -130,14 +131,29 @@ def run_chunk(
         outcomes = generate(engine, items, params, hostname, on_item)
     else:
         outcomes = []
+    try:
+        write(sessions, job_id, outcomes, report)
+    except OperationalError:
+        raise  # the database is unreachable: the task retries the chunk later
+    except SQLAlchemyError as exc:  # outcomes the database refuses: the items say why
+        log.exception("job %s: chunk [%d, %d): outcomes refused", job_id, start, end)
+        error = f"could not store the outcome: {type(exc.orig or exc).__name__}: {exc.orig or exc}"
+        write(sessions, job_id, [_outcome(o["index"], Result(id=o["index"], error=error),
+                                          hostname, o["started_at"], o["finished_at"])
+                                 for o in outcomes], report)
+    log.info("job %s: chunk [%d, %d): %d written, %d skipped; job %s",
+             job_id, start, end, report.written, report.skipped, report.job_status)
+    return report
+
+
+def write(sessions: sessionmaker[Session], job_id: int, outcomes: list[dict[str, Any]],
+          report: ChunkReport) -> None:
+    """The chunk's outcomes and the job's status, in one transaction under the job's lock."""
     with sessions.begin() as s:
         repo.lock_job(s, job_id=job_id)
         report.written = repo.write_outcomes(s, job_id=job_id, outcomes=outcomes)
         report.skipped += len(outcomes) - report.written
         report.job_status = repo.settle_job(s, job_id=job_id).value
-    log.info("job %s: chunk [%d, %d): %d written, %d skipped; job %s",
-             job_id, start, end, report.written, report.skipped, report.job_status)
-    return report
 
 
 def generate(
@@ -184,13 +200,14 @@ def generate(
 
 def _outcome(index: int, res: Result, hostname: str, started: Any, finished: Any) -> dict:
     c: Counters = res.counters
+    text = None if res.error else _storable(res.text)
     return {
         "index": index,
         "status": (ItemStatus.failed if res.error else ItemStatus.completed).value,
-        "output": None if res.error else res.text,
+        "output": text,
         "token_ids": None if res.error else list(res.token_ids),
         "finish_reason": res.finish_reason,
-        "error": res.error,
+        "error": _storable(res.error),
         "prompt_tokens": res.prompt_tokens,
         "accepted_by_position": list(c.accepted_by_position),
         "worker": hostname,
@@ -217,3 +234,9 @@ def run_inline(
         for start, end in chunks:
             run_chunk(sessions=sessions, engine=engine, pair=pair, job_id=job_id, start=start,
                       end=end, hostname=hostname, on_item=lambda: bar.update(1))
+
+
+def _storable(text: str | None) -> str | None:
+    """Text as every database stores it: PostgreSQL text cannot hold NUL, so NUL becomes
+    U+FFFD (the token ids keep the exact output)."""
+    return text.replace("\x00", "\ufffd") if text else text

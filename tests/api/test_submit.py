@@ -66,6 +66,8 @@ LONG = " ".join(["word"] * 600)  # 3000 bytes: beyond the tiny model's 512-token
       {"custom_id": "x", "prompt": "c"}], "tiny", {},
      r"line 3: custom_id: 'x' is already used at line 1"),
     ([{"prompt": "ok", "max_new_tokens": 0}], "tiny", {}, r"line 1: max_new_tokens: Input should"),
+    ([{"messages": [{"role": "user", "content": "a\u0000b"}]}], "tiny", {},
+     r"line 1: prompt: contains a NUL character"),
     ([{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}], "tiny", {},
      r"line 1: give exactly one of prompt, messages"),
 ])

@@ -18,7 +18,7 @@ from sqlalchemy import create_engine, text
 
 from api.client import Client
 from configs.settings import Settings
-from db.session import get_engine
+from db.session import get_engine, migrate
 from worker.tiny import build_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +42,7 @@ def pg_url():
 @pytest.fixture(scope="session")
 def settings(pg_url, tmp_path_factory):
     """PostgreSQL + Redis settings; the queue prefix keeps this session's queues apart."""
+    migrate(pg_url)
     data_dir = tmp_path_factory.mktemp("data")
     build_tiny_pair(data_dir / "tiny")
     prefix = f"specq-test-{uuid.uuid4().hex[:8]}"
@@ -56,7 +57,7 @@ def settings(pg_url, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def client(settings):
-    return Client(settings, auto_migrate=True)
+    return Client(settings)
 
 
 def worker_env(settings: Settings) -> dict[str, str]:
@@ -93,7 +94,10 @@ class WorkerProcess:
         raise TimeoutError(f"worker not ready after {timeout} s:\n{self.output()}")
 
     def output(self) -> str:
-        return self.log.read_text()[-4000:]
+        """The worker's log lines about chunks and errors (its model-loading noise left out)."""
+        lines = [x for x in self.log.read_text().splitlines()
+                 if "chunk" in x or "ERROR" in x or "Traceback" in x or "ready" in x]
+        return f"--- {self.name}\n" + "\n".join(lines[-60:]) + "\n"
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

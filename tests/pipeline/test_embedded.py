@@ -1,0 +1,37 @@
+"""`specq run`: the embedded default, SQLite and the task code in-process, no servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from sqlalchemy import create_engine, text
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_specq_run_on_the_example_file(tmp_path, settings):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECQ_")}
+    env["SPECQ_DATA_DIR"] = str(tmp_path / "data")
+    out = tmp_path / "results.jsonl"
+    example = ROOT / "examples" / "prompts.jsonl"
+    proc = subprocess.run(
+        [sys.executable, "-m", "api.cli", "run", str(example), "--pair", "tiny",
+         "--output", str(out), "--chunk-size", "5"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    expected = [json.loads(x)["custom_id"] for x in example.read_text().splitlines()]
+    assert [x["custom_id"] for x in lines] == expected
+    assert all(x["status"] == "completed" and x["output"] is not None for x in lines)
+    metrics = json.loads(proc.stdout)
+    assert metrics["completed"] == len(expected) and metrics["acceptance_rate"] > 0
+    db = create_engine(f"sqlite:///{tmp_path / 'data' / 'specq.db'}")
+    with db.connect() as conn:  # the results are kept in the database too
+        assert conn.execute(text("SELECT status FROM jobs")).scalars().all() == ["completed"]
+        assert conn.execute(text("SELECT count(*) FROM items WHERE output IS NOT NULL")
+                            ).scalar() == len(expected)
