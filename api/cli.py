@@ -74,6 +74,12 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("migrate", help="create or upgrade the database schema (alembic)")
     s.set_defaults(func=cmd_migrate)
+
+    from worker import bench
+
+    s = sub.add_parser("bench", help="when does speculation pay? methods side by side")
+    bench.add_arguments(s)
+    s.set_defaults(func=bench.run)
     return p
 
 
