@@ -51,11 +51,20 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_run)
 
     for name, func, text in [("status", cmd_status, "a job's status and counts"),
-                             ("metrics", cmd_metrics, "a job's acceptance metrics"),
                              ("cancel", cmd_cancel, "cancel a job at its next chunk")]:
         s = sub.add_parser(name, help=text)
         s.add_argument("job", type=int)
         s.set_defaults(func=func)
+
+    s = sub.add_parser("metrics", help="a job's acceptance metrics, draft lengths, tokens/s")
+    s.add_argument("job", type=int)
+    s.add_argument("--json", action="store_true", help="every figure as JSON")
+    s.set_defaults(func=cmd_metrics)
+
+    s = sub.add_parser("report", help="draw a job's metrics to a PNG")
+    s.add_argument("job", type=int)
+    s.add_argument("--output", "-o", default="report.png")
+    s.set_defaults(func=cmd_report)
 
     s = sub.add_parser("results", help="export a job's items as JSONL (streamed)")
     s.add_argument("job", type=int)
@@ -166,7 +175,21 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    print(json.dumps(_summary(Client().job(args.job).metrics().as_dict()), indent=2))
+    from api.report import format_metrics
+
+    metrics = Client().job(args.job).metrics()
+    if args.json:
+        print(json.dumps(_summary(metrics.as_dict()), indent=2))
+    else:
+        print(format_metrics(metrics))
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from api.report import draw_report
+
+    path = draw_report(Client().job(args.job).metrics(), args.output)
+    print(f"report written to {path}", file=sys.stderr)
     return 0
 
 

@@ -101,6 +101,24 @@ class JobMetrics:
     verify_time: float
     wall_time: float | None  # first item start → last item finish
     accepted_by_position: list[int] = field(default_factory=list)
+    steps_by_draft_length: list[int] = field(default_factory=list)  # [g]: steps run at g
+    draft_length_over_time: list[float] = field(default_factory=list)  # mean g, by 10ths
+
+    @property
+    def mean_draft_length(self) -> float | None:
+        steps = sum(self.steps_by_draft_length)
+        return sum(g * n for g, n in enumerate(self.steps_by_draft_length)) / steps if steps \
+            else None
+
+    @property
+    def estimated_speedup(self) -> float | None:
+        """Tokens per target pass x the verify share of engine time: the speedup over plain
+        decoding if a plain step cost what a verify pass did (Thm 3.8's flat-cost view;
+        `specq bench` measures the real one side by side)."""
+        busy = self.draft_time + self.verify_time
+        if not self.target_passes or not busy:
+            return None
+        return self.new_tokens / self.target_passes * self.verify_time / busy
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -129,7 +147,8 @@ class JobMetrics:
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for name in ("acceptance_rate", "mean_acceptance_length", "acceptance_by_position",
-                     "tokens_per_second", "engine_tokens_per_second"):
+                     "tokens_per_second", "engine_tokens_per_second", "mean_draft_length",
+                     "estimated_speedup"):
             d[name] = getattr(self, name)
         return d
 
@@ -358,6 +377,7 @@ class Job:
             for it in repo.iter_items(s, job_id=self.id, batch=batch):
                 counters = {c: getattr(it, c) for c in repo.COUNTER_COLUMNS}
                 counters["accepted_by_position"] = it.accepted_by_position
+                counters["steps_by_draft_length"] = it.steps_by_draft_length
                 yield ItemResult(
                     index=it.index, custom_id=it.custom_id, status=it.status,
                     output=it.output, finish_reason=it.finish_reason, error=it.error,
@@ -372,6 +392,8 @@ class Job:
             counts = repo.status_counts(s, job_id=self.id)
             sums = repo.counter_sums(s, job_id=self.id)
             by_position = repo.accepted_by_position(s, job_id=self.id)
+            by_g = repo.array_sums(s, job_id=self.id, column="steps_by_draft_length")
+            timeline = repo.draft_length_timeline(s, job_id=self.id)
         first, last = sums.pop("first_started"), sums.pop("last_finished")
         return JobMetrics(
             job_id=self.id, status=job.status, total=job.total,
@@ -379,6 +401,7 @@ class Job:
             cancelled=counts[ItemStatus.cancelled.value], pending=counts[ItemStatus.pending.value],
             **{k: (float(v) if k.endswith("_time") else int(v)) for k, v in sums.items()},
             wall_time=repo.elapsed(first, last), accepted_by_position=by_position,
+            steps_by_draft_length=by_g, draft_length_over_time=_mean_g_by_tenths(timeline),
         )
 
     def cancel(self) -> JobState:
@@ -386,6 +409,21 @@ class Job:
         with self.client.sessions.begin() as s:
             repo.request_cancel(s, job_id=self.id)
         return self.status(check_workers=False)
+
+
+def _mean_g_by_tenths(timeline: list[tuple[Any, list[int]]]) -> list[float]:
+    """Mean draft length of the steps of each tenth of the items, in finishing order."""
+    n = len(timeline)
+    out = []
+    for k in range(min(10, n)):
+        part = timeline[k * n // min(10, n):(k + 1) * n // min(10, n)]
+        steps = [0] * max((len(s) for _, s in part), default=0)
+        for _, s in part:
+            for g, c in enumerate(s):
+                steps[g] += c
+        total = sum(steps)
+        out.append(sum(g * c for g, c in enumerate(steps)) / total if total else 0.0)
+    return out
 
 
 @lru_cache(maxsize=8)

@@ -116,6 +116,7 @@ class Item(Base):
     proposed: Mapped[int | None] = mapped_column(Integer)
     accepted: Mapped[int | None] = mapped_column(Integer)
     accepted_by_position: Mapped[list[int] | None] = mapped_column(JSON)
+    steps_by_draft_length: Mapped[list[int] | None] = mapped_column(JSON)  # [g]: steps at g
     target_passes: Mapped[int | None] = mapped_column(Integer)
     new_tokens: Mapped[int | None] = mapped_column(Integer)
     draft_time: Mapped[float | None] = mapped_column(Float)

@@ -22,7 +22,8 @@ COUNTER_COLUMNS = (
 )
 OUTCOME_COLUMNS = (
     "status", "output", "token_ids", "finish_reason", "error", "prompt_tokens",
-    "accepted_by_position", "worker", "started_at", "finished_at", *COUNTER_COLUMNS,
+    "accepted_by_position", "steps_by_draft_length", "worker", "started_at", "finished_at",
+    *COUNTER_COLUMNS,
 )
 
 
@@ -211,29 +212,48 @@ def counter_sums(session: Session, *, job_id: int) -> dict[str, Any]:
     return dict(row._mapping)
 
 
-_BY_POSITION = {
+_ARRAY_SUMS = {
     "sqlite": """
         SELECT CAST(p.key AS INTEGER) AS pos, SUM(p.value) AS n
-        FROM items, json_each(items.accepted_by_position) AS p
-        WHERE items.job_id = :job_id AND json_type(items.accepted_by_position) = 'array'
+        FROM items, json_each(items.{col}) AS p
+        WHERE items.job_id = :job_id AND json_type(items.{col}) = 'array'
         GROUP BY pos ORDER BY pos""",
     "postgresql": """
         SELECT p.ord - 1 AS pos, SUM(p.value::int) AS n
         FROM items,
-             json_array_elements_text(items.accepted_by_position) WITH ORDINALITY AS p(value, ord)
-        WHERE items.job_id = :job_id AND json_typeof(items.accepted_by_position) = 'array'
+             json_array_elements_text(items.{col}) WITH ORDINALITY AS p(value, ord)
+        WHERE items.job_id = :job_id AND json_typeof(items.{col}) = 'array'
         GROUP BY pos ORDER BY pos""",
 }
+ARRAY_COUNTERS = ("accepted_by_position", "steps_by_draft_length")
 
 
-def accepted_by_position(session: Session, *, job_id: int) -> list[int]:
-    """Draft tokens accepted at each draft slot, summed over the job's items in SQL."""
+def array_sums(session: Session, *, job_id: int, column: str) -> list[int]:
+    """Element-wise sums of a JSON array counter over the job's items, in SQL."""
+    if column not in ARRAY_COUNTERS:
+        raise ValueError(f"{column!r} is not one of {ARRAY_COUNTERS}")
     dialect = session.get_bind().dialect.name
-    rows = session.execute(text(_BY_POSITION[dialect]), {"job_id": job_id}).all()
+    sql = _ARRAY_SUMS[dialect].format(col=column)
+    rows = session.execute(text(sql), {"job_id": job_id}).all()
     out = [0] * (max((pos for pos, _ in rows), default=-1) + 1)
     for pos, n in rows:
         out[pos] = int(n)
     return out
+
+
+def accepted_by_position(session: Session, *, job_id: int) -> list[int]:
+    """Draft tokens accepted at each draft slot, summed over the job's items in SQL."""
+    return array_sums(session, job_id=job_id, column="accepted_by_position")
+
+
+def draft_length_timeline(session: Session, *, job_id: int) -> list[tuple[Any, list[int]]]:
+    """(finished_at, steps_by_draft_length) of the job's written items, oldest first."""
+    stmt = (
+        select(Item.finished_at, Item.steps_by_draft_length)
+        .where(Item.job_id == job_id, Item.steps_by_draft_length.is_not(None))
+        .order_by(Item.finished_at, Item.index)
+    )
+    return [(t, list(steps)) for t, steps in session.execute(stmt)]
 
 
 def elapsed(first: datetime | None, last: datetime | None) -> float | None:

@@ -210,6 +210,7 @@ def _outcome(index: int, res: Result, hostname: str, started: Any, finished: Any
         "error": _storable(res.error),
         "prompt_tokens": res.prompt_tokens,
         "accepted_by_position": list(c.accepted_by_position),
+        "steps_by_draft_length": list(c.steps_by_draft_length),
         "worker": hostname,
         "started_at": started,
         "finished_at": finished,

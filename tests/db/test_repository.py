@@ -26,7 +26,8 @@ def _outcome(index, accepted_by_position, draft_steps=2, new_tokens=5):
     return {
         "index": index, "status": ItemStatus.completed.value, "output": f"out{index}",
         "token_ids": [1, 2], "finish_reason": "length", "error": None, "prompt_tokens": 3,
-        "accepted_by_position": accepted_by_position, "worker": "w", "started_at": None,
+        "accepted_by_position": accepted_by_position, "steps_by_draft_length": [1, draft_steps],
+        "worker": "w", "started_at": None,
         "finished_at": None, "draft_steps": draft_steps, "proposed": 4 * draft_steps,
         "accepted": sum(accepted_by_position), "target_passes": 3, "new_tokens": new_tokens,
         "draft_time": 0.5, "verify_time": 0.25,

@@ -1,0 +1,67 @@
+"""What `specq metrics` and `specq report` show, derived from the stored item counters."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from api.report import draw_report, format_metrics
+from configs.presets import get_preset
+from worker.pairs import load_pair
+from worker.tasks import run_inline
+
+_spec = importlib.util.spec_from_file_location("pipeline_conftest",
+                                               Path(__file__).with_name("conftest.py"))
+_conftest = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_conftest)
+
+
+@pytest.fixture(scope="module")
+def finished_job(client, settings):
+    engine = load_pair(get_preset("tiny"), settings).engine(max_batch_size=4)
+    job = client.submit([f"Rewrite: item {i} is here" for i in range(12)], pair="tiny",
+                        enqueue=False, max_new_tokens=12, chunk_size=5)
+    run_inline(sessions=client.sessions, engine=engine, pair="tiny", job_id=job.id,
+               progress=False)
+    return job
+
+
+def test_metrics_are_sums_of_item_counters(finished_job):
+    m = finished_job.metrics()
+    items = list(finished_job.results())
+    by_g = [0] * max(len(it.counters["steps_by_draft_length"] or []) for it in items)
+    for it in items:
+        for g, n in enumerate(it.counters["steps_by_draft_length"] or []):
+            by_g[g] += n
+    assert m.steps_by_draft_length == by_g and sum(by_g) > 0
+    assert sum(by_g) == m.target_passes - m.completed  # every pass but each item's prefill
+    assert m.accepted == sum(it.counters["accepted"] for it in items)
+    assert 1 <= len(m.draft_length_over_time) <= 10
+    assert m.mean_draft_length == pytest.approx(
+        sum(g * n for g, n in enumerate(by_g)) / sum(by_g))
+    busy = m.draft_time + m.verify_time
+    assert m.estimated_speedup == pytest.approx(
+        m.new_tokens / m.target_passes * m.verify_time / busy)
+    text = format_metrics(m)
+    for needle in ("acceptance rate", "mean acceptance length", "accepted by position",
+                   "steps by draft length", "g over time", "tokens/s"):
+        assert needle in text
+
+
+def test_report_png_and_cli(finished_job, settings, tmp_path):
+    png = draw_report(finished_job.metrics(), tmp_path / "r.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    env = _conftest.worker_env(settings)
+    cli = [sys.executable, "-m", "api.cli"]
+    out = subprocess.run(cli + ["metrics", str(finished_job.id)], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "acceptance rate" in out.stdout and f"job {finished_job.id}" in out.stdout
+    out = subprocess.run(cli + ["report", str(finished_job.id), "-o", str(tmp_path / "c.png")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "c.png").stat().st_size > 1000
