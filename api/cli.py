@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from api.client import Client, Job
+from api.formats import FORMATS
 from api.inputs import InputError
 from configs.settings import get_settings
 
@@ -50,11 +51,16 @@ def parser() -> argparse.ArgumentParser:
     _job_flags(s)
     s.set_defaults(func=cmd_run)
 
-    for name, func, text in [("status", cmd_status, "a job's status and counts"),
-                             ("cancel", cmd_cancel, "cancel a job at its next chunk")]:
-        s = sub.add_parser(name, help=text)
-        s.add_argument("job", type=int)
-        s.set_defaults(func=func)
+    s = sub.add_parser("status", help="a job's status and counts")
+    s.add_argument("job", type=int)
+    s.add_argument("--watch", action="store_true",
+                   help="refresh progress and acceptance rate until the job finishes")
+    s.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    s.set_defaults(func=cmd_status)
+
+    s = sub.add_parser("cancel", help="cancel a job at its next chunk")
+    s.add_argument("job", type=int)
+    s.set_defaults(func=cmd_cancel)
 
     s = sub.add_parser("metrics", help="a job's acceptance metrics, draft lengths, tokens/s")
     s.add_argument("job", type=int)
@@ -66,14 +72,39 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--output", "-o", default="report.png")
     s.set_defaults(func=cmd_report)
 
-    s = sub.add_parser("results", help="export a job's items as JSONL (streamed)")
+    s = sub.add_parser("results", help="export a job's items (streamed): jsonl, openai, parquet")
     s.add_argument("job", type=int)
     s.add_argument("--output", "-o", default="-", help="file, or - for stdout")
+    s.add_argument("--format", "-f", default="jsonl", choices=FORMATS,
+                   help="jsonl (stored outcomes), openai (Batch API output lines), parquet")
     s.set_defaults(func=cmd_results)
 
     s = sub.add_parser("jobs", help="the latest jobs")
     s.add_argument("--limit", type=int, default=20)
+    s.add_argument("--schedule", help="only the runs of this beat schedule, with metrics")
     s.set_defaults(func=cmd_jobs)
+
+    synth = sub.add_parser("synth", help="dataset synthesis from a spec (configs/synth/*.yaml)")
+    ssub = synth.add_subparsers(required=True, metavar="ACTION")
+    s = ssub.add_parser("run", help="check the spec, submit it; with --wait write its data set")
+    s.add_argument("spec")
+    s.add_argument("--wait", action="store_true", help="wait, then write the output data set")
+    s.add_argument("--timeout", type=float, help="seconds to wait at most")
+    s.set_defaults(func=cmd_synth_run)
+    s = ssub.add_parser("check", help="validate a spec (every row rendered); submits nothing")
+    s.add_argument("spec")
+    s.set_defaults(func=cmd_synth_check)
+    s = ssub.add_parser("write", help="write a finished synthesis job's data set")
+    s.add_argument("job", type=int)
+    s.set_defaults(func=cmd_synth_write)
+    s = ssub.add_parser("runs", help="the runs of one beat schedule and their metrics")
+    s.add_argument("schedule")
+    s.add_argument("--limit", type=int, default=20)
+    s.set_defaults(func=cmd_jobs)
+
+    s = sub.add_parser("beat", help="Celery beat for configs/schedules.yaml (one, anywhere)")
+    s.add_argument("--loglevel", default="info")
+    s.set_defaults(func=cmd_beat)
 
     s = sub.add_parser("worker", help="run a Celery worker for one pair (one per GPU)")
     s.add_argument("--pair", required=True)
@@ -170,8 +201,26 @@ def export(job: Job, output: str) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    _print_state(Client().job(args.job).status())
-    return 0
+    job = Client().job(args.job)
+    if not args.watch:
+        _print_state(job.status())
+        return 0
+    while True:
+        state = job.status(check_workers=False)
+        print(_progress_line(state, job.metrics()), flush=True)
+        if state.finished:
+            return 0
+        time.sleep(args.interval)
+
+
+def _progress_line(state: Any, m: Any) -> str:
+    """One line: status, items done, acceptance rate and tokens/s so far."""
+    rate = f"{m.acceptance_rate:.3f}" if m.acceptance_rate is not None else "-"
+    mal = f"{m.mean_acceptance_length:.2f}" if m.mean_acceptance_length is not None else "-"
+    tps = f"{m.tokens_per_second:.1f}" if m.tokens_per_second else "-"
+    return (f"{time.strftime('%H:%M:%S')} job {state.id} {state.status}: "
+            f"{state.done}/{state.total} done ({state.completed} completed, {state.failed} "
+            f"failed)  acceptance {rate}  mean acceptance length {mal}  tokens/s {tps}")
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
@@ -199,18 +248,99 @@ def cmd_cancel(args: argparse.Namespace) -> int:
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    n = export(Client().job(args.job), args.output)
+    from api import formats
+
+    n = formats.export(Client().job(args.job), args.output, args.format)
     if args.output != "-":
         print(f"{n} results written to {args.output}", file=sys.stderr)
     return 0
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
+    client = Client()
+    if getattr(args, "schedule", None):
+        return _schedule_runs(client, args.schedule, args.limit)
     print(f"{'id':>6}  {'status':<11} {'pair':<16} {'done':>15}  created")
-    for s in Client().jobs(limit=args.limit):
+    for s in client.jobs(limit=args.limit):
         created = s.created_at.strftime("%Y-%m-%d %H:%M:%S") if s.created_at else ""
         print(f"{s.id:>6}  {s.status:<11} {s.pair:<16} {f'{s.done}/{s.total}':>15}  {created}")
     return 0
+
+
+def _schedule_runs(client: Client, schedule: str, limit: int) -> int:
+    """The runs of one beat schedule, newest first, with their acceptance metrics."""
+    print(f"{'id':>6}  {'status':<11} {'done':>11}  {'accept':>6}  {'tok/s':>7}  created")
+    for s in client.jobs(limit=limit, schedule=schedule):
+        m = client.job(s.id).metrics()
+        rate = f"{m.acceptance_rate:.3f}" if m.acceptance_rate is not None else "-"
+        tps = f"{m.tokens_per_second:.1f}" if m.tokens_per_second else "-"
+        created = s.created_at.strftime("%Y-%m-%d %H:%M:%S") if s.created_at else ""
+        print(f"{s.id:>6}  {s.status:<11} {f'{s.done}/{s.total}':>11}  {rate:>6}  {tps:>7}  "
+              f"{created}")
+    return 0
+
+
+def cmd_synth_run(args: argparse.Namespace) -> int:
+    from api import synthesis
+
+    spec = synthesis.load_spec(args.spec)
+    client = Client()
+    job = synthesis.submit(client, spec)
+    state = job.status()
+    print(f"job {job.id}: {state.total} samples of {spec.name} on pair {state.pair}, "
+          f"{state.status}", file=sys.stderr)
+    if state.note:
+        print(f"note: {state.note}", file=sys.stderr)
+    if not args.wait:
+        print(f"`specq synth write {job.id}` writes the data set once it completes (`specq "
+              f"beat` does it by itself)", file=sys.stderr)
+        return 0
+    state = job.wait(progress=True, timeout=args.timeout)
+    path = synthesis.write_output(client, job.id)
+    print(f"job {job.id} {state.status}: {state.completed} completed, {state.failed} failed; "
+          f"data set in {path}", file=sys.stderr)
+    print(path)
+    return 0 if state.status == "completed" else 1
+
+
+def cmd_synth_check(args: argparse.Namespace) -> int:
+    from api import synthesis
+
+    spec = synthesis.load_spec(args.spec)
+    rows = synthesis.check_rows(spec, args.spec)
+    print(f"{args.spec}: valid; {rows} seed rows x n={spec.n} = {rows * spec.n} samples")
+    return 0
+
+
+def cmd_synth_write(args: argparse.Namespace) -> int:
+    from api import synthesis
+
+    client = Client()
+    state = client.job(args.job).status(check_workers=False)
+    if not state.finished:
+        raise RuntimeError(f"job {args.job}: still {state.status}; wait for it to finish")
+    print(synthesis.write_output(client, args.job))
+    return 0
+
+
+def cmd_beat(args: argparse.Namespace) -> int:
+    """Replace this process with Celery beat (embedded in a worker on the synth queue, which
+    runs the firings and writes the data sets: no GPU, no model)."""
+    from configs.schedules import load_schedules
+    from worker.constants import synth_queue
+
+    settings = get_settings()
+    schedules = load_schedules(settings.schedules_file)  # a bad schedule fails here, clearly
+    print(f"beat: {len(schedules)} schedules from {settings.schedules_file}: "
+          f"{', '.join(schedules) or 'none'}", file=sys.stderr)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    argv = [sys.executable, "-m", "celery", "-A", "worker.beat", "worker", "-B",
+            "-s", str(settings.data_dir / "celerybeat-schedule"), "-P", "solo", "-c", "1",
+            "-Q", synth_queue(settings), "--loglevel", args.loglevel, "-n", "beat@%h",
+            "--without-gossip", "--without-mingle"]
+    sys.stdout.flush()
+    os.execv(sys.executable, argv)
+    return 0  # not reached
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

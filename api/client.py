@@ -193,13 +193,15 @@ class Client:
         pair: str,
         chunk_size: int | None = None,
         enqueue: bool = True,
+        origin: dict[str, Any] | None = None,
         **sampling: Any,
     ) -> Job:
         """Validate the whole spec, store the job and its items, then send its chunks.
 
         ``source``: a JSONL file (str or path), or an iterable of prompts (strings, chat
         message lists, or dicts shaped like JSONL lines). ``sampling``: the job's default
-        SamplingParams, which a line's own parameters override. Raises InputError naming
+        SamplingParams, which a line's own parameters override. ``origin``: the job columns
+        of a synthesis run (spec, schedule, synthesis). Raises InputError naming
         every problem found (up to MAX_PROBLEMS) before anything is stored.
         """
         t0 = time.perf_counter()
@@ -218,7 +220,7 @@ class Client:
         t1 = time.perf_counter()
         with self.sessions.begin() as s:
             job = repo.create_job(s, pair=preset.name, params=defaults, chunk_size=chunk_size,
-                                  source=name)
+                                  source=name, origin=origin)
             rows = (dict(normalise(raw), index=i) for i, (_, raw) in enumerate(entries))
             stored = repo.insert_items(s, job_id=job.id, rows=rows)
             if stored != total:
@@ -275,10 +277,10 @@ class Client:
                 raise KeyError(f"job {job_id}: not found")
         return Job(self, job_id)
 
-    def jobs(self, limit: int = 50) -> list[JobState]:
-        """The latest jobs, newest first."""
+    def jobs(self, limit: int = 50, schedule: str | None = None) -> list[JobState]:
+        """The latest jobs, newest first (only one beat schedule's runs if ``schedule``)."""
         with self.sessions() as s:
-            ids = [j.id for j in repo.list_jobs(s, limit=limit)]
+            ids = [j.id for j in repo.list_jobs(s, limit=limit, schedule=schedule)]
         return [Job(self, i).status(check_workers=False) for i in ids]
 
     def workers_for(self, pair: str) -> list[str] | None:

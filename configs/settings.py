@@ -31,6 +31,14 @@ class Settings(BaseSettings):
         "must exceed the longest chunk"
     )
     worker_pair: str | None = Field(None, description="the pair a worker serves (specq worker)")
+    # Scheduled synthesis (worker/beat.py).
+    schedules_file: Path = Field(
+        Path(__file__).with_name("schedules.yaml"),
+        description="beat schedules (YAML): cron expressions naming synthesis specs",
+    )
+    schedule_lock_ttl: int = Field(
+        300, ge=1, description="seconds a schedule's firing lock lives if its holder dies"
+    )
 
     @property
     def sqlalchemy_url(self) -> str:

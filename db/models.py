@@ -77,6 +77,12 @@ class Job(Base):
     total: Mapped[int] = mapped_column(Integer, default=0)  # number of items
     chunk_size: Mapped[int] = mapped_column(Integer)
     source: Mapped[str | None] = mapped_column(Text)  # the submitted file, if any
+    # Synthesis runs (api/synthesis.py): the spec that produced the job, the beat schedule
+    # that fired it (None for a run by hand), the resolved spec, and where its data set went.
+    spec: Mapped[str | None] = mapped_column(String(200))
+    schedule: Mapped[str | None] = mapped_column(String(200), index=True)
+    synthesis: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    output_path: Mapped[str | None] = mapped_column(Text)
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

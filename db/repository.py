@@ -28,10 +28,12 @@ OUTCOME_COLUMNS = (
 
 
 def create_job(
-    session: Session, *, pair: str, params: dict[str, Any], chunk_size: int, source: str | None
+    session: Session, *, pair: str, params: dict[str, Any], chunk_size: int, source: str | None,
+    origin: dict[str, Any] | None = None,
 ) -> Job:
+    """``origin``: a synthesis run's spec, schedule and synthesis (resolved spec) columns."""
     job = Job(pair=pair, params=params, chunk_size=chunk_size, source=source,
-              status=JobStatus.validating.value, total=0)
+              status=JobStatus.validating.value, total=0, **(origin or {}))
     session.add(job)
     session.flush()
     return job
@@ -65,8 +67,35 @@ def get_job(session: Session, *, job_id: int) -> Job | None:
     ).scalar_one_or_none()
 
 
-def list_jobs(session: Session, *, limit: int = 50) -> list[Job]:
-    return list(session.scalars(select(Job).order_by(Job.id.desc()).limit(limit)))
+def list_jobs(session: Session, *, limit: int = 50, schedule: str | None = None) -> list[Job]:
+    """The latest jobs, newest first; only those one beat schedule fired if ``schedule``."""
+    stmt = select(Job).order_by(Job.id.desc()).limit(limit)
+    if schedule is not None:
+        stmt = stmt.where(Job.schedule == schedule)
+    return list(session.scalars(stmt))
+
+
+UNFINISHED = tuple(s.value for s in JobStatus if not s.finished)
+
+
+def unfinished_runs(session: Session, *, schedule: str) -> list[int]:
+    """Ids of the jobs of ``schedule`` that are not finished yet."""
+    return list(session.scalars(
+        select(Job.id).where(Job.schedule == schedule, Job.status.in_(UNFINISHED))
+    ))
+
+
+def unwritten_runs(session: Session) -> list[int]:
+    """Ids of the finished synthesis jobs whose data set is not written yet."""
+    finished = [s.value for s in JobStatus if s.finished]
+    return list(session.scalars(
+        select(Job.id).where(Job.spec.is_not(None), Job.output_path.is_(None),
+                             Job.status.in_(finished)).order_by(Job.id)
+    ))
+
+
+def set_output_path(session: Session, *, job_id: int, path: str) -> None:
+    session.execute(update(Job).where(Job.id == job_id).values(output_path=path))
 
 
 def lock_job(session: Session, *, job_id: int) -> Job | None:

@@ -33,7 +33,9 @@ def make_app(settings: Settings) -> Celery:
         },
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=True,
-        worker_send_task_events=False,
+        # Task events for Flower (`celery events`, the dashboard): sent, started, succeeded.
+        worker_send_task_events=True,
+        task_send_sent_event=True,
         task_create_missing_queues=True,
     )
     return app

@@ -7,8 +7,15 @@ from configs.settings import Settings, get_settings
 GENERATE_TASK = "specq.generate_chunk"  # args: job_id, start, end (item indices, end exclusive)
 WORKER_PAIR_ENV = "SPECQ_WORKER_PAIR"  # set by `specq worker --pair`; read through Settings
 INSPECT_TIMEOUT = 1.0  # seconds to wait for workers to say which queues they consume
+FIRE_TASK = "specq.fire_schedule"  # args: schedule name (worker/beat.py)
+COLLECT_TASK = "specq.collect_runs"  # writes finished synthesis runs' data sets
 
 
 def queue_name(pair: str, settings: Settings | None = None) -> str:
     """The Celery queue that workers serving ``pair`` consume."""
     return f"{(settings or get_settings()).queue_prefix}.{pair}"
+
+
+def synth_queue(settings: Settings | None = None) -> str:
+    """The queue of the beat process's own tasks (firing schedules, writing data sets)."""
+    return f"{(settings or get_settings()).queue_prefix}.synth"

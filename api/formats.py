@@ -1,0 +1,198 @@
+"""Result files other tools read: JSONL, OpenAI Batch output lines, and Parquet.
+
+Every writer streams: rows come from the database in index order (a server-side cursor
+where there is one) and leave in batches, so a job of a million items is exported without
+holding it in memory. Parquet files are written one row group per batch with plain columns
+(strings, integers, floats, lists of integers), which `datasets.load_dataset("parquet",
+data_files=...)` and `pyarrow.parquet.read_table` read as they are.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import IO, Any, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from api.client import Job
+from db import repository as repo
+from db.models import Item, ItemStatus
+
+Format = Literal["jsonl", "openai", "parquet"]
+FORMATS: tuple[str, ...] = ("jsonl", "openai", "parquet")
+BATCH = 1000  # rows read from the database, and rows per Parquet row group
+
+# -- sinks: where rows go, batch by batch ------------------------------------------------
+
+
+class JsonlSink:
+    """One JSON object per line, to a file or to stdout (path "-")."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = str(path)
+        self._out: IO[str] = (sys.stdout if self.path == "-"
+                              else open(self.path, "w", encoding="utf-8"))  # noqa: SIM115
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        self._out.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+
+    def close(self) -> None:
+        if self._out is sys.stdout:
+            self._out.flush()
+        else:
+            self._out.close()
+
+
+class ParquetSink:
+    """A Parquet file written one row group per write(); the schema is ``schema`` or the one
+    pyarrow infers from the first batch (a column that is all null there becomes string)."""
+
+    def __init__(self, path: str | os.PathLike, schema: pa.Schema | None = None) -> None:
+        if str(path) == "-":
+            raise ValueError("output: Parquet needs a file, not stdout")
+        self.path = str(path)
+        self.schema = schema
+        self._writer: pq.ParquetWriter | None = None
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        if not rows:
+            return
+        if self.schema is None:
+            inferred = pa.Table.from_pylist(rows).schema
+            self.schema = pa.schema([pa.field(f.name, pa.string()) if pa.types.is_null(f.type)
+                                     else f for f in inferred])
+        table = pa.Table.from_pylist(rows, schema=self.schema)
+        if self._writer is None:
+            self._writer = pq.ParquetWriter(self.path, self.schema)
+        self._writer.write_table(table, row_group_size=len(rows))
+
+    def close(self) -> None:
+        if self._writer is None:  # no rows: still a valid, empty file
+            pq.write_table(pa.Table.from_pylist([], schema=self.schema or pa.schema([])),
+                           self.path)
+        else:
+            self._writer.close()
+
+
+Sink = JsonlSink | ParquetSink
+
+
+def open_sink(path: str | os.PathLike, fmt: str, schema: pa.Schema | None = None) -> Sink:
+    if fmt == "parquet":
+        return ParquetSink(path, schema)
+    return JsonlSink(path)
+
+
+def write_batches(sink: Sink, rows: Iterable[dict[str, Any]], batch: int = BATCH) -> int:
+    """Send ``rows`` to ``sink`` ``batch`` at a time and close it; returns the row count."""
+    n = 0
+    chunk: list[dict[str, Any]] = []
+    try:
+        for row in rows:
+            chunk.append(row)
+            if len(chunk) >= batch:
+                sink.write(chunk)
+                n += len(chunk)
+                chunk = []
+        sink.write(chunk)
+        n += len(chunk)
+    finally:
+        sink.close()
+    return n
+
+
+# -- the rows of each format --------------------------------------------------------------
+
+COUNTERS = (*repo.COUNTER_COLUMNS,)
+RESULT_SCHEMA = pa.schema(
+    [("index", pa.int64()), ("custom_id", pa.string()), ("status", pa.string()),
+     ("output", pa.string()), ("finish_reason", pa.string()), ("error", pa.string()),
+     ("prompt_tokens", pa.int64()), ("worker", pa.string())]
+    + [(c, pa.float64() if c.endswith("_time") else pa.int64()) for c in COUNTERS]
+    + [("accepted_by_position", pa.list_(pa.int64())), ("acceptance_rate", pa.float64())]
+)
+
+
+def jsonl_rows(job: Job) -> Iterator[dict[str, Any]]:
+    """The stored outcome of each item, as `specq run` writes it."""
+    for item in job.results(batch=BATCH):
+        yield item.as_dict()
+
+
+def flat_rows(job: Job) -> Iterator[dict[str, Any]]:
+    """One flat row per item (RESULT_SCHEMA): counters as columns, acceptance rate derived."""
+    for item in job.results(batch=BATCH):
+        c = item.counters
+        proposed = c.get("proposed")
+        yield {
+            "index": item.index, "custom_id": item.custom_id, "status": item.status,
+            "output": item.output, "finish_reason": item.finish_reason, "error": item.error,
+            "prompt_tokens": item.prompt_tokens, "worker": item.worker,
+            **{k: c.get(k) for k in COUNTERS},
+            "accepted_by_position": c.get("accepted_by_position"),
+            "acceptance_rate": c["accepted"] / proposed if proposed else None,
+        }
+
+
+def openai_rows(job: Job) -> Iterator[dict[str, Any]]:
+    """OpenAI Batch output lines: id, custom_id, response (status_code, request_id, body: a
+    chat.completion or text_completion object with usage) or error, for every item."""
+    with job.client.sessions() as s:
+        model = repo.get_job(s, job_id=job.id).pair
+        for item in repo.iter_items(s, job_id=job.id, batch=BATCH):
+            yield openai_line(item, job.id, model)
+
+
+def openai_line(item: Item, job_id: int, model: str) -> dict[str, Any]:
+    request_id = f"specq-{job_id}-{item.index}"
+    line: dict[str, Any] = {
+        "id": f"batch_req_{job_id}_{item.index}",
+        "custom_id": item.custom_id if item.custom_id is not None else f"request-{item.index}",
+        "response": None,
+        "error": None,
+    }
+    if item.status != ItemStatus.completed.value:
+        code = {ItemStatus.failed.value: "generation_failed",
+                ItemStatus.cancelled.value: "batch_cancelled"}.get(item.status, "not_finished")
+        message = item.error or f"the item is {item.status}"
+        line["error"] = {"code": code, "message": message}
+        return line
+    created = int(item.finished_at.timestamp()) if item.finished_at else 0
+    completion = item.new_tokens or 0
+    usage = {"prompt_tokens": item.prompt_tokens or 0, "completion_tokens": completion,
+             "total_tokens": (item.prompt_tokens or 0) + completion}
+    finish = item.finish_reason or "stop"
+    if item.messages is not None:
+        body = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created,
+                "model": model,
+                "choices": [{"index": 0, "finish_reason": finish, "logprobs": None,
+                             "message": {"role": "assistant", "content": item.output or "",
+                                         "refusal": None}}],
+                "usage": usage}
+    else:
+        body = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created,
+                "model": model,
+                "choices": [{"index": 0, "finish_reason": finish, "logprobs": None,
+                             "text": item.output or ""}],
+                "usage": usage}
+    line["response"] = {"status_code": 200, "request_id": request_id, "body": body}
+    return line
+
+
+def export(job: Job, output: str | os.PathLike, fmt: str = "jsonl") -> int:
+    """Write the job's results to ``output`` ("-" for stdout) in ``fmt``; returns the count."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if str(output) != "-":
+        Path(output).parent.mkdir(parents=True, exist_ok=True)
+    if fmt == "parquet":
+        rows, sink = flat_rows(job), ParquetSink(output, RESULT_SCHEMA)
+    else:
+        rows = openai_rows(job) if fmt == "openai" else jsonl_rows(job)
+        sink = JsonlSink(output)
+    return write_batches(sink, rows)

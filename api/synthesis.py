@@ -1,0 +1,331 @@
+"""Dataset synthesis: a YAML spec → an ordinary job → an output data set.
+
+A spec (configs/synth/*.yaml) names a seed data set (JSONL, CSV or Parquet file, or an
+inline list of rows), a Jinja2 template rendered over each row in a sandbox with strict
+undefined variables, ``n`` samples per row, the model pair, sampling parameters, a seed,
+and where the finished data set goes:
+
+    name: example
+    pair: tiny
+    seed_data: examples/seeds.jsonl     # or a list of objects
+    template: "Write a short story about {{ topic }} for {{ audience }}."
+    n: 3
+    sampling: {max_new_tokens: 64, temperature: 0.8, top_p: 0.95}
+    seed: 1234
+    output: {path: "data/synth/example-{job_id}.parquet"}   # .parquet or .jsonl
+
+A relative seed_data path is taken from the spec file's directory (from the working
+directory for a spec given as a dict), a relative output path from the working directory,
+when the spec is loaded. Sample k of
+row r asks for the seed derived from (spec seed, r, k), and the engine's seeded sampling
+does not depend on the batch, so the same spec gives the same data set every run.
+Everything is checked (fields, seed file, every row rendered) before anything is submitted.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import logging
+import os
+from collections.abc import Iterator
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import yaml
+from jinja2 import StrictUndefined, TemplateError
+from jinja2.sandbox import SandboxedEnvironment
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from api.client import Client, Job
+from api.formats import BATCH, open_sink, write_batches
+from api.inputs import InputError, describe
+from db import repository as repo
+from worker.engine.request import SamplingParams
+
+log = logging.getLogger(__name__)
+
+SEED_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
+OUTPUT_FORMATS = {".parquet": "parquet", ".jsonl": "jsonl"}
+# The columns each output row has besides the seed row's own fields.
+SAMPLE_COLUMNS = (
+    "row_index", "sample_index", "seed", "custom_id", "prompt", "output", "finish_reason",
+    "status", "error", "prompt_tokens", "new_tokens", "draft_steps", "proposed", "accepted",
+    "target_passes", "acceptance_rate",
+)
+SAMPLE_SCHEMA = [
+    ("row_index", pa.int64()), ("sample_index", pa.int64()), ("seed", pa.int64()),
+    ("custom_id", pa.string()), ("prompt", pa.string()), ("output", pa.string()),
+    ("finish_reason", pa.string()), ("status", pa.string()), ("error", pa.string()),
+    ("prompt_tokens", pa.int64()), ("new_tokens", pa.int64()), ("draft_steps", pa.int64()),
+    ("proposed", pa.int64()), ("accepted", pa.int64()), ("target_passes", pa.int64()),
+    ("acceptance_rate", pa.float64()),
+]
+
+
+class SpecError(InputError):
+    """The synthesis spec is invalid; each problem names its field ('where: field: ...')."""
+
+
+class OutputSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    path: str = Field(description="file to write; may use {name}, {job_id}, {date}")
+    format: Literal["parquet", "jsonl"] | None = None  # default: from the path's suffix
+
+    def resolved_format(self) -> str:
+        return self.format or OUTPUT_FORMATS.get(Path(self.path).suffix.lower(), "")
+
+
+class SynthSpec(BaseModel):
+    """A synthesis spec, as validated; paths are absolute once loaded."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(min_length=1, max_length=200)
+    pair: str
+    seed_data: str | list[dict[str, Any]]
+    seed_format: Literal["jsonl", "csv", "parquet"] | None = None
+    template: str = Field(min_length=1)
+    chat: bool = Field(False, description="send the rendered text as one user message")
+    n: int = Field(1, ge=1)
+    sampling: dict[str, Any] = Field(default_factory=dict)
+    seed: int = Field(0, ge=0)
+    output: OutputSpec
+    chunk_size: int | None = Field(None, ge=1)
+
+    @field_validator("sampling")
+    @classmethod
+    def _sampling(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if "seed" in value:
+            raise ValueError("seed: give the spec's seed; each sample's seed is derived from it")
+        return SamplingParams(**value).model_dump(exclude_unset=True)
+
+    def resolved_seed_format(self) -> str:
+        if isinstance(self.seed_data, list):
+            return "inline"
+        return self.seed_format or SEED_FORMATS.get(Path(self.seed_data).suffix.lower(), "")
+
+
+def sample_seed(seed: int, row: int, sample: int) -> int:
+    """The request seed of sample ``sample`` of row ``row``: fixed by (seed, row, sample)."""
+    digest = hashlib.sha256(f"{seed}:{row}:{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1  # < 2**63
+
+
+# -- loading and checking ------------------------------------------------------------------
+
+
+def load_spec(source: str | os.PathLike | dict[str, Any], where: str | None = None) -> SynthSpec:
+    """Read and validate a spec (a YAML file, or its content as a dict); SpecError names
+    every bad field. Checks the seed file, the output format and that every row renders."""
+    base = Path.cwd()
+    if isinstance(source, dict):
+        raw, where = dict(source), where or "spec"
+    else:
+        path = Path(source)
+        where = where or str(path)
+        if not path.is_file():
+            raise SpecError([f"{where}: file not found"])
+        try:
+            raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        except yaml.YAMLError as exc:
+            raise SpecError([f"{where}: not valid YAML: {exc}"]) from None
+        if isinstance(raw, dict):
+            raw.setdefault("name", path.stem)
+        base = path.resolve().parent
+    if not isinstance(raw, dict):
+        raise SpecError([f"{where}: expected a mapping of fields"])
+    try:
+        spec = SynthSpec.model_validate(raw)
+    except ValidationError as exc:
+        raise SpecError([f"{where}: {p}" for p in describe(exc)]) from None
+    problems: list[str] = []
+    if isinstance(spec.seed_data, str):
+        seed_path = (base / Path(spec.seed_data).expanduser()).resolve()
+        if not seed_path.is_file():
+            problems.append(f"{where}: seed_data: file not found: {spec.seed_data}")
+        elif not spec.resolved_seed_format():
+            problems.append(f"{where}: seed_format: cannot tell the format of {seed_path.name}; "
+                            f"give one of jsonl, csv, parquet")
+        spec.seed_data = str(seed_path)
+    if not spec.output.resolved_format():
+        problems.append(f"{where}: output.format: cannot tell it from {spec.output.path!r}; "
+                        f"give parquet or jsonl")
+    spec.output.path = str(Path(spec.output.path).expanduser().absolute())
+    if problems:
+        raise SpecError(problems)
+    check_rows(spec, where)
+    return spec
+
+
+def seed_rows(spec: SynthSpec) -> Iterator[dict[str, Any]]:
+    """The seed data set's rows, streamed from its file (or the inline list)."""
+    fmt = spec.resolved_seed_format()
+    if fmt == "inline":
+        yield from spec.seed_data
+    elif fmt == "jsonl":
+        with open(spec.seed_data, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    row = json.loads(line)
+                    if not isinstance(row, dict):
+                        raise SpecError([f"seed_data: line {n}: expected an object"])
+                    yield row
+    elif fmt == "csv":
+        with open(spec.seed_data, encoding="utf-8", newline="") as f:
+            yield from csv.DictReader(f)
+    else:
+        for batch in pq.ParquetFile(spec.seed_data).iter_batches(batch_size=BATCH):
+            yield from batch.to_pylist()
+
+
+def _environment() -> SandboxedEnvironment:
+    return SandboxedEnvironment(undefined=StrictUndefined, autoescape=False,
+                                keep_trailing_newline=True)
+
+
+def check_rows(spec: SynthSpec, where: str = "spec") -> int:
+    """Render the template over every seed row; SpecError names the template field, the row
+    and the missing column. Returns the number of rows."""
+    try:
+        template = _environment().from_string(spec.template)
+    except TemplateError as exc:
+        raise SpecError([f"{where}: template: {exc}"]) from None
+    problems: list[str] = []
+    rows = 0
+    try:
+        for i, row in enumerate(seed_rows(spec)):
+            rows += 1
+            clash = sorted(set(row) & set(SAMPLE_COLUMNS))
+            if clash and not problems:
+                problems.append(f"{where}: seed_data: column {clash[0]!r} clashes with an "
+                                f"output column (reserved: {', '.join(SAMPLE_COLUMNS)})")
+            try:
+                template.render(**row)
+            except TemplateError as exc:
+                columns = ", ".join(map(str, row)) or "none"
+                problems.append(f"{where}: template: row {i}: {exc} (columns: {columns})")
+            if len(problems) >= 5:
+                break
+    except (ValueError, OSError, pa.ArrowException) as exc:
+        if isinstance(exc, SpecError):
+            raise SpecError([f"{where}: {p}" for p in exc.problems]) from None
+        raise SpecError([f"{where}: seed_data: cannot read it: {exc}"]) from None
+    if not problems and rows == 0:
+        problems.append(f"{where}: seed_data: no rows")
+    if problems:
+        raise SpecError(problems)
+    return rows
+
+
+def requests(spec: SynthSpec) -> Iterator[dict[str, Any]]:
+    """One JSONL-shaped request per (row, sample), in that order: item index = row * n + k."""
+    template = _environment().from_string(spec.template)
+    for r, row in enumerate(seed_rows(spec)):
+        text = template.render(**row)
+        for k in range(spec.n):
+            entry: dict[str, Any] = {"custom_id": f"{r}-{k}",
+                                     "seed": sample_seed(spec.seed, r, k)}
+            if spec.chat:
+                entry["messages"] = [{"role": "user", "content": text}]
+            else:
+                entry["prompt"] = text
+            yield entry
+
+
+# -- running ---------------------------------------------------------------------------------
+
+
+def submit(client: Client, spec: SynthSpec, *, schedule: str | None = None) -> Job:
+    """Submit the spec as an ordinary job that records its spec and schedule."""
+    origin = {"spec": spec.name, "schedule": schedule, "synthesis": spec.model_dump()}
+    job = client.submit(list(requests(spec)), pair=spec.pair, chunk_size=spec.chunk_size,
+                        origin=origin, **spec.sampling)
+    log.info("synthesis %s%s: job %d submitted", spec.name,
+             f" (schedule {schedule})" if schedule else "", job.id)
+    return job
+
+
+def output_path(spec: SynthSpec, job_id: int) -> Path:
+    date = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    try:
+        return Path(spec.output.path.format(name=spec.name, job_id=job_id, date=date))
+    except (KeyError, IndexError, ValueError) as exc:
+        raise SpecError([f"output.path: unknown placeholder {exc} "
+                         f"(known: {{name}}, {{job_id}}, {{date}})"]) from None
+
+
+def write_output(client: Client, job_id: int) -> Path:
+    """Write the finished synthesis job's data set (one row per sample: the seed row's fields,
+    then SAMPLE_COLUMNS), streamed, then record its path on the job. Returns the path."""
+    with client.sessions() as s:
+        job = repo.get_job(s, job_id=job_id)
+        if job is None or job.synthesis is None:
+            raise KeyError(f"job {job_id}: not a synthesis run")
+        spec = SynthSpec.model_validate(job.synthesis)
+    path = output_path(spec, job_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fmt = spec.output.resolved_format()
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
+    schema = None
+    if fmt == "parquet":
+        seed_fields = _seed_schema(spec)
+        schema = pa.schema(seed_fields + SAMPLE_SCHEMA) if seed_fields is not None else None
+    n = write_batches(open_sink(tmp, fmt, schema), _output_rows(client, spec, job_id))
+    os.replace(tmp, path)
+    with client.sessions.begin() as s:
+        repo.set_output_path(s, job_id=job_id, path=str(path))
+    log.info("synthesis %s: job %d: %d rows written to %s", spec.name, job_id, n, path)
+    return path
+
+
+def _seed_schema(spec: SynthSpec) -> list[pa.Field] | None:
+    """The seed columns' Arrow fields: the file's own for Parquet, strings for CSV, None
+    (inferred from the first batch) otherwise."""
+    fmt = spec.resolved_seed_format()
+    if fmt == "parquet":
+        return list(pq.read_schema(spec.seed_data))
+    if fmt == "csv":
+        with open(spec.seed_data, encoding="utf-8", newline="") as f:
+            return [pa.field(c, pa.string()) for c in next(csv.reader(f), [])]
+    return None
+
+
+def _output_rows(client: Client, spec: SynthSpec, job_id: int) -> Iterator[dict[str, Any]]:
+    rows = seed_rows(spec)
+    row: dict[str, Any] = {}
+    with client.sessions() as s:
+        for item in repo.iter_items(s, job_id=job_id, batch=BATCH):
+            r, k = divmod(item.index, spec.n)
+            if k == 0:
+                row = next(rows, None)
+                if row is None:
+                    raise RuntimeError(f"job {job_id}: {spec.seed_data} has fewer rows than the "
+                                       f"job; it changed since the run was submitted")
+            rate = item.accepted / item.proposed if item.proposed else None
+            yield {**row, "row_index": r, "sample_index": k,
+                   "seed": (item.params or {}).get("seed"), "custom_id": item.custom_id,
+                   "prompt": item.prompt if item.prompt is not None
+                   else json.dumps(item.messages, ensure_ascii=False),
+                   "output": item.output, "finish_reason": item.finish_reason,
+                   "status": item.status, "error": item.error,
+                   "prompt_tokens": item.prompt_tokens, "new_tokens": item.new_tokens,
+                   "draft_steps": item.draft_steps, "proposed": item.proposed,
+                   "accepted": item.accepted, "target_passes": item.target_passes,
+                   "acceptance_rate": rate}
+
+
+def run(client: Client, spec: SynthSpec, *, wait: bool = True, progress: bool = False,
+        timeout: float | None = None) -> tuple[Job, Path | None]:
+    """Submit; with ``wait``, wait for the job and write its data set. (job, path or None)"""
+    job = submit(client, spec)
+    if not wait:
+        return job, None
+    state = job.wait(progress=progress, timeout=timeout)
+    log.info("synthesis %s: job %d %s", spec.name, job.id, state.status)
+    return job, write_output(client, job.id)

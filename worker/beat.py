@@ -1,0 +1,110 @@
+"""Scheduled synthesis: Celery beat fires the schedules of SPECQ_SCHEDULES_FILE.
+
+`specq beat` runs `celery -A worker.beat worker -B` on the queue PREFIX.synth: the embedded
+beat sends FIRE_TASK for each schedule at its slots and COLLECT_TASK every COLLECT_EVERY
+seconds, and the same process (no GPU, no model) runs them:
+
+- fire(name): under a Redis lock keyed by the schedule's name, skip the slot if a run of
+  that schedule is still unfinished in the database, otherwise submit the spec as an
+  ordinary job that records its spec and schedule. The lock makes check-and-submit atomic
+  across concurrent firings; the database says whether the last run is still going.
+- collect(): write the data set of every finished synthesis run that has none yet.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import redis
+from celery import Celery
+
+from api.client import Client
+from api.synthesis import load_spec, submit, write_output
+from configs.schedules import load_schedules
+from configs.settings import Settings, get_settings
+from db import repository as repo
+from worker.app import make_app
+from worker.constants import COLLECT_TASK, FIRE_TASK, synth_queue
+
+log = logging.getLogger(__name__)
+
+COLLECT_EVERY = 30.0  # seconds between two looks for finished runs to write
+
+
+def lock_key(name: str, settings: Settings) -> str:
+    return f"{settings.queue_prefix}:schedule-lock:{name}"
+
+
+def fire(name: str, settings: Settings | None = None) -> int | None:
+    """Start a run of schedule ``name`` unless one is still going; the new job's id or None."""
+    settings = settings or get_settings()
+    schedule = load_schedules(settings.schedules_file)[name]
+    r = redis.Redis.from_url(settings.broker_url)
+    lock = r.lock(lock_key(name, settings), timeout=settings.schedule_lock_ttl)
+    if not lock.acquire(blocking=False):
+        log.info("schedule %s: another firing holds the lock; slot skipped", name)
+        return None
+    try:
+        client = Client(settings)
+        with client.sessions() as s:
+            running = repo.unfinished_runs(s, schedule=name)
+        if running:
+            log.info("schedule %s: run %s still going; slot skipped", name, running)
+            return None
+        job = submit(client, load_spec(schedule.spec), schedule=name)
+        return job.id
+    finally:
+        try:
+            lock.release()
+        except redis.exceptions.LockError:  # expired while submitting (TTL too short)
+            log.warning("schedule %s: lock expired before the run was stored; raise "
+                        "SPECQ_SCHEDULE_LOCK_TTL", name)
+        r.close()
+
+
+def collect(settings: Settings | None = None) -> list[str]:
+    """Write the data sets of finished synthesis runs that have none yet; their paths."""
+    settings = settings or get_settings()
+    client = Client(settings)
+    with client.sessions() as s:
+        ids = repo.unwritten_runs(s)
+    written = []
+    for job_id in ids:
+        try:
+            written.append(str(write_output(client, job_id)))
+        except Exception:  # one run's failure (e.g. its seed file changed) stops no other
+            log.exception("job %d: data set not written; will try again", job_id)
+    return written
+
+
+def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
+    """The beat_schedule of the schedules file, plus the collector."""
+    queue = synth_queue(settings)
+    entries: dict[str, dict[str, Any]] = {
+        f"schedule:{name}": {"task": FIRE_TASK, "schedule": s.celery_schedule(),
+                             "args": [name], "options": {"queue": queue}}
+        for name, s in load_schedules(settings.schedules_file).items()
+    }
+    entries["collect"] = {"task": COLLECT_TASK, "schedule": COLLECT_EVERY,
+                          "options": {"queue": queue}}
+    return entries
+
+
+def make_beat_app(settings: Settings) -> Celery:
+    app = make_app(settings)
+    app.conf.update(beat_schedule=beat_schedule(settings), timezone="UTC")
+    app.task(name=FIRE_TASK)(fire_task)
+    app.task(name=COLLECT_TASK)(collect_task)
+    return app
+
+
+def fire_task(name: str) -> int | None:
+    return fire(name)
+
+
+def collect_task() -> list[str]:
+    return collect()
+
+
+app = make_beat_app(get_settings())
