@@ -43,7 +43,12 @@ from db.session import migrate, session_factory
 from worker.app import make_app
 from worker.constants import GENERATE_TASK, INSPECT_TIMEOUT, queue_name
 from worker.engine.request import SamplingParams
-from worker.engine.speculative import RequestError, context_length, encode_prompt
+from worker.engine.speculative import (
+    RequestError,
+    context_length,
+    encode_prompt,
+    fits_by_size,
+)
 from worker.pairs import locate
 
 log = logging.getLogger(__name__)
@@ -260,7 +265,8 @@ class Client:
                                         f"{seen[cid]}")
                     seen[cid] = where
                 try:
-                    encode_prompt(tokenizer, got.request, context)
+                    if not fits_by_size(got.request, context):
+                        encode_prompt(tokenizer, got.request, context)
                 except RequestError as exc:
                     problems.append(f"{where}: {exc}")
             if len(problems) >= MAX_PROBLEMS:

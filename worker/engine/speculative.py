@@ -59,6 +59,26 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, request: Request, context:
     return ids
 
 
+# Upper bound on what a tokenizer adds beyond one token per byte: special tokens, a
+# SentencePiece space prefix, and per message the chat template's role markers.
+_TOKENS_BEYOND_BYTES = 16
+_TOKENS_PER_MESSAGE = 64
+
+
+def fits_by_size(request: Request, context: int) -> bool:
+    """True when the prompt fits whatever its tokenization: every real tokenizer emits at
+    most one token per UTF-8 byte, plus a few special ones. Lets a submission skip
+    tokenizing the (vast majority of) prompts far below the model's context."""
+    if request.prompt_token_ids is not None:
+        n = len(request.prompt_token_ids)
+    elif request.messages is not None:
+        n = sum(len(m.content.encode()) + len(m.role) + _TOKENS_PER_MESSAGE
+                for m in request.messages)
+    else:
+        n = len(request.prompt.encode())
+    return n + _TOKENS_BEYOND_BYTES + request.max_new_tokens <= context
+
+
 class SpeculativeEngine:
     """Generates for many requests at once with a target model and a drafter.
 

@@ -41,3 +41,21 @@ def test_too_long_prompts_fail_alone(tiny_models, tiny_tokenizer):
     assert long.error.startswith("prompt: 1000 tokens") and "context is 512" in long.error
     assert budget.error.startswith("max_new_tokens: 510") and long.token_ids == []
     assert chat.error is None and chat.prompt_tokens > 3
+
+
+def test_size_shortcut_never_passes_a_prompt_that_does_not_fit(tiny_tokenizer):
+    """fits_by_size lets submissions skip tokenizing; it must be an upper bound."""
+    from worker.engine.speculative import encode_prompt, fits_by_size
+
+    context = 512
+    texts = ["é" * 200, "word " * 90, "日本語" * 50, "x" * 480, "a b"]
+    for text in texts:
+        for max_new in (1, 16, 100):
+            for req in (Request(prompt=text, max_new_tokens=max_new),
+                        Request(messages=[{"role": "user", "content": text}],
+                                max_new_tokens=max_new)):
+                if fits_by_size(req, context):
+                    n = len(encode_prompt(tiny_tokenizer, req, 10**9))
+                    assert n + max_new <= context, (text[:10], max_new)
+    assert fits_by_size(Request(prompt="short", max_new_tokens=8), context)
+    assert not fits_by_size(Request(prompt="x" * 500, max_new_tokens=8), context)
