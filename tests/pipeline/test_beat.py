@@ -57,6 +57,7 @@ def test_concurrent_firings_start_one_run(beat_settings):
     assert fire("threads", beat_settings) is None  # the run is still queued
     (job,) = runs(client, "threads")
     assert job.id == started[0] and job.spec == "beat-spec" and job.total == 4
+    assert [s.id for s in client.jobs(schedule="threads")] == [job.id]
 
     client.job(job.id).cancel()  # the run finished: the next slot starts a new one
     again = fire("threads", beat_settings)

@@ -78,3 +78,9 @@ def test_synth_run_twice_same_data(cli_settings, tiny_worker, client, tmp_path, 
         jobs = [j for j in repo.list_jobs(s, limit=5) if j.spec == "e2e"][:2]
     assert {j.output_path for j in jobs} == {first, second}
     assert all(j.schedule is None and j.synthesis["n"] == 3 for j in jobs)
+
+    # `specq status --watch` on a finished job: one line with progress and acceptance.
+    capsys.readouterr()
+    assert cli.main(["status", str(jobs[0].id), "--watch"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "completed: 150/150 done" in line and "acceptance 0." in line
