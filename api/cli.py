@@ -120,6 +120,12 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench", help="when does speculation pay? methods side by side")
     bench.add_arguments(s)
     s.set_defaults(func=bench.run)
+
+    from worker.bench import pipeline
+
+    s = sub.add_parser("bench-pipeline", help="the job path's overhead over the engine alone")
+    pipeline.add_arguments(s)
+    s.set_defaults(func=pipeline.run)
     return p
 
 
