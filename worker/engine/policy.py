@@ -32,12 +32,15 @@ def measured_speedup(alpha: float, g: int, t_draft: float, t_verify_1: float,
 
 
 class _Decayed:
-    """An exponentially decayed mean."""
+    """An exponentially decayed mean; with ``clip``, a sample is first capped at clip times
+    the mean so far, so one stall (another process, a page fault) cannot swing it."""
 
-    def __init__(self, decay: float) -> None:
-        self.decay, self.weight, self.total = decay, 0.0, 0.0
+    def __init__(self, decay: float, clip: float | None = None) -> None:
+        self.decay, self.clip, self.weight, self.total = decay, clip, 0.0, 0.0
 
     def add(self, value: float, weight: float = 1.0) -> None:
+        if self.clip is not None and self.weight >= 2:
+            value = min(value, self.clip * self.total / self.weight)
         self.weight = self.weight * self.decay + weight
         self.total = self.total * self.decay + value * weight
 
@@ -52,7 +55,9 @@ class DraftLengthPolicy:
 
     ``adaptive=False`` pins g to ``default``. While g = 0 wins, acceptance cannot be
     observed, so the policy probes with g = default every ``probe_every`` steps (the
-    interval doubles each time the probe loses, and resets when it wins).
+    interval doubles each time the probe loses, up to ``max_probe_every``, and resets when
+    it wins). Timings are clipped at 3x their running mean: a stall must not switch
+    speculation off for good.
     """
 
     default: int = 4
@@ -60,6 +65,7 @@ class DraftLengthPolicy:
     adaptive: bool = True
     decay: float = 0.9
     probe_every: int = 16
+    max_probe_every: int = 64
     steps: int = 0
     history: list[int] = field(default_factory=list)  # g of each step
 
@@ -68,7 +74,7 @@ class DraftLengthPolicy:
         self._accepted = _Decayed(self.decay)  # alpha's MLE: accepted / (accepted + rejections)
         self._trials = _Decayed(self.decay)
         self._proposing = _Decayed(self.decay)  # share of rows that proposed
-        self._t_draft = _Decayed(self.decay)  # seconds per draft token step
+        self._t_draft = _Decayed(self.decay, clip=3.0)  # seconds per draft token step
         self._t_verify: dict[int, _Decayed] = {}  # tokens per row -> seconds per pass
         self._since_probe = 0
         self._probe_interval = self.probe_every
@@ -126,7 +132,7 @@ class DraftLengthPolicy:
             self._since_probe += 1
             if self._since_probe >= self._probe_interval:
                 self._since_probe = 0
-                self._probe_interval *= 2
+                self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
                 return self.default
         else:
             self._probe_interval = self.probe_every
@@ -138,7 +144,7 @@ class DraftLengthPolicy:
         drafting time, and the target pass's time over ``verify_tokens`` tokens per row."""
         self.steps += 1
         self.history.append(g)
-        self._t_verify.setdefault(verify_tokens, _Decayed(self.decay)).add(t_verify)
+        self._t_verify.setdefault(verify_tokens, _Decayed(self.decay, clip=3.0)).add(t_verify)
         if g == 0:
             return
         self._t_draft.add(t_draft / g)
