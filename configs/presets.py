@@ -42,6 +42,7 @@ class PairPreset(BaseModel):
     draft: ModelSource | None = None
     drafter: Literal["model", "prompt_lookup", "none"] = "model"
     draft_length: int = Field(4, ge=0, le=16)
+    adaptive: bool = True  # choose g each step (0 included); false pins draft_length
     dtype: str | None = None  # overrides the settings' dtype
     max_batch_size: int | None = Field(None, ge=1)
     trust_remote_code: bool = False

@@ -1,12 +1,34 @@
-"""Shared fixtures: the tiny llama pair, built from fixed seeds and loaded from disk."""
+"""Shared fixtures: the tiny llama pair (fixed seeds, loaded from disk) and a PostgreSQL
+database of this test session on the real server."""
 
 from __future__ import annotations
 
+import uuid
+
 import pytest
 import torch
+from sqlalchemy import create_engine, text
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from db.session import get_engine
 from worker.tiny import build_tiny_pair
+
+PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    """A fresh PostgreSQL database for this test session, dropped at its end."""
+    name = f"specq_test_{uuid.uuid4().hex[:12]}"
+    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
+    yield url
+    get_engine(url).dispose()
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+    admin.dispose()
 
 
 @pytest.fixture(scope="session")

@@ -121,11 +121,15 @@ class Pair:
     tokenizer: PreTrainedTokenizerBase
     drafter: Drafter
 
-    def engine(self, max_batch_size: int | None = None, draft_length: int | None = None):
+    def engine(self, max_batch_size: int | None = None,
+               draft_length: int | None = None) -> SpeculativeEngine:
+        """An engine over this pair; a given ``draft_length`` pins g (else the preset's
+        draft_length starts, and adapts unless the preset says ``adaptive: false``)."""
         bs = max_batch_size or self.preset.max_batch_size or get_settings().max_batch_size
         g = self.preset.draft_length if draft_length is None else draft_length
         return SpeculativeEngine(
-            self.target, self.tokenizer, self.drafter, max_batch_size=bs, draft_length=g
+            self.target, self.tokenizer, self.drafter, max_batch_size=bs, draft_length=g,
+            adaptive=self.preset.adaptive and draft_length is None,
         )
 
 

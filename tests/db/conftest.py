@@ -2,29 +2,9 @@
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
-from sqlalchemy import create_engine, text
 
-from db.session import get_engine, migrate, session_factory
-
-PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-
-
-@pytest.fixture(scope="session")
-def pg_url():
-    """A PostgreSQL database of this test session, dropped at its end."""
-    name = f"specq_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    yield url
-    get_engine(url).dispose()
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+from db.session import migrate, session_factory
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -14,30 +14,13 @@ from pathlib import Path
 
 import pytest
 import redis
-from sqlalchemy import create_engine, text
 
 from api.client import Client
 from configs.settings import Settings
-from db.session import get_engine, migrate
+from db.session import migrate
 from worker.tiny import build_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[2]
-PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
-
-
-@pytest.fixture(scope="session")
-def pg_url():
-    name = f"specq_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    yield url
-    get_engine(url).dispose()
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
-
 
 @pytest.fixture(scope="session")
 def settings(pg_url, tmp_path_factory):
@@ -69,6 +52,12 @@ def worker_env(settings: Settings) -> dict[str, str]:
         SPECQ_MAX_BATCH_SIZE=str(settings.max_batch_size),
     )
     return env
+
+
+@pytest.fixture(scope="session")
+def env_for():
+    """settings -> the SPECQ_* environment of a CLI or worker subprocess."""
+    return worker_env
 
 
 class WorkerProcess:

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
-
-_spec = importlib.util.spec_from_file_location("pipeline_conftest",
-                                               Path(__file__).with_name("conftest.py"))
-_conftest = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_conftest)
 
 
-def test_bench_pipeline_reports_overhead_and_rates(settings, tmp_path):
+def test_bench_pipeline_reports_overhead_and_rates(settings, env_for, tmp_path):
     out = tmp_path / "bench"
     cmd = [sys.executable, "-m", "api.cli", "bench-pipeline", "--pair", "tiny", "--prompts", "12",
            "--max-new-tokens", "8", "--batch-size", "4", "--submit-prompts", "500",
            "--write-rows", "300", "--output-dir", str(out)]
-    done = subprocess.run(cmd, env=_conftest.worker_env(settings), capture_output=True, text=True,
+    done = subprocess.run(cmd, env=env_for(settings), capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((out / "pipeline.json").read_text())

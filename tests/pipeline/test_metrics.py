@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -13,11 +11,6 @@ from api.report import draw_report, format_metrics
 from configs.presets import get_preset
 from worker.pairs import load_pair
 from worker.tasks import run_inline
-
-_spec = importlib.util.spec_from_file_location("pipeline_conftest",
-                                               Path(__file__).with_name("conftest.py"))
-_conftest = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_conftest)
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +45,10 @@ def test_metrics_are_sums_of_item_counters(finished_job):
         assert needle in text
 
 
-def test_report_png_and_cli(finished_job, settings, tmp_path):
+def test_report_png_and_cli(finished_job, settings, env_for, tmp_path):
     png = draw_report(finished_job.metrics(), tmp_path / "r.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    env = _conftest.worker_env(settings)
+    env = env_for(settings)
     cli = [sys.executable, "-m", "api.cli"]
     out = subprocess.run(cli + ["metrics", str(finished_job.id)], env=env, capture_output=True,
                          text=True, timeout=120)

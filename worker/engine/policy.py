@@ -71,9 +71,12 @@ class DraftLengthPolicy:
 
     def __post_init__(self) -> None:
         self.max_g = max(self.max_g, self.default)
-        self._accepted = _Decayed(self.decay)  # alpha's MLE: accepted / (accepted + rejections)
-        self._trials = _Decayed(self.decay)
-        self._proposing = _Decayed(self.decay)  # share of rows that proposed
+        # acceptance is a property of the pair and the data: it is tracked more slowly than
+        # timings, and while g = 0 only probes update it
+        slow = self.decay ** 0.2
+        self._accepted = _Decayed(slow)  # alpha's MLE: accepted / (accepted + rejections)
+        self._trials = _Decayed(slow)
+        self._proposing = _Decayed(slow)  # share of rows that proposed
         self._t_draft = _Decayed(self.decay, clip=3.0)  # seconds per draft token step
         self._t_verify: dict[int, _Decayed] = {}  # tokens per row -> seconds per pass
         self._since_probe = 0
@@ -95,17 +98,27 @@ class DraftLengthPolicy:
         return self._t_draft.mean
 
     def t_verify(self, n: int) -> float | None:
-        """Seconds for a target pass over n tokens per row: measured, else a linear fit."""
-        if n in self._t_verify:
-            return self._t_verify[n].mean
-        pts = sorted((k, d.mean) for k, d in self._t_verify.items())
+        """Seconds for a target pass over n tokens per row.
+
+        A width measured at least twice (and a plain step, n = 1) is taken as measured;
+        others come from a weighted least-squares line through every width measured so
+        far, so a single odd sample (a first call, a stall) cannot make a g look expensive
+        or cheap.
+        """
+        pts = [(k, d.mean, d.weight) for k, d in self._t_verify.items() if d.mean is not None]
         if not pts:
             return None
-        if len(pts) == 1:
-            return pts[0][1]
-        (n0, t0), (n1, t1) = pts[0], pts[-1]
-        slope = max(0.0, (t1 - t0) / (n1 - n0))
-        return t0 + slope * (n - n0)
+        plain = self._t_verify[1].mean if 1 in self._t_verify else None
+        if n in self._t_verify and (n == 1 or self._t_verify[n].weight >= 2):
+            return self._t_verify[n].mean
+        w = sum(p[2] for p in pts)
+        n_bar = sum(k * wk for k, _, wk in pts) / w
+        t_bar = sum(t * wk for _, t, wk in pts) / w
+        var = sum(wk * (k - n_bar) ** 2 for k, _, wk in pts)
+        slope = max(0.0, sum(wk * (k - n_bar) * (t - t_bar) for k, t, wk in pts) / var) \
+            if var > 0 else 0.0
+        fit = t_bar + slope * (n - n_bar)
+        return max(fit, plain) if plain is not None else fit
 
     def predicted(self, g: int) -> float | None:
         """Predicted speedup of g over plain decoding, from the current estimates."""
@@ -122,10 +135,10 @@ class DraftLengthPolicy:
         """g for the next step; ``pinned`` (e.g. seeded sampling in the batch) forces default."""
         if not self.adaptive or pinned or self.default == 0:
             return self.default
-        if self.alpha is None or self.t_draft is None:
-            return self.default  # warm-up: measure acceptance and draft cost first
         if 1 not in self._t_verify:
             return 0  # warm-up: measure a plain step
+        if self.alpha is None or self.t_draft is None:
+            return self.default  # warm-up: measure acceptance and the draft and verify costs
         scores = {g: self.predicted(g) or 0.0 for g in range(self.max_g + 1)}
         best = max(scores, key=scores.get)
         if best == 0:
@@ -133,6 +146,9 @@ class DraftLengthPolicy:
             if self._since_probe >= self._probe_interval:
                 self._since_probe = 0
                 self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
+                # probe at the preset's g: it measures acceptance over several positions and
+                # the verify cost where speculation would run (on a CPU, 2 tokens can cost
+                # more per pass than 5; a line from narrow probes would mislead)
                 return self.default
         else:
             self._probe_interval = self.probe_every

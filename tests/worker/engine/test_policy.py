@@ -79,3 +79,15 @@ def test_engine_stops_drafting_with_a_useless_draft(tiny_models, tiny_tokenizer,
     for r in results:
         assert sum(r.counters.steps_by_draft_length) == r.counters.target_passes - 1
     check_greedy(requests, results)
+
+
+def test_verify_cost_is_a_line_through_the_widths_measured():
+    policy = DraftLengthPolicy(default=4)
+    for _ in range(20):
+        policy.observe(0, [0], [0], 0.0, 0.10, 1)
+        policy.observe(4, [4], [2], 0.01, 0.20, 5)
+    policy.observe(2, [2], [1], 0.01, 1.00, 3)  # one odd sample at width 3
+    assert policy.t_verify(1) == pytest.approx(0.10)
+    assert 0.12 < policy.t_verify(3) < 0.25  # the line, not the odd sample
+    assert policy.t_verify(5) == pytest.approx(0.2, rel=0.25)
+    assert policy.t_verify(9) > policy.t_verify(5)  # extrapolated, never below a plain step
