@@ -68,11 +68,12 @@ def worker_engine() -> SpeculativeEngine:
 @worker_init.connect
 @worker_process_init.connect
 def _load_at_start(**_: Any) -> None:
-    """Load the pair when the worker starts, before it takes any chunk."""
+    """Load the pair when the worker starts, before it takes any chunk, and run one short
+    generation so the first chunk does not pay the first call's set-up."""
     if get_settings().worker_pair:
         t0 = time.perf_counter()
         pair = worker_pair()
-        worker_engine()
+        worker_engine().generate([Request(prompt="Hello", max_new_tokens=2)])
         log.info("pair %s loaded in %.1f s", pair.preset.name, time.perf_counter() - t0)
 
 

@@ -56,8 +56,9 @@ class DraftLengthPolicy:
     ``adaptive=False`` pins g to ``default``. While g = 0 wins, acceptance cannot be
     observed, so the policy probes with g = default every ``probe_every`` steps (the
     interval doubles each time the probe loses, up to ``max_probe_every``, and resets when
-    it wins). Timings are clipped at 3x their running mean: a stall must not switch
-    speculation off for good.
+    it wins; an expensive probe, e.g. with a large draft model, is spaced further so probes
+    cost at most ``probe_budget`` of the decoding time). Timings are clipped at 3x their
+    running mean: a stall must not switch speculation off for good.
     """
 
     default: int = 4
@@ -66,6 +67,7 @@ class DraftLengthPolicy:
     decay: float = 0.9
     probe_every: int = 16
     max_probe_every: int = 64
+    probe_budget: float = 0.02  # probes may cost at most this share of plain decoding time
     steps: int = 0
     history: list[int] = field(default_factory=list)  # g of each step
 
@@ -143,7 +145,7 @@ class DraftLengthPolicy:
         best = max(scores, key=scores.get)
         if best == 0:
             self._since_probe += 1
-            if self._since_probe >= self._probe_interval:
+            if self._since_probe >= max(self._probe_interval, self._probe_spacing()):
                 self._since_probe = 0
                 self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
                 # probe at the preset's g: it measures acceptance over several positions and
@@ -153,6 +155,15 @@ class DraftLengthPolicy:
         else:
             self._probe_interval = self.probe_every
         return best
+
+    def _probe_spacing(self) -> float:
+        """Steps between probes that keep their extra cost within ``probe_budget``: a probe
+        at g = default costs g draft steps and a wide verify pass instead of a plain step."""
+        t1, tg, td = self.t_verify(1), self.t_verify(self.default + 1), self.t_draft
+        if not t1 or tg is None or td is None:
+            return 0.0
+        extra = (self.default * td + tg) / t1 - 1.0  # in plain steps
+        return max(0.0, extra) / self.probe_budget
 
     def observe(self, g: int, num_draft: list[int], num_accepted: list[int],
                 t_draft: float, t_verify: float, verify_tokens: int) -> None:
