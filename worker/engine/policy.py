@@ -79,6 +79,13 @@ class DraftLengthPolicy:
         self._accepted = _Decayed(slow)  # alpha's MLE: accepted / (accepted + rejections)
         self._trials = _Decayed(slow)
         self._proposing = _Decayed(slow)  # share of rows that proposed
+        # a weak prior (alpha 1/2, every row proposing) that the first steps soon outweigh:
+        # one unlucky first observation must not switch speculation off
+        self._accepted.add(1.0)
+        self._trials.add(2.0)
+        self._proposing.add(1.0)
+        self._rows_seen = 0  # row-steps that proposed: the warm-up lasts until enough
+        self._batch = 1
         self._t_draft = _Decayed(self.decay, clip=3.0)  # seconds per draft token step
         self._t_verify: dict[int, _Decayed] = {}  # tokens per row -> seconds per pass
         self._since_probe = 0
@@ -123,13 +130,22 @@ class DraftLengthPolicy:
         return max(fit, plain) if plain is not None else fit
 
     def predicted(self, g: int) -> float | None:
-        """Predicted speedup of g over plain decoding, from the current estimates."""
+        """Predicted speedup of g over plain decoding, from the current estimates.
+
+        A drafter that proposes for only some rows (prompt lookup) makes a wide verify
+        pass only when at least one of the batch's rows proposes: with share f of rows
+        proposing, a step costs t_verify(g + 1) with probability 1 - (1 - f)^B, else a
+        plain step's t_verify(1).
+        """
         if g == 0:
             return 1.0
         a, td, t1, tg = self.alpha, self.t_draft, self.t_verify(1), self.t_verify(g + 1)
         if None in (a, td, t1, tg):
             return None
-        return measured_speedup(a, g, td, t1, tg, self.propose_rate)
+        f = self.propose_rate
+        wide = 1.0 - (1.0 - f) ** self._batch
+        t_step = wide * tg + (1.0 - wide) * t1
+        return measured_speedup(a, g, td, t1, t_step, f)
 
     # -- the choice -----------------------------------------------------------------
 
@@ -139,7 +155,7 @@ class DraftLengthPolicy:
             return self.default
         if 1 not in self._t_verify:
             return 0  # warm-up: measure a plain step
-        if self.alpha is None or self.t_draft is None:
+        if self.t_draft is None or (self._rows_seen < 8 and self.steps < 8):
             return self.default  # warm-up: measure acceptance and the draft and verify costs
         scores = {g: self.predicted(g) or 0.0 for g in range(self.max_g + 1)}
         best = max(scores, key=scores.get)
@@ -172,10 +188,12 @@ class DraftLengthPolicy:
         self.steps += 1
         self.history.append(g)
         self._t_verify.setdefault(verify_tokens, _Decayed(self.decay, clip=3.0)).add(t_verify)
+        self._batch = len(num_draft)
         if g == 0:
             return
         self._t_draft.add(t_draft / g)
         proposing = [(n, k) for n, k in zip(num_draft, num_accepted) if n > 0]
+        self._rows_seen += len(proposing)
         self._proposing.add(len(proposing) / max(1, len(num_draft)))
         if proposing:
             accepted = sum(k for _, k in proposing)

@@ -105,3 +105,19 @@ def test_expensive_probes_are_spaced_out():
     probes = [i for i, g in enumerate(policy.history) if g][1:]
     assert len(probes) <= 3, probes
     assert all(b - a >= 200 for a, b in zip(probes, probes[1:]))
+
+
+def test_rows_without_proposals_make_plain_steps():
+    """Prompt lookup proposing for half the rows, at batch 1: half the steps are plain."""
+    policy = DraftLengthPolicy(default=4)
+    for i in range(40):
+        policy.observe(0, [0], [0], 0.0, 0.10, 1)
+        if i % 2:
+            policy.observe(4, [4], [2], 0.0, 0.20, 5)
+        else:
+            policy.observe(4, [0], [0], 0.0, 0.10, 1)
+    f, a = policy.propose_rate, policy.alpha
+    assert f == pytest.approx(0.5, abs=0.1) and a == pytest.approx(2 / 3, abs=0.05)
+    e = expected_tokens(a, 4, f)
+    t_step = f * policy.t_verify(5) + (1 - f) * policy.t_verify(1)
+    assert policy.predicted(4) == pytest.approx(e * policy.t_verify(1) / t_step)
