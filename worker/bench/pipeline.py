@@ -25,7 +25,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from api.client import Client
+from api.client import Client, prompt_checker
 from configs.presets import get_preset
 from configs.settings import Settings, get_settings
 from db import repository as repo
@@ -126,6 +126,9 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
 
     worker_settings = settings.model_copy(update={"max_batch_size": args.batch_size})
     proc = start_worker(worker_settings, args.pair, client, out / "pipeline-worker.log")
+    # a client loads the target's tokenizer once per process (seconds for a GGUF file):
+    # do it before the clock starts, as for any client that has submitted before
+    prompt_checker(get_preset(args.pair, settings.presets_file), settings)
     try:
         submitted_at = datetime.now(timezone.utc)
         job = client.submit(messages, pair=args.pair, max_new_tokens=args.max_new_tokens,
