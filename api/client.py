@@ -341,7 +341,9 @@ class Job:
             cancelled=counts[ItemStatus.cancelled.value], pending=counts[ItemStatus.pending.value],
             created_at=job.created_at, finished_at=job.finished_at, error=job.error,
         )
-        if check_workers and not state.finished and state.pending:
+        # only a queued job asks: once a chunk runs a worker evidently serves the pair, and
+        # a solo worker busy with a chunk cannot answer the broadcast anyway
+        if check_workers and state.status == JobStatus.queued.value and state.pending:
             workers = self.client.workers_for(job.pair)
             queue = queue_name(job.pair, self.client.settings)
             if workers is None:
