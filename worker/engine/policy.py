@@ -84,7 +84,7 @@ class DraftLengthPolicy:
         self._accepted.add(1.0)
         self._trials.add(2.0)
         self._proposing.add(1.0)
-        self._rows_seen = 0  # row-steps that proposed: the warm-up lasts until enough
+        self._drafts_seen = 0  # draft tokens judged: the warm-up lasts until a few
         self._batch = 1
         self._t_draft = _Decayed(self.decay, clip=3.0)  # seconds per draft token step
         self._t_verify: dict[int, _Decayed] = {}  # tokens per row -> seconds per pass
@@ -155,7 +155,7 @@ class DraftLengthPolicy:
             return self.default
         if 1 not in self._t_verify:
             return 0  # warm-up: measure a plain step
-        if self.t_draft is None or (self._rows_seen < 8 and self.steps < 8):
+        if self.t_draft is None or (self._drafts_seen < 4 and self.steps < 4):
             return self.default  # warm-up: measure acceptance and the draft and verify costs
         scores = {g: self.predicted(g) or 0.0 for g in range(self.max_g + 1)}
         best = max(scores, key=scores.get)
@@ -193,7 +193,7 @@ class DraftLengthPolicy:
             return
         self._t_draft.add(t_draft / g)
         proposing = [(n, k) for n, k in zip(num_draft, num_accepted) if n > 0]
-        self._rows_seen += len(proposing)
+        self._drafts_seen += sum(n for n, _ in proposing)
         self._proposing.add(len(proposing) / max(1, len(num_draft)))
         if proposing:
             accepted = sum(k for _, k in proposing)
