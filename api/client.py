@@ -42,6 +42,7 @@ from db.models import ItemStatus, JobStatus
 from db.session import migrate, session_factory
 from worker.app import make_app
 from worker.constants import GENERATE_TASK, INSPECT_TIMEOUT, queue_name
+from worker.engine import counters as rates
 from worker.engine.request import SamplingParams
 from worker.engine.speculative import (
     RequestError,
@@ -127,12 +128,11 @@ class JobMetrics:
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.accepted / self.proposed if self.proposed else None
+        return rates.acceptance_rate(self.accepted, self.proposed)
 
     @property
     def mean_acceptance_length(self) -> float | None:
-        """Tokens per draft step, bonus token included: 1 + accepted / draft_steps."""
-        return 1 + self.accepted / self.draft_steps if self.draft_steps else None
+        return rates.mean_acceptance_length(self.accepted, self.draft_steps)
 
     @property
     def acceptance_by_position(self) -> list[float]:

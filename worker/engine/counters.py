@@ -5,6 +5,16 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+def acceptance_rate(accepted: int, proposed: int) -> float | None:
+    """Accepted draft tokens / proposed draft tokens."""
+    return accepted / proposed if proposed else None
+
+
+def mean_acceptance_length(accepted: int, draft_steps: int) -> float | None:
+    """Tokens per draft step, the bonus token included (vLLM's convention)."""
+    return 1 + accepted / draft_steps if draft_steps else None
+
+
 @dataclass
 class Counters:
     """What one request cost and how often its drafts were accepted.
@@ -39,12 +49,11 @@ class Counters:
 
     @property
     def acceptance_rate(self) -> float | None:
-        return self.accepted / self.proposed if self.proposed else None
+        return acceptance_rate(self.accepted, self.proposed)
 
     @property
     def mean_acceptance_length(self) -> float | None:
-        """Tokens per draft step, the bonus token included (vLLM's convention)."""
-        return 1 + self.accepted / self.draft_steps if self.draft_steps else None
+        return mean_acceptance_length(self.accepted, self.draft_steps)
 
     def as_dict(self) -> dict:
         return asdict(self)
