@@ -107,6 +107,24 @@ class KVRows:
             mine.values = torch.cat([mine.values, theirs.values])
         self.mask = torch.cat([self.mask, other.mask])
 
+    def add_rows(self, n: int) -> None:
+        """Append n rows with no real column yet (their tokens come later, by replace)."""
+        for layer in self.cache.layers:
+            B, H, L, D = layer.keys.shape
+            layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(n, H, L, D)])
+            layer.values = torch.cat([layer.values, layer.values.new_zeros(n, H, L, D)])
+        self.mask = torch.cat([self.mask, self.mask.new_zeros(n, self.length)])
+
+    def replace(self, rows: torch.Tensor, other: KVRows) -> None:
+        """Put other's rows in place of ``rows``, which hold no real column yet."""
+        L = max(self.length, other.length)
+        self._pad_left(L - self.length)
+        other._pad_left(L - other.length)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.keys[rows] = theirs.keys
+            mine.values[rows] = theirs.values
+        self.mask[rows] = other.mask
+
     def _pad_left(self, n: int) -> None:
         if n <= 0:
             return

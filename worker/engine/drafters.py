@@ -108,7 +108,9 @@ class DraftModel:
     """A draft LM with its own cache over the batch rows.
 
     Its cache holds every token of a row except `pending` ones (1 or 2 per row, or more
-    after steps without drafting), which the next proposal feeds first.
+    after steps without drafting), which the next proposal feeds first. A row admitted
+    while others run is prefilled only when a proposal needs it: while the engine does
+    not draft (g = 0), the draft model costs nothing.
     """
 
     name = "draft_model"
@@ -118,23 +120,46 @@ class DraftModel:
         self.pad_id = pad_id
         self.vocab_size = vocab_size  # the target's logits width, when it differs
         self.pending: list[list[int]] = []
+        self.fresh: list[bool] = []  # row not prefilled yet: its whole prompt is pending
         self._last: tuple[int, int, list[torch.Tensor]] | None = None  # start, P, drafts
 
     def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None:
+        if self.kv.cache is None:  # the first rows: prefill now
+            self._prefill(self.kv, prompts)
+            self.pending += [[t] for t in first_tokens]
+            self.fresh += [False] * len(prompts)
+        else:  # later rows wait, prompt pending, until a proposal needs them
+            self.kv.add_rows(len(prompts))
+            self.pending += [list(p) + [t] for p, t in zip(prompts, first_tokens)]
+            self.fresh += [True] * len(prompts)
+
+    def _prefill(self, kv: KVRows, prompts: list[list[int]]) -> None:
+        kv.forward(*left_pad(prompts, self.pad_id, self.kv.device), last_only=True)
+
+    def _catch_up(self) -> None:
+        """Prefill the fresh rows (all but their last pending token) in one batch."""
+        rows = [i for i, f in enumerate(self.fresh) if f]
+        if not rows:
+            return
         new = KVRows(self.kv.model)
-        new.forward(*left_pad(prompts, self.pad_id, self.kv.device), last_only=True)
-        self.kv.extend(new)
-        self.pending += [[t] for t in first_tokens]
+        self._prefill(new, [self.pending[i][:-1] for i in rows])
+        self.kv.replace(torch.tensor(rows, device=self.kv.device), new)
+        for i in rows:
+            self.pending[i] = self.pending[i][-1:]
+            self.fresh[i] = False
 
     def select(self, rows: torch.Tensor) -> None:
         self.kv.select(rows.to(self.kv.device))
-        self.pending = [self.pending[i] for i in rows.tolist()]
+        keep = rows.tolist()
+        self.pending = [self.pending[i] for i in keep]
+        self.fresh = [self.fresh[i] for i in keep]
 
     def compact(self) -> None:
         self.kv.compact()
 
     @torch.inference_mode()
     def propose(self, batch: DraftInputs, g: int) -> Proposal:
+        self._catch_up()
         B, dev = len(self.pending), self.kv.device
         ids, valid = left_pad(self.pending, self.pad_id, dev)
         start, P = self.kv.length, ids.shape[1]

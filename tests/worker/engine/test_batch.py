@@ -34,3 +34,36 @@ def test_holes_compaction_extend_and_select_keep_logits_exact(tiny_models):
     for b, seq in enumerate(seqs):
         want = _alone(model, seq + [[40], [41]][b])
         assert torch.allclose(logits[b, -1], want, atol=1e-4), b
+
+
+def test_rows_added_empty_then_replaced_match_a_direct_prefill(tiny_models):
+    model = tiny_models["target"]
+    kv = KVRows(model)
+    with torch.inference_mode():
+        kv.forward(*left_pad([[10, 11, 12]], 0, "cpu"))
+        kv.add_rows(2)  # two rows join with nothing cached yet
+        late = KVRows(model)
+        late.forward(*left_pad([[20, 21, 22, 23, 24], [30]], 0, "cpu"))
+        kv.replace(torch.tensor([1, 2]), late)
+        logits = kv.forward(torch.tensor([[13], [25], [31]]), torch.ones(3, 1, dtype=torch.bool))
+    for b, seq in enumerate([[10, 11, 12, 13], [20, 21, 22, 23, 24, 25], [30, 31]]):
+        assert torch.allclose(logits[b, -1], _alone(model, seq), atol=1e-4), b
+
+
+def test_a_draft_model_costs_nothing_while_the_engine_does_not_draft(tiny_models,
+                                                                      tiny_tokenizer,
+                                                                      make_requests):
+    from worker.engine.drafters import DraftModel
+    from worker.engine.speculative import SpeculativeEngine
+
+    draft = DraftModel(tiny_models["noisy"])
+    calls = []
+    forward = draft.kv.model.forward
+    draft.kv.model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
+    try:
+        engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, draft,
+                                   max_batch_size=3, draft_length=0, adaptive=False)  # g = 0
+        engine.generate(make_requests(8, seed=11, max_new=10))
+    finally:
+        draft.kv.model.forward = forward
+    assert len(calls) == 1  # the first rows' prefill; later rows are never prefilled
