@@ -18,6 +18,7 @@ from worker.engine.request import Request, Result
 from worker.engine.sampling import ACCEPT, SAMPLE, keyed_uniform, logits_to_probs, sample
 
 log = logging.getLogger(__name__)
+_NO_DRAFT = NoDraft()  # the proposal of a step that does not draft
 
 
 class RequestError(ValueError):
@@ -220,13 +221,13 @@ class SpeculativeEngine:
         inputs = DraftInputs([r.tokens for r in self.rows], seeds, temperature, top_k, top_p,
                              greedy=bool((temperature <= 0).all()))
         t0 = _clock(dev)
-        prop = self.drafter.propose(inputs, g) if g else NoDraft().propose(inputs, 0)
+        prop = self.drafter.propose(inputs, g) if g else _NO_DRAFT.propose(inputs, 0)
         draft_ids, num_draft = prop.token_ids.to(dev), prop.num_draft.to(dev)
         t1 = _clock(dev)
         n = int(num_draft.max()) if g else 0  # prompt lookup may find less than g anywhere
         draft_ids, probs = draft_ids[:, :n], None if prop.probs is None else prop.probs[:, :n]
 
-        ids = torch.cat([self.last[:, None].to(dev), draft_ids], 1)  # [B, g + 1]
+        ids = torch.cat([self.last[:, None].to(dev), draft_ids], 1)  # [B, n + 1]
         valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev),
                            torch.arange(n, device=dev)[None] < num_draft[:, None]], 1)
         start = self.kv.length
