@@ -173,7 +173,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(f"job {job.id}: {job.status(check_workers=False).total} items stored in "
           f"{redact(settings.sqlalchemy_url)}; loading pair {args.pair}", file=sys.stderr)
     pair = load_pair(get_preset(args.pair, settings.presets_file), settings)
-    run_inline(sessions=client.sessions, engine=pair.engine(), pair=pair.preset.name,
+    engine = pair.engine()
+    engine.calibrate()
+    run_inline(sessions=client.sessions, engine=engine, pair=pair.preset.name,
                job_id=job.id, progress=True)
     n = export(job, args.output)
     m = job.metrics()

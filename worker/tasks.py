@@ -68,12 +68,15 @@ def worker_engine() -> SpeculativeEngine:
 @worker_init.connect
 @worker_process_init.connect
 def _load_at_start(**_: Any) -> None:
-    """Load the pair when the worker starts, before it takes any chunk, and run one short
-    generation so the first chunk does not pay the first call's set-up."""
+    """Load the pair when the worker starts, before it takes any chunk, run one short
+    generation so the first chunk does not pay the first call's set-up, and measure the
+    step costs the adaptive draft length decides by."""
     if get_settings().worker_pair:
         t0 = time.perf_counter()
         pair = worker_pair()
-        worker_engine().generate([Request(prompt="Hello", max_new_tokens=2)])
+        engine = worker_engine()
+        engine.generate([Request(prompt="Hello", max_new_tokens=2)])
+        engine.calibrate()
         log.info("pair %s loaded in %.1f s", pair.preset.name, time.perf_counter() - t0)
 
 

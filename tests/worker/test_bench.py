@@ -98,28 +98,34 @@ def test_alpha_and_figures_from_steps():
     alpha, f = alpha_mle(steps)
     assert alpha == pytest.approx(3 / (3 + 2)) and f == pytest.approx(3 / 4)
 
-    def result(i, proposed, accepted, by_pos, tokens):
+    def result(i, proposed, accepted, by_pos, tokens):  # one prefill pass, one step
         c = Counters(draft_steps=1 if proposed else 0, proposed=proposed, accepted=accepted,
-                     accepted_by_position=by_pos)
+                     accepted_by_position=by_pos, target_passes=2, new_tokens=tokens)
         return Result(id=i, token_ids=[5] * tokens, counters=c)
 
-    results = [result(0, 2, 2, [1, 1], 3), result(1, 2, 1, [1], 2), result(2, 2, 0, [], 1),
-               result(3, 0, 0, [], 1)]
+    # the prefill's token, then accepted drafts and one recovered or bonus token
+    results = [result(0, 2, 2, [1, 1], 4), result(1, 2, 1, [1], 3), result(2, 2, 0, [], 2),
+               result(3, 0, 0, [], 2)]
     spec = Run(FIXED, 4, seconds=1.0, outputs=[r.token_ids for r in results], draft="x", g=2,
-               results=results, steps=steps)
-    none = Run(NONE, 4, seconds=1.4, outputs=[[5]] * 7, g=0, results=[],
-               steps=[Step(0, [0] * 4, [0] * 4, 0.0, 0.04, 1)])
-    hf = Run("hf", 4, seconds=3.5, outputs=[[5]] * 7)
+               results=results, steps=steps, prefill_seconds=0.2)
+    none = Run(NONE, 4, seconds=1.4, outputs=[[5]] * 11, g=0, results=[],
+               steps=[Step(0, [0] * 4, [0] * 4, 0.0, 0.04, 1)], prefill_seconds=0.2)
+    hf = Run("hf", 4, seconds=3.5, outputs=[[5]] * 11)
     row = figures(spec, hf, none)
-    assert row["tokens_per_s"] == 7 and row["speedup_vs_hf"] == pytest.approx(3.5)
+    assert row["tokens_per_s"] == 11 and row["speedup_vs_hf"] == pytest.approx(3.5)
     assert row["speedup_vs_none"] == pytest.approx(1.4)
     assert row["acceptance_rate"] == pytest.approx(3 / 6)
     assert row["mean_acceptance_length"] == pytest.approx(1 + 3 / 3)
     assert row["acceptance_by_position"] == pytest.approx([2 / 3, 1 / 3])
     assert row["t_draft"] == pytest.approx(0.01) and row["c"] == pytest.approx(0.25)
     e = 1 + 0.75 * (0.6 + 0.36)
-    assert row["predicted_measured"] == pytest.approx(e * 0.04 / (0.02 + 0.06))
-    assert row["efficiency"] == pytest.approx(1.4 / row["predicted_measured"])
+    assert row["predicted_alpha_cost"] == pytest.approx(e * 0.04 / (0.02 + 0.06))
+    # measured: 7 tokens over 4 row-steps, each step 0.08 s against a 0.04 s plain step
+    assert row["tokens_per_step"] == pytest.approx(7 / 4)
+    assert row["predicted_measured"] == pytest.approx(7 / 4 * 0.04 / 0.08)
+    # decoding alone: 1.2 s against 0.8 s, the same 0.2 s of prefill left out of both
+    assert row["decode_speedup_vs_none"] == pytest.approx(1.2 / 0.8)
+    assert row["efficiency"] == pytest.approx(1.5 / row["predicted_measured"])
 
 
 def test_greedy_compare_flags_a_real_mismatch(tiny_models):

@@ -7,13 +7,24 @@ Acceptance has two figures, and they differ:
   estimated as accepted / (accepted + rejections), a rejection being a row-step that did
   not accept all it proposed. Thm 3.8 and E(g) take this alpha.
 
-Predicted speedups over specq without speculation at the same batch size, for a run
-whose steps used draft lengths g_s (one g for a fixed run, a mix for adaptive):
+Predicted speedups over specq without speculation at the same batch size (t_step: its
+mean plain decode step), for a run whose steps used draft lengths g_s:
 - theorem: sum_s E(alpha, g_s) / sum_s (g_s c + 1), Thm 3.8, c = t_draft / t_step;
-- measured cost: sum_s E(alpha, g_s, f) t_step / sum_s (g_s t_draft + t_verify(g_s + 1)),
-  t_step the no-speculation step time, t_verify(n) this run's target pass over n tokens
-  per row, f the share of rows that proposed. Efficiency = measured speedup / this.
-For one g both reduce to worker.engine.policy's theorem_speedup and measured_speedup.
+- measured cost: E[tokens per step] t_step / (mean seconds of this run's steps, drafting
+  and target pass), E[tokens per step] being what a row gained per target pass while
+  decoding. Both factors are measured, so the prediction holds exactly what the model
+  passes cost; efficiency = measured speedup / this is what the engine's own bookkeeping
+  (acceptance, cache fix-ups, refills, a batch thinning at its end) costs on top.
+- alpha and cost (JSON only, the adaptive policy's own model): sum_s E(alpha, g_s, f)
+  t_step / sum_s (g_s t_draft + t_verify(g_s + 1)), f the share of rows that proposed. It
+  takes every proposal as g long; prompt lookup often finds fewer, so it errs both ways.
+For one g the first and last reduce to worker.engine.policy's theorem_speedup and
+measured_speedup.
+
+They predict the decoding steps. Prefilling the prompts is the same work with and
+without speculation and no drafter shortens it, so the measured speedup they are set
+against is the decoding one (xdec): (seconds - prefill seconds) of specq without
+speculation over the same of this run. The whole-run speedup (xnone) is reported beside.
 """
 
 from __future__ import annotations
@@ -96,6 +107,8 @@ def figures(run: Run, hf: Run | None, none: Run | None) -> dict:
     }
     out["speedup_vs_hf"] = _ratio(out["tokens_per_s"], hf)
     out["speedup_vs_none"] = _ratio(out["tokens_per_s"], none)
+    out["prefill_seconds"] = run.prefill_seconds
+    out["decode_speedup_vs_none"] = decode_speedup(run, none)
     if run.results is None:
         return out
     counters = [r.counters for r in run.results]
@@ -121,15 +134,43 @@ def figures(run: Run, hf: Run | None, none: Run | None) -> dict:
         "t_draft": t_draft, "t_step": t_step,
         "t_verify": {str(n): t for n, t in t_verify.items()},
         "c": t_draft / t_step if t_draft is not None and t_step else None,
-        "predicted_theorem": None, "predicted_measured": None, "efficiency": None,
+        "tokens_per_step": tokens_per_step(run.results), "step_seconds": step_seconds(run.steps),
+        "predicted_theorem": None, "predicted_measured": None, "predicted_alpha_cost": None,
+        "efficiency": None,
         "policy_snapshot": _jsonable(run.snapshot),
     })
     if None not in (alpha, f, t_draft, t_step) and any(g for g in g_counts):
-        thm, meas = predicted(alpha, f, g_counts, t_draft, t_step, t_verify)
-        out["predicted_theorem"], out["predicted_measured"] = thm, meas
-        if out["speedup_vs_none"] is not None:
-            out["efficiency"] = out["speedup_vs_none"] / meas
+        thm, by_alpha = predicted(alpha, f, g_counts, t_draft, t_step, t_verify)
+        out["predicted_theorem"], out["predicted_alpha_cost"] = thm, by_alpha
+    if None not in (out["tokens_per_step"], out["step_seconds"], t_step):
+        out["predicted_measured"] = out["tokens_per_step"] * t_step / out["step_seconds"]
+        if out["decode_speedup_vs_none"] is not None:
+            out["efficiency"] = out["decode_speedup_vs_none"] / out["predicted_measured"]
     return out
+
+
+def tokens_per_step(results: list) -> float | None:
+    """E[tokens per step] as measured: tokens a row gained per target pass while decoding
+    (the prefill pass and the first token it yields left out)."""
+    decoding = [r.counters for r in results if r.counters.target_passes > 1]
+    passes = sum(c.target_passes - 1 for c in decoding)
+    return sum(c.new_tokens - 1 for c in decoding) / passes if passes else None
+
+
+def step_seconds(steps: list[Step]) -> float | None:
+    """Mean seconds of a decoding step: its drafting and its target pass."""
+    return fmean(s.t_draft + s.t_verify for s in steps) if steps else None
+
+
+def decode_speedup(run: Run, none: Run | None) -> float | None:
+    """Decoding tokens per second over those of specq without speculation, prefill left
+    out of both (the same prompts and outputs, so the same prefill work)."""
+    if none is None or run.prefill_seconds is None or none.prefill_seconds is None:
+        return None
+    mine, base = run.seconds - run.prefill_seconds, none.seconds - none.prefill_seconds
+    if mine <= 0 or base <= 0 or not none.new_tokens:
+        return None
+    return (run.new_tokens / mine) / (none.new_tokens / base)
 
 
 def step_time(run: Run) -> float | None:

@@ -50,6 +50,7 @@ class Run:
     results: list[Result] | None = None
     steps: list[Step] = field(default_factory=list)
     snapshot: dict | None = None  # the engine policy's own (decayed) estimates
+    prefill_seconds: float | None = None  # of ``seconds``, spent prefilling prompts (specq)
 
     @property
     def new_tokens(self) -> int:
@@ -131,21 +132,20 @@ def run_specq(t: Target, prompts: list[list[int]], batch_size: int, max_new: int
               g: int | None = 0, max_g: int = 8) -> Run:
     """(c) no speculation (the default NoDraft), (d) fixed g, or (e) adaptive (g=None).
 
-    A fresh engine (fresh policy, fresh drafter) is timed after a throwaway one warms up.
+    Every engine warms up on the first batch of prompts for a few tokens; an adaptive
+    one then calibrates its step costs (as a worker does when it starts) and forgets
+    what the warm-up showed of acceptance, before the timed run.
     """
     adaptive = g is None
-
-    def engine() -> SpeculativeEngine:
-        length = min(4, max_g) if adaptive else g
-        return SpeculativeEngine(t.model, t.tokenizer, make_drafter(), max_batch_size=batch_size,
-                                 draft_length=length, adaptive=adaptive,
-                                 max_draft_length=max(max_g, length))
-
+    length = min(4, max_g) if adaptive else g
+    eng = SpeculativeEngine(t.model, t.tokenizer, make_drafter(), max_batch_size=batch_size,
+                            draft_length=length, adaptive=adaptive,
+                            max_draft_length=max(max_g, length))
     requests = [Request(id=i, prompt_token_ids=p, max_new_tokens=max_new)
                 for i, p in enumerate(prompts)]
-    warm = [r.model_copy(update={"max_new_tokens": 4}) for r in requests[:batch_size]]
-    engine().generate(warm)
-    eng = engine()
+    eng.generate([r.model_copy(update={"max_new_tokens": 4}) for r in requests[:batch_size]])
+    eng.calibrate()
+    eng.prefill_seconds = 0.0
     steps = _recording(eng)
     _sync(t.model.device)
     t0 = time.perf_counter()
@@ -157,4 +157,5 @@ def run_specq(t: Target, prompts: list[list[int]], batch_size: int, max_new: int
             raise RuntimeError(f"request {r.id}: {r.error}")
     method = NONE if g == 0 else ADAPTIVE if adaptive else FIXED
     return Run(method, batch_size, seconds, [r.token_ids for r in results], draft=draft, g=g,
-               results=results, steps=steps, snapshot=eng.policy.snapshot())
+               results=results, steps=steps, snapshot=eng.policy.snapshot(),
+               prefill_seconds=eng.prefill_seconds)

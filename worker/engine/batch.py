@@ -174,6 +174,9 @@ class Row:
         self.result = Result(id=request.id, prompt_tokens=len(prompt_ids))
         self.seed = request.seed if request.seed is not None else secrets.randbits(62)
         self._stop_window = max((len(s) for s in request.stop), default=0) + 8
+        # a free drafter's proposal held while the engine does not draft, and how much of
+        # it the emitted tokens matched so far (shadow.py)
+        self.shadow: tuple[list[int], int] | None = None
 
     @property
     def generated(self) -> list[int]:

@@ -76,6 +76,7 @@ class PromptLookup(_Stateless):
     """n-gram copy from the row's own tokens (Saxena 2023, "prompt lookup decoding")."""
 
     name = "prompt_lookup"
+    free = True  # costs nothing next to a target pass: may propose while g = 0 (shadow.py)
 
     def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
         self.max_ngram, self.min_ngram = max_ngram, min_ngram

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterable
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from worker.engine import shadow
 from worker.engine.batch import KVRows, Row, left_pad
 from worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from worker.engine.policy import DraftLengthPolicy
@@ -19,6 +20,11 @@ from worker.engine.sampling import ACCEPT, SAMPLE, keyed_uniform, logits_to_prob
 
 log = logging.getLogger(__name__)
 _NO_DRAFT = NoDraft()  # the proposal of a step that does not draft
+# calibration's synthetic prompt: ordinary text, so that prompt lookup finds n-grams to copy
+_CALIBRATION_TEXT = (
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins "
+    "with a single step. "
+)
 
 
 class RequestError(ValueError):
@@ -104,8 +110,11 @@ class SpeculativeEngine:
         self.drafter = drafter or NoDraft()
         self.max_batch_size = max_batch_size
         default = 0 if self.drafter.name == "none" else draft_length
+        # a drafter that costs nothing is scored while the engine does not draft (shadow.py)
+        self.shadowing = adaptive and default > 0 and getattr(self.drafter, "free", False)
         self.policy = DraftLengthPolicy(default=default, max_g=max_draft_length,
-                                        adaptive=adaptive and default > 0)
+                                        adaptive=adaptive and default > 0,
+                                        idle_acceptance=self.shadowing)
         self.context = context_length(target)
         eos = target.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -113,6 +122,7 @@ class SpeculativeEngine:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = set(eos)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.prefill_seconds = 0.0  # spent prefilling prompts, over the engine's life
 
     # -- the loop -------------------------------------------------------------------
 
@@ -142,6 +152,65 @@ class SpeculativeEngine:
                 self.step()
                 self._retire(done)
         return [results[i] for i in sorted(results)]
+
+    @torch.inference_mode()
+    def calibrate(self, batch_sizes: Iterable[int] | None = None, prompt_tokens: int = 64,
+                  repeats: int = 2) -> None:
+        """Measure what a step costs before the first request, so the adaptive policy
+        chooses g from measured costs at once: a target pass over 1, 2, g + 1 and
+        max_g + 1 tokens per row, and a draft step, at each batch size (by default 1, 4,
+        16, ... below max_batch_size, and that), on a synthetic prompt. Acceptance is not
+        learnt here: it depends on the data. A no-op for an engine that does not adapt g.
+        """
+        policy = self.policy
+        if not policy.adaptive:
+            return
+        t0 = time.perf_counter()
+        if batch_sizes is None:
+            batch_sizes = {4**i for i in range(8) if 4**i < self.max_batch_size}
+            batch_sizes = sorted(batch_sizes | {self.max_batch_size})
+        widths = sorted({1, 2, policy.default + 1, policy.max_g + 1})
+        L = min(prompt_tokens, self.context - (repeats + 1) * sum(widths) - 1)
+        if L < widths[-1]:
+            log.warning("context of %d tokens too short to calibrate in", self.context)
+            return
+        text = self.tokenizer(_CALIBRATION_TEXT, add_special_tokens=False).input_ids or [1, 2, 3]
+        prompt = (text * (L // len(text) + 1))[:L]
+        dev = self.target.device
+        for B in batch_sizes:
+            kv = KVRows(self.target)
+            ids, valid = left_pad([prompt] * B, self.pad_id, dev)  # [B, L]
+            kv.forward(ids, valid, last_only=True)
+            times: dict[int, list[float]] = {n: [] for n in widths}
+            for rep in range(repeats + 1):  # round 0 warms each shape up, untimed
+                for n in widths:
+                    start, t = kv.length, _clock(dev)
+                    kv.forward(ids[:, :n], valid[:, :n])
+                    if rep:
+                        times[n].append(_clock(dev) - t)
+                    kv.keep(start, torch.zeros(B, dtype=torch.long, device=dev))
+            policy.record_costs(B, times, self._draft_step_times(B, prompt, repeats))
+        policy.forget_data()
+        log.info("calibrated at batch sizes %s in %.1f s: %s", list(batch_sizes),
+                 time.perf_counter() - t0, policy.snapshot()["t_verify"])
+
+    def _draft_step_times(self, B: int, prompt: list[int], repeats: int) -> list[float]:
+        """Seconds per draft token of g = default proposals for B rows of this prompt."""
+        g = self.policy.default
+        rows = [list(prompt) for _ in range(B)]
+        self.drafter.admit(rows, [prompt[0]] * B)
+        zeros = torch.zeros(B, dtype=torch.long)
+        inputs = DraftInputs([r + [prompt[0]] for r in rows], zeros, zeros.float(), zeros,
+                             torch.ones(B), greedy=True)
+        out = []
+        for rep in range(repeats + 1):
+            t0 = _clock(self.target.device)
+            self.drafter.propose(inputs, g)
+            if rep:
+                out.append((_clock(self.target.device) - t0) / g)
+            self.drafter.update(zeros, torch.full((B,), prompt[0], dtype=torch.long))
+        self.drafter.select(torch.zeros(0, dtype=torch.long))
+        return out
 
     def _reset(self) -> None:
         self.kv = KVRows(self.target)
@@ -174,6 +243,7 @@ class SpeculativeEngine:
         first_list = first.tolist()
         self.drafter.admit([list(p) for p in prompts], first_list)
         self.kv.extend(kv)
+        self.prefill_seconds += time.perf_counter() - t0
         share = (time.perf_counter() - t0) / len(rows)
         for row, tok in zip(rows, first_list):
             row.result.counters.target_passes += 1
@@ -217,9 +287,13 @@ class SpeculativeEngine:
         seeds, temperature, top_k, top_p = (p.to(dev) for p in self._params(self.rows))
         # a seeded sampled row must see the same g whatever its neighbours: no adapting then
         g = self.policy.choose(pinned=any(r.request.seed is not None and r.request.temperature > 0
-                                          for r in self.rows))
+                                          for r in self.rows), batch=B)
         inputs = DraftInputs([r.tokens for r in self.rows], seeds, temperature, top_k, top_p,
                              greedy=bool((temperature <= 0).all()))
+        if self.shadowing and g:
+            shadow.drop(self.rows)
+        elif self.shadowing:  # while g = 0 the free drafter's proposals are scored instead
+            shadow.hold(self.drafter, self.rows, self.policy.default)
         t0 = _clock(dev)
         prop = self.drafter.propose(inputs, g) if g else _NO_DRAFT.propose(inputs, 0)
         draft_ids, num_draft = prop.token_ids.to(dev), prop.num_draft.to(dev)
@@ -253,13 +327,17 @@ class SpeculativeEngine:
 
         num_draft_l, accepted_l = num_draft.tolist(), accepted.tolist()
         self.policy.observe(g, num_draft_l, accepted_l, t1 - t0, t_verify, n + 1)
+        emitted = []
         for row, toks, n_draft, k in zip(self.rows, out.tolist(), num_draft_l, accepted_l):
             kept = row.emit(toks[: k + 1])
+            emitted.append(toks[:kept])
             c = row.result.counters
             c.observe_step(n_draft, min(k, kept), g)
             c.target_passes += 1
             c.draft_time += (t1 - t0) / B
             c.verify_time += (t2 - t1) / B
+        if self.shadowing and not g:
+            self.policy.observe_acceptance(*shadow.score(self.rows, emitted))
 
 
 def _clock(device: torch.device) -> float:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from worker.engine.drafters import DraftModel
+from worker.engine.drafters import DraftModel, PromptLookup
 from worker.engine.policy import (
     DraftLengthPolicy,
     expected_tokens,
@@ -121,3 +121,78 @@ def test_rows_without_proposals_make_plain_steps():
     e = expected_tokens(a, 4, f)
     t_step = f * policy.t_verify(5) + (1 - f) * policy.t_verify(1)
     assert policy.predicted(4) == pytest.approx(e * policy.t_verify(1) / t_step)
+
+
+def _costs(policy, batch, t1, wide, t_draft, n=5):
+    policy.record_costs(batch, {1: [t1] * 2, n: [wide] * 2}, [t_draft] * 2)
+
+
+def test_costs_are_kept_per_batch_size_and_borrowed_by_the_nearest():
+    policy = DraftLengthPolicy(default=4)
+    _costs(policy, 1, t1=0.05, wide=0.06, t_draft=0.0)  # batch 1: a wide pass is nearly free
+    _costs(policy, 64, t1=0.4, wide=2.0, t_draft=0.0)  # batch 64: it costs 5 plain steps
+    assert policy.t_verify(5, batch=1) == pytest.approx(0.06)
+    assert policy.t_verify(5, batch=48) == pytest.approx(2.0)  # nearer 64 than 1
+    assert policy.t_verify(5, batch=2) == pytest.approx(0.06)
+    assert policy.choose(batch=1) > 0, "the prior says drafting pays at batch 1"
+    policy.forget_data()
+    assert policy.choose(batch=64) == 0, "no alpha can pay for 5x verify: no warm-up"
+
+
+def test_no_warm_up_nor_early_probe_where_drafting_cannot_pay():
+    """Calibrated costs at a large batch, compute bound: a pass over n tokens per row costs
+    n plain steps, so the prior (alpha 1/2) predicts a loss at every g, and the first probe
+    waits until it costs <= 2 % of the time (4 extra plain steps / 0.02 = 200 steps)."""
+    policy = DraftLengthPolicy(default=4)
+    _costs(policy, 64, t1=0.4, wide=2.0, t_draft=0.0)
+    history = []
+    for _ in range(60):
+        g = policy.choose(batch=64)
+        history.append(g)
+        policy.observe(g, [g] * 64, [0] * 64, 0.0, 0.4 * (g + 1), g + 1)
+    assert not any(history), history
+
+
+def test_forget_data_keeps_costs_and_drops_acceptance():
+    policy = DraftLengthPolicy(default=4)
+    _feed(policy, 4, alpha_hits=0, t_draft=0.01, t_verify_by_n=lambda n: 0.1 + 0.01 * n)
+    assert policy.alpha < 0.2 and policy.history
+    policy.forget_data()
+    assert policy.alpha == pytest.approx(0.5) and not policy.history and policy.steps == 0
+    assert policy.t_verify(5) == pytest.approx(0.15) and policy.t_draft == pytest.approx(0.01)
+
+
+@pytest.mark.parametrize("kind", ["draft model", "prompt lookup"])
+def test_calibration_measures_costs_and_leaves_the_engine_exact(
+        kind, tiny_models, tiny_tokenizer, make_requests, check_greedy):
+    drafter = DraftModel(tiny_models["near"]) if kind == "draft model" else PromptLookup()
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, drafter, max_batch_size=8)
+    engine.calibrate()
+    snap = engine.policy.snapshot()
+    assert set(snap["t_verify"]) == {1, 4, 8} and set(snap["t_draft"]) == {1, 4, 8}
+    assert all({1, 5, 9} <= set(widths) for widths in snap["t_verify"].values())
+    assert all(t > 0 for t in snap["t_draft"].values())
+    assert snap["steps"] == 0 and engine.policy.alpha == pytest.approx(0.5)
+    # the drafter holds no calibration row: generation after it is exact
+    requests = make_requests(12, seed=3, max_new=24)
+    check_greedy(requests, engine.generate(requests))
+
+
+def test_calibration_is_a_no_op_for_a_pinned_g(tiny_models, tiny_tokenizer):
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer,
+                               DraftModel(tiny_models["near"]), adaptive=False)
+    engine.calibrate()
+    assert engine.policy.snapshot()["t_verify"] == {}
+
+
+def test_verify_cost_between_calibrated_widths_is_interpolated():
+    """On a CPU, 1 -> 2 tokens per row costs more than 2 -> 5: no single line fits."""
+    policy = DraftLengthPolicy(default=4)
+    policy.record_costs(1, {1: [0.10] * 2, 2: [0.16] * 2, 5: [0.19] * 2, 9: [0.27] * 2})
+    assert policy.t_verify(2) == pytest.approx(0.16)
+    assert policy.t_verify(3) == pytest.approx(0.17)
+    assert policy.t_verify(7) == pytest.approx(0.23)
+    assert policy.t_verify(11) == pytest.approx(0.31)  # the last slope goes on
+    wide_only = DraftLengthPolicy(default=4)
+    wide_only.record_costs(1, {3: [0.2] * 2, 5: [0.3] * 2})
+    assert wide_only.t_verify(1) == pytest.approx(0.1)  # extrapolated down, no division by 0
