@@ -121,7 +121,7 @@ def test_alpha_and_figures_from_steps():
     e = 1 + 0.75 * (0.6 + 0.36)
     assert row["predicted_alpha_cost"] == pytest.approx(e * 0.04 / (0.02 + 0.06))
     # measured: 7 tokens over 4 row-steps, each step 0.08 s against a 0.04 s plain step
-    assert row["tokens_per_step"] == pytest.approx(7 / 4)
+    assert row["tokens_per_step"] == pytest.approx(7 / 4) and row["rows_per_step"] == 4
     assert row["predicted_measured"] == pytest.approx(7 / 4 * 0.04 / 0.08)
     # decoding alone: 1.2 s against 0.8 s, the same 0.2 s of prefill left out of both
     assert row["decode_speedup_vs_none"] == pytest.approx(1.2 / 0.8)

@@ -135,6 +135,10 @@ def figures(run: Run, hf: Run | None, none: Run | None) -> dict:
         "t_verify": {str(n): t for n, t in t_verify.items()},
         "c": t_draft / t_step if t_draft is not None and t_step else None,
         "tokens_per_step": tokens_per_step(run.results), "step_seconds": step_seconds(run.steps),
+        # rows per step while decoding: a job's last rows finishing at different times
+        # thin the batch, a loss that is neither the model passes' nor the bookkeeping's
+        "rows_per_step": (sum(c.target_passes - 1 for c in counters) / len(run.steps)
+                          if run.steps else None),
         "predicted_theorem": None, "predicted_measured": None, "predicted_alpha_cost": None,
         "efficiency": None,
         "policy_snapshot": _jsonable(run.snapshot),

@@ -109,9 +109,9 @@ class DraftModel:
     """A draft LM with its own cache over the batch rows.
 
     Its cache holds every token of a row except `pending` ones (1 or 2 per row, or more
-    after steps without drafting), which the next proposal feeds first. A row admitted
-    while others run is prefilled only when a proposal needs it: while the engine does
-    not draft (g = 0), the draft model costs nothing.
+    after steps without drafting), which the next proposal feeds first. A row is
+    prefilled only when a proposal needs it: while the engine does not draft (g = 0), the
+    draft model costs nothing.
     """
 
     name = "draft_model"
@@ -125,14 +125,11 @@ class DraftModel:
         self._last: tuple[int, int, list[torch.Tensor]] | None = None  # start, P, drafts
 
     def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None:
-        if self.kv.cache is None:  # the first rows: prefill now
-            self._prefill(self.kv, prompts)
-            self.pending += [[t] for t in first_tokens]
-            self.fresh += [False] * len(prompts)
-        else:  # later rows wait, prompt pending, until a proposal needs them
+        """Rows wait, prompt pending, until a proposal needs them."""
+        if self.kv.cache is not None:
             self.kv.add_rows(len(prompts))
-            self.pending += [list(p) + [t] for p, t in zip(prompts, first_tokens)]
-            self.fresh += [True] * len(prompts)
+        self.pending += [list(p) + [t] for p, t in zip(prompts, first_tokens)]
+        self.fresh += [True] * len(prompts)
 
     def _prefill(self, kv: KVRows, prompts: list[list[int]]) -> None:
         kv.forward(*left_pad(prompts, self.pad_id, self.kv.device), last_only=True)
@@ -142,9 +139,12 @@ class DraftModel:
         rows = [i for i, f in enumerate(self.fresh) if f]
         if not rows:
             return
-        new = KVRows(self.kv.model)
-        self._prefill(new, [self.pending[i][:-1] for i in rows])
-        self.kv.replace(torch.tensor(rows, device=self.kv.device), new)
+        if self.kv.cache is None:  # no cache yet: every row is fresh
+            self._prefill(self.kv, [p[:-1] for p in self.pending])
+        else:
+            new = KVRows(self.kv.model)
+            self._prefill(new, [self.pending[i][:-1] for i in rows])
+            self.kv.replace(torch.tensor(rows, device=self.kv.device), new)
         for i in rows:
             self.pending[i] = self.pending[i][-1:]
             self.fresh[i] = False

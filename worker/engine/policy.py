@@ -66,7 +66,9 @@ class DraftLengthPolicy:
     interval doubles each time the probe loses, up to ``max_probe_every``, and resets when
     it wins; an expensive probe, e.g. at a large batch or with a large draft model, is
     spaced further so probes cost at most ``probe_budget`` of the decoding time), unless
-    ``idle_acceptance``: a free drafter's proposals are then scored while g = 0. Timings
+    ``idle_acceptance``: a free drafter's proposals are then scored while g = 0. While
+    drafting, a plain step comes at least every ``refresh_plain`` steps: a stale plain
+    cost (a calibration on a busy machine) would misjudge every g. Timings
     are clipped at 3x their running mean: a stall must not switch speculation off for good.
     """
 
@@ -78,12 +80,14 @@ class DraftLengthPolicy:
     max_probe_every: int = 64
     probe_budget: float = 0.02  # probes may cost at most this share of plain decoding time
     idle_acceptance: bool = False  # acceptance is observed while g = 0 too: never probe
+    refresh_plain: int = 32  # while drafting, a plain pass at least this often (steps)
     steps: int = 0
     history: list[int] = field(default_factory=list)  # g of each step
 
     def __post_init__(self) -> None:
         self.max_g = max(self.max_g, self.default)
         self._batch = 1
+        self._plain_at: dict[int, int] = {}  # batch size -> step of its latest plain pass
         # batch size -> tokens per row -> seconds per target pass
         self._t_verify: dict[int, dict[int, _Decayed]] = {}
         self._t_draft: dict[int, _Decayed] = {}  # batch size -> seconds per draft token step
@@ -107,6 +111,7 @@ class DraftLengthPolicy:
         self._probe_interval = self.probe_every
         self.steps = 0
         self.history = []
+        self._plain_at = {}
 
     # -- estimates ----------------------------------------------------------------
 
@@ -222,6 +227,8 @@ class DraftLengthPolicy:
                 return self.default
         else:
             self._probe_interval = self.probe_every
+        if best and self.steps - self._plain_at.get(self._batch, 0) >= self.refresh_plain:
+            return 0  # re-measure the plain pass every speedup is measured against
         return best
 
     def _warming_up(self) -> bool:
@@ -261,6 +268,8 @@ class DraftLengthPolicy:
         self.steps += 1
         self.history.append(g)
         self._batch = len(num_draft)
+        if verify_tokens == 1:
+            self._plain_at[self._batch] = self.steps
         self.record_costs(self._batch, {verify_tokens: [t_verify]},
                           [t_draft / g] if g else [])
         if g:

@@ -6,6 +6,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from statistics import median
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -154,13 +155,14 @@ class SpeculativeEngine:
         return [results[i] for i in sorted(results)]
 
     @torch.inference_mode()
-    def calibrate(self, batch_sizes: Iterable[int] | None = None, prompt_tokens: int = 64,
-                  repeats: int = 2) -> None:
+    def calibrate(self, batch_sizes: Iterable[int] | None = None, prompt_tokens: int = 128,
+                  repeats: int = 3) -> None:
         """Measure what a step costs before the first request, so the adaptive policy
         chooses g from measured costs at once: a target pass over 1, 2, g + 1 and
         max_g + 1 tokens per row, and a draft step, at each batch size (by default 1, 4,
         16, ... below max_batch_size, and that), on a synthetic prompt. Acceptance is not
-        learnt here: it depends on the data. A no-op for an engine that does not adapt g.
+        learnt here: it depends on the data. Each cost is the median of ``repeats`` timed
+        runs, so one stall cannot skew it. A no-op for an engine that does not adapt g.
         """
         policy = self.policy
         if not policy.adaptive:
@@ -189,7 +191,9 @@ class SpeculativeEngine:
                     if rep:
                         times[n].append(_clock(dev) - t)
                     kv.keep(start, torch.zeros(B, dtype=torch.long, device=dev))
-            policy.record_costs(B, times, self._draft_step_times(B, prompt, repeats))
+            drafts = self._draft_step_times(B, prompt, repeats)
+            policy.record_costs(B, {n: [median(t)] * repeats for n, t in times.items()},
+                                [median(drafts)] * repeats)
         policy.forget_data()
         log.info("calibrated at batch sizes %s in %.1f s: %s", list(batch_sizes),
                  time.perf_counter() - t0, policy.snapshot()["t_verify"])

@@ -196,3 +196,12 @@ def test_verify_cost_between_calibrated_widths_is_interpolated():
     wide_only = DraftLengthPolicy(default=4)
     wide_only.record_costs(1, {3: [0.2] * 2, 5: [0.3] * 2})
     assert wide_only.t_verify(1) == pytest.approx(0.1)  # extrapolated down, no division by 0
+
+
+def test_a_plain_step_now_and_then_keeps_its_cost_fresh_while_drafting_pays():
+    policy = DraftLengthPolicy(default=4, max_g=8)
+    _feed(policy, 4, alpha_hits=8, t_draft=0.01, t_verify_by_n=lambda n: 0.1 + 0.01 * n,
+          steps=200)
+    plain = [i for i, g in enumerate(policy.history) if g == 0]
+    assert len(plain) <= 200 / 32 + 2, "a plain step costs the drafting gain: rarely"
+    assert max(b - a for a, b in zip(plain, plain[1:])) <= 33
