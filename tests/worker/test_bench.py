@@ -42,9 +42,10 @@ def _finite(x) -> None:
         assert math.isfinite(x)
 
 
-@pytest.mark.parametrize("pair,drafts", [("tiny", "preset,shallow:2"), ("tiny-lookup", "preset")])
-def test_bench_runs_end_to_end(tmp_path, capsys, pair, drafts):
-    assert run(_args(tmp_path, "--pair", pair, "--draft", drafts)) == 0
+@pytest.mark.parametrize("pair,drafts,repeat", [("tiny", "preset,shallow:2", 1),
+                                                ("tiny-lookup", "preset", 2)])
+def test_bench_runs_end_to_end(tmp_path, capsys, pair, drafts, repeat):
+    assert run(_args(tmp_path, "--pair", pair, "--draft", drafts, "--repeat", str(repeat))) == 0
     report = json.loads((tmp_path / "out" / "bench.json").read_text())
     assert (tmp_path / "out" / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "specq-adaptive" in capsys.readouterr().out
@@ -63,6 +64,8 @@ def test_bench_runs_end_to_end(tmp_path, capsys, pair, drafts):
                     ("specq-adaptive", d, B, None)} <= seen
     assert sum(r["method"] == "hf-assisted" for r in runs) == n_drafts
     for r in runs:
+        assert len(r["seconds_of_repeats"]) == repeat
+        assert r["seconds"] == sorted(r["seconds_of_repeats"])[repeat // 2]  # the median run
         assert r["new_tokens"] > 0 and r["tokens_per_s"] > 0
         assert r["speedup_vs_hf"] is not None and r["speedup_vs_none"] is not None
         if not r["reference"]:  # greedy: every method gives the target's own tokens

@@ -33,6 +33,7 @@ from worker.bench.greedy import NearTieCheck, compare
 from worker.bench.prompts import load_prompts
 from worker.bench.report import LEGEND, plot, table, write_json
 from worker.bench.runner import (
+    ADAPTIVE,
     ASSISTED,
     FIXED,
     HF,
@@ -89,6 +90,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--hf-lookup-tokens", type=int, default=10,
                    help="prompt_lookup_num_tokens for HF assisted prompt lookup")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every configuration this many times, in turn, and report the "
+                   "run of median time (a busy machine's noise)")
     p.add_argument("--output-dir", type=Path, default=Path("bench"))
     p.add_argument("--device", default=None, help="overrides SPECQ_DEVICE")
     p.add_argument("--dtype", default=None, help="overrides SPECQ_DTYPE")
@@ -159,39 +163,44 @@ def bench(args: argparse.Namespace) -> dict:
     log.info("%d prompts of %d-%d tokens; drafters %s", len(prompts),
              min(map(len, prompts)), max(map(len, prompts)), [d[0] for d in drafters])
 
-    runs: list[tuple[Run, Run | None, Run | None]] = []  # run, its hf and none baselines
+    # every configuration's runs; repeats go round all configurations of a batch size in
+    # turn, so that a slow spell of the machine falls on all of them alike
+    tried: dict[tuple, list[Run]] = {}
 
-    def done(run: Run, hf: Run | None, none: Run | None) -> None:
-        runs.append((run, hf, none))
+    def done(key: tuple, run: Run) -> None:
+        tried.setdefault(key, []).append(run)
         log.info("%s %s B=%d g=%s: %.1f tok/s", run.method, run.draft or "", run.batch_size,
                  run.g, run.new_tokens / run.seconds)
 
-    hf1 = none1 = None
     for B in args.batch_sizes:
-        hf = run_hf(target, prompts, B, new) if HF in methods else None
-        none = run_specq(target, prompts, B, new) if NONE in methods else None
-        for r in (hf, none):
-            if r is not None:
-                done(r, hf, none)
-        if B == min(args.batch_sizes):
-            hf1, none1 = hf, none
-        for name, make, _ in drafters:
-            if FIXED in methods:
-                for g in args.draft_lengths:
-                    done(run_specq(target, prompts, B, new, make_drafter=make, draft=name, g=g,
-                                   max_g=max_g), hf, none)
-            if METHODS["adaptive"] in methods:
-                done(run_specq(target, prompts, B, new, make_drafter=make, draft=name, g=None,
-                               max_g=max_g), hf, none)
+        for _ in range(args.repeat):
+            if HF in methods:
+                done((HF, B), run_hf(target, prompts, B, new))
+            if NONE in methods:
+                done((NONE, B), run_specq(target, prompts, B, new))
+            for name, make, _ in drafters:
+                if FIXED in methods:
+                    for g in args.draft_lengths:
+                        done((FIXED, B, name, g), run_specq(target, prompts, B, new,
+                                                            make_drafter=make, draft=name, g=g,
+                                                            max_g=max_g))
+                if ADAPTIVE in methods:
+                    done((ADAPTIVE, B, name), run_specq(target, prompts, B, new,
+                                                        make_drafter=make, draft=name, g=None,
+                                                        max_g=max_g))
     if ASSISTED in methods:  # batch size is irrelevant: compare with the smallest's baselines
-        for name, _, assistant in drafters:
-            done(run_assisted(target, prompts, new, name, assistant), hf1, none1)
-
+        for _ in range(args.repeat):
+            for name, _, assistant in drafters:
+                done((ASSISTED, min(args.batch_sizes), name),
+                     run_assisted(target, prompts, new, name, assistant))
+    median = {k: sorted(v, key=lambda r: r.seconds)[len(v) // 2] for k, v in tried.items()}
+    runs = [(median[k], median.get((HF, k[1])), median.get((NONE, k[1]))) for k in tried]
     reference = next((r for r, _, _ in runs if r.method == HF), None) or runs[0][0]
     near_tie = NearTieCheck(pair.target, prompts)
     rows = []
-    for run, hf, none in runs:
+    for (run, hf, none), key in zip(runs, tried):
         row = figures(run, hf, none)
+        row["seconds_of_repeats"] = [r.seconds for r in tried[key]]
         row["reference"] = run is reference
         row["greedy"] = None if run is reference else compare(reference.outputs, run.outputs,
                                                               near_tie)
@@ -206,6 +215,7 @@ def bench(args: argparse.Namespace) -> dict:
             "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": new,
             "batch_sizes": args.batch_sizes, "draft_lengths": args.draft_lengths,
             "methods": sorted(methods), "hf_lookup_tokens": args.hf_lookup_tokens,
+            "repeat": args.repeat,
             "command": " ".join(sys.argv),
         },
         "reference": f"{reference.method} B={reference.batch_size}",

@@ -78,6 +78,7 @@ def start_worker(settings: Settings, pair: str, client: Client, log_path: Path,
 def engine_alone(pair, messages: list[list[dict]], max_new: int, batch: int) -> tuple[float, list]:
     engine = pair.engine(max_batch_size=batch)
     engine.generate([Request(prompt="warm up", max_new_tokens=4)])
+    engine.calibrate()  # as a worker does when it starts
     requests = [Request(id=i, messages=m, max_new_tokens=max_new) for i, m in enumerate(messages)]
     t0 = time.perf_counter()
     results = engine.generate(requests)
