@@ -29,7 +29,12 @@ def test_specq_run_on_the_example_file(tmp_path, settings):
     assert [x["custom_id"] for x in lines] == expected
     assert all(x["status"] == "completed" and x["output"] is not None for x in lines)
     metrics = json.loads(proc.stdout)
-    assert metrics["completed"] == len(expected) and metrics["acceptance_rate"] > 0
+    assert metrics["completed"] == len(expected)
+    # the tiny draft is as large as its target (c ~ 1): the calibrated engine may rightly
+    # never draft; whatever it chose, the counters add up
+    assert metrics["new_tokens"] > 0 and 0 <= metrics["accepted"] <= metrics["proposed"]
+    if metrics["proposed"]:
+        assert 0 <= metrics["acceptance_rate"] <= 1
     db = create_engine(f"sqlite:///{tmp_path / 'data' / 'specq.db'}")
     with db.connect() as conn:  # the results are kept in the database too
         assert conn.execute(text("SELECT status FROM jobs")).scalars().all() == ["completed"]
