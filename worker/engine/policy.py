@@ -91,14 +91,12 @@ class DraftLengthPolicy:
         # batch size -> tokens per row -> seconds per target pass
         self._t_verify: dict[int, dict[int, _Decayed]] = {}
         self._t_draft: dict[int, _Decayed] = {}  # batch size -> seconds per draft token step
-        self._stand_in: dict[int, int | None] = {}  # memo of _costs_batch, per batch size
         self.forget_data()
 
     def forget_data(self) -> None:
         """Drop acceptance, steps and history (they describe the data seen); keep costs."""
         # acceptance is a property of the pair and the data: it is tracked more slowly than
-        # timings, and while g = 0 only probes (or a free drafter's scored proposals)
-        # update it
+        # timings, and while g = 0 only probes update it
         slow = self.decay ** 0.2
         self._accepted = _Decayed(slow)  # alpha's MLE: accepted / (accepted + rejections)
         self._trials = _Decayed(slow)
@@ -134,13 +132,7 @@ class DraftLengthPolicy:
     def _costs_batch(self, batch: int) -> int | None:
         """The batch size whose measurements stand for ``batch``: itself once it has a
         plain and a wide target pass (and a draft step), else the nearest such one on a log
-        scale, else the nearest with any measurement. Memoised until a new width or batch
-        size is first measured (the choice runs every step)."""
-        if batch not in self._stand_in:
-            self._stand_in[batch] = self._find_costs_batch(batch)
-        return self._stand_in[batch]
-
-    def _find_costs_batch(self, batch: int) -> int | None:
+        scale, else the nearest with any measurement."""
         def ready(b: int) -> bool:
             widths = self._t_verify.get(b, {})
             return 1 in widths and any(n > 1 for n in widths) and b in self._t_draft
@@ -263,19 +255,11 @@ class DraftLengthPolicy:
         """Add measured costs at a batch size: target pass seconds by tokens per row, and
         seconds per draft token step."""
         for n, times in t_verify.items():
-            if not times:
-                continue
-            table = self._t_verify.setdefault(batch, {})
-            if n not in table:
-                table[n] = _Decayed(self.decay, clip=3.0)
-                self._stand_in.clear()
             for t in times:
-                table[n].add(t)
-        if t_draft and batch not in self._t_draft:
-            self._t_draft[batch] = _Decayed(self.decay, clip=3.0)
-            self._stand_in.clear()
+                self._t_verify.setdefault(batch, {}).setdefault(
+                    n, _Decayed(self.decay, clip=3.0)).add(t)
         for t in t_draft:
-            self._t_draft[batch].add(t)
+            self._t_draft.setdefault(batch, _Decayed(self.decay, clip=3.0)).add(t)
 
     def observe(self, g: int, num_draft: list[int], num_accepted: list[int],
                 t_draft: float, t_verify: float, verify_tokens: int) -> None:
