@@ -5,15 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
+import re
 import sys
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+from pydantic import ValidationError
+from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 
 from api.client import Client, Job
-from api.formats import FORMATS
-from api.inputs import InputError
-from configs.settings import get_settings
+from api.formats import FORMATS, OutputError, check_output
+from api.inputs import InputError, check_count, check_job_id, describe, show
+from configs.presets import PresetError
+from configs.settings import describe_settings, get_settings
 
 SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
 
@@ -24,16 +31,115 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args) or 0
-    except InputError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except (KeyError, FileNotFoundError, TimeoutError, RuntimeError) as exc:
-        print(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
-        return 1
+    except (InputError, OutputError, PresetError) as exc:
+        return _fail([str(exc)], 2)
+    except ValidationError as exc:  # SPECQ_* settings, read when first needed
+        return _fail(describe_settings(exc) if exc.title == "Settings" else describe(exc), 2)
+    except (KeyError, TimeoutError, RuntimeError) as exc:
+        return _fail([str(exc.args[0] if exc.args else exc)], 1)
+    except OSError as exc:  # a file that cannot be read or written, a full disk
+        where = f"{exc.filename}: " if exc.filename else ""
+        return _fail([f"{where}{exc.strerror or exc}"], 1)
+    except (OperationalError, ProgrammingError, ArgumentError) as exc:  # down, no schema
+        first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [""])[0]
+        hint = "; run `specq migrate`" if re.search(r"no such table|does not exist", first) \
+            else ""
+        return _fail([f"database: {type(exc).__name__}: {first}{hint}"], 1)
+
+
+def _fail(lines: list[str], code: int) -> int:
+    """Print 'error: LINE' for each line (printable text only); return the exit code."""
+    for line in lines:
+        print(f"error: {line}".encode("utf-8", "backslashreplace").decode("utf-8"),
+              file=sys.stderr)
+    return code
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with errors on one line: 'specq status: error: argument job: ...'."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {show(message, 300)} (see {self.prog} -h)\n")
+
+
+def _converter(name: str, check: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse type from ``check`` (text → value, ValueError when bad); argparse names
+    the flag in its message."""
+    def convert(text: str) -> Any:
+        try:
+            return check(text)
+        except InputError as exc:  # 'field: message': argparse names the flag instead
+            raise argparse.ArgumentTypeError(exc.problems[0].split(": ", 1)[-1]) from None
+        except ValueError as exc:  # OutputError included
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("output: ")) from None
+    convert.__name__ = name  # argparse's 'invalid NAME value' when it is not our error
+    return convert
+
+
+def _to_int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"must be an integer, got {show(text)}") from None
+
+
+def _count(low: int = 1) -> Callable[[str], int]:
+    """A 32-bit integer of at least ``low`` (ids, counts, chunk sizes, token counts)."""
+    return _converter("count", lambda t: check_count("value", _to_int(t), low=low))
+
+
+def _number(low: float = 0.0, inclusive: bool = True) -> Callable[[str], float]:
+    """A finite float of at least ``low`` (more than ``low`` unless ``inclusive``)."""
+    def check(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise ValueError(f"must be a number, got {show(text)}") from None
+        if not math.isfinite(value):
+            raise ValueError(f"must be a finite number, got {show(text)}")
+        if value < low or (value == low and not inclusive):
+            raise ValueError(f"must be {'at least' if inclusive else 'more than'} {low:g}, "
+                             f"got {show(text)}")
+        return value
+    return _converter("number", check)
+
+
+def _seed(text: str) -> int:
+    value = _to_int(text)
+    if not 0 <= value < 2**63:
+        raise ValueError(f"must be from 0 to {2**63 - 1}, got {show(text)}")
+    return value
+
+
+IMAGE_SUFFIXES = ("", ".png", ".pdf", ".svg", ".svgz", ".jpg", ".jpeg", ".webp", ".gif",
+                  ".tif", ".tiff", ".eps", ".ps")  # what matplotlib's savefig writes
+
+
+def _image(text: str) -> str:
+    if text == "-":
+        raise OutputError("output: an image needs a file, not stdout")
+    suffix = os.path.splitext(text)[1].lower()
+    if suffix not in IMAGE_SUFFIXES:
+        raise OutputError(f"output: {show(text)}: not an image file name "
+                          f"({', '.join(s for s in IMAGE_SUFFIXES if s)})")
+    return check_output(text)
+
+
+_job_id = _converter("job id", lambda t: check_job_id(_to_int(t)))
+_output = _converter("output", check_output)
+_image_output = _converter("output", _image)
+_log_level = _converter("log level", lambda t: _choice(
+    t.upper(), ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")).lower())
+
+
+def _choice(value: str, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"must be one of {', '.join(choices)}, got {show(value)}")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specq", description=__doc__)
+    p = _Parser(prog="specq", description=__doc__)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
@@ -47,40 +153,49 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("run", help="the embedded default: the whole flow in this process")
     s.add_argument("file")
     s.add_argument("--pair", default="smollm2-135m")
-    s.add_argument("--output", "-o", default="results.jsonl")
+    s.add_argument("--output", "-o", default="results.jsonl", type=_output)
     _job_flags(s)
     s.set_defaults(func=cmd_run)
 
     s = sub.add_parser("status", help="a job's status and counts")
-    s.add_argument("job", type=int)
+    s.add_argument("job", type=_job_id)
     s.add_argument("--watch", action="store_true",
                    help="refresh progress and acceptance rate until the job finishes")
-    s.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    s.add_argument("--interval", type=_number(0.0, inclusive=False), default=2.0,
+                   help="seconds between refreshes")
     s.set_defaults(func=cmd_status)
 
     s = sub.add_parser("cancel", help="cancel a job at its next chunk")
-    s.add_argument("job", type=int)
+    s.add_argument("job", type=_job_id)
     s.set_defaults(func=cmd_cancel)
 
+    s = sub.add_parser("retry", help="send a job's failed items back to the workers")
+    s.add_argument("job", type=_job_id)
+    s.set_defaults(func=cmd_retry)
+
+    s = sub.add_parser("reconcile", help="re-send every chunk the broker lost (all jobs or one)")
+    s.add_argument("job", type=_job_id, nargs="?", help="only this job")
+    s.set_defaults(func=cmd_reconcile)
+
     s = sub.add_parser("metrics", help="a job's acceptance metrics, draft lengths, tokens/s")
-    s.add_argument("job", type=int)
+    s.add_argument("job", type=_job_id)
     s.add_argument("--json", action="store_true", help="every figure as JSON")
     s.set_defaults(func=cmd_metrics)
 
     s = sub.add_parser("report", help="draw a job's metrics to a PNG")
-    s.add_argument("job", type=int)
-    s.add_argument("--output", "-o", default="report.png")
+    s.add_argument("job", type=_job_id)
+    s.add_argument("--output", "-o", default="report.png", type=_image_output)
     s.set_defaults(func=cmd_report)
 
     s = sub.add_parser("results", help="export a job's items (streamed): jsonl, openai, parquet")
-    s.add_argument("job", type=int)
-    s.add_argument("--output", "-o", default="-", help="file, or - for stdout")
+    s.add_argument("job", type=_job_id)
+    s.add_argument("--output", "-o", default="-", type=_output, help="file, or - for stdout")
     s.add_argument("--format", "-f", default="jsonl", choices=FORMATS,
                    help="jsonl (stored outcomes), openai (Batch API output lines), parquet")
     s.set_defaults(func=cmd_results)
 
     s = sub.add_parser("jobs", help="the latest jobs")
-    s.add_argument("--limit", type=int, default=20)
+    s.add_argument("--limit", type=_count(), default=20)
     s.add_argument("--schedule", help="only the runs of this beat schedule, with metrics")
     s.set_defaults(func=cmd_jobs)
 
@@ -89,26 +204,27 @@ def parser() -> argparse.ArgumentParser:
     s = ssub.add_parser("run", help="check the spec, submit it; with --wait write its data set")
     s.add_argument("spec")
     s.add_argument("--wait", action="store_true", help="wait, then write the output data set")
-    s.add_argument("--timeout", type=float, help="seconds to wait at most")
+    s.add_argument("--timeout", type=_number(0.0, inclusive=False),
+                   help="seconds to wait at most")
     s.set_defaults(func=cmd_synth_run)
     s = ssub.add_parser("check", help="validate a spec (every row rendered); submits nothing")
     s.add_argument("spec")
     s.set_defaults(func=cmd_synth_check)
     s = ssub.add_parser("write", help="write a finished synthesis job's data set")
-    s.add_argument("job", type=int)
+    s.add_argument("job", type=_job_id)
     s.set_defaults(func=cmd_synth_write)
     s = ssub.add_parser("runs", help="the runs of one beat schedule and their metrics")
     s.add_argument("schedule")
-    s.add_argument("--limit", type=int, default=20)
+    s.add_argument("--limit", type=_count(), default=20)
     s.set_defaults(func=cmd_jobs)
 
     s = sub.add_parser("beat", help="Celery beat for configs/schedules.yaml (one, anywhere)")
-    s.add_argument("--loglevel", default="info")
+    s.add_argument("--loglevel", default="info", type=_log_level)
     s.set_defaults(func=cmd_beat)
 
     s = sub.add_parser("worker", help="run a Celery worker for one pair (one per GPU)")
     s.add_argument("--pair", required=True)
-    s.add_argument("--loglevel", default="info")
+    s.add_argument("--loglevel", default="info", type=_log_level)
     s.add_argument("--hostname", "-n", default=None, help="worker name (default PAIR@HOST)")
     s.set_defaults(func=cmd_worker)
 
@@ -126,17 +242,24 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench-pipeline", help="the job path's overhead over the engine alone")
     pipeline.add_arguments(s)
     s.set_defaults(func=pipeline.run)
+
+    from worker.bench import chaos
+
+    s = sub.add_parser("bench-chaos", help="one job through kills, a broker flush, outages "
+                       "and engine faults: lost, duplicated, wrongly failed")
+    chaos.add_arguments(s)
+    s.set_defaults(func=chaos.run)
     return p
 
 
 def _job_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-new-tokens", type=int)
-    p.add_argument("--temperature", type=float)
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--top-k", type=int)
+    p.add_argument("--max-new-tokens", type=_count())
+    p.add_argument("--temperature", type=_number())
+    p.add_argument("--top-p", type=_number(0.0, inclusive=False))
+    p.add_argument("--top-k", type=_count(low=0))
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
-    p.add_argument("--seed", type=int)
-    p.add_argument("--chunk-size", type=int, help="items per task (default SPECQ_CHUNK_SIZE)")
+    p.add_argument("--seed", type=_converter("seed", _seed))
+    p.add_argument("--chunk-size", type=_count(), help="items per task (default SPECQ_CHUNK_SIZE)")
 
 
 def _sampling(args: argparse.Namespace) -> dict[str, Any]:
@@ -150,8 +273,10 @@ def _print_state(state) -> None:
 def cmd_submit(args: argparse.Namespace) -> int:
     client = Client()
     job = client.submit(args.file, pair=args.pair, chunk_size=args.chunk_size, **_sampling(args))
-    state = job.status()
+    state = job.status(check_workers=job.enqueue_error is None)
     print(f"job {job.id}: {state.total} items on pair {state.pair}, {state.status}")
+    if job.enqueue_error:
+        print(f"warning: {job.enqueue_error}", file=sys.stderr)
     if state.note:
         print(f"note: {state.note}")
     if args.wait:
@@ -255,6 +380,33 @@ def cmd_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_retry(args: argparse.Namespace) -> int:
+    client = Client()
+    try:
+        indices = client.job(args.job).retry()
+    except ValueError as exc:
+        raise RuntimeError(str(exc)) from None
+    print(f"job {args.job}: {len(indices)} failed items back to pending", file=sys.stderr)
+    _print_state(client.job(args.job).status(check_workers=False))
+    return 0
+
+
+def cmd_reconcile(args: argparse.Namespace) -> int:
+    """Re-send lost chunks now (workers and the beat do it every SPECQ_RECONCILE_EVERY s)."""
+    from worker.reconciler import reconcile
+
+    settings = get_settings()
+    if args.job is not None:
+        Client(settings).job(args.job)  # an unknown job fails here, clearly
+    try:
+        report = reconcile(settings, job_id=args.job)
+    except Exception as exc:  # noqa: BLE001 (the broker's and the database's errors vary)
+        raise RuntimeError(f"reconcile: {type(exc).__name__}: "
+                           f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+    print(json.dumps(report.as_dict(), indent=2))
+    return 0
+
+
 def cmd_results(args: argparse.Namespace) -> int:
     from api import formats
 
@@ -354,16 +506,15 @@ def cmd_beat(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     """Replace this process with a Celery worker consuming the pair's queue only."""
     from configs.presets import get_preset
-    from worker.constants import WORKER_PAIR_ENV, queue_name
+    from worker.app import worker_argv
+    from worker.constants import WORKER_PAIR_ENV
 
     settings = get_settings()
     get_preset(args.pair, settings.presets_file)  # an unknown pair fails here, clearly
     os.environ[WORKER_PAIR_ENV] = args.pair
-    argv = [sys.executable, "-m", "celery", "-A", "worker.app", "worker", "-P", "solo", "-c", "1",
-            "-Q", queue_name(args.pair, settings), "--loglevel", args.loglevel,
-            "-n", args.hostname or f"{args.pair}@%h", "--without-gossip", "--without-mingle"]
+    argv = worker_argv(args.pair, settings, args.loglevel, args.hostname)
     sys.stdout.flush()
-    os.execv(sys.executable, argv)
+    os.execv(sys.executable, [sys.executable, "-m", "celery", *argv])
     return 0  # not reached
 
 

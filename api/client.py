@@ -10,14 +10,15 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from functools import cached_property, lru_cache
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, TypeVar
 
 from celery import Celery
 from kombu.utils.url import maybe_sanitize_url
@@ -30,6 +31,8 @@ from api.inputs import (
     MAX_PROBLEMS,
     InputError,
     Source,
+    check_count,
+    check_job_id,
     describe,
     normalise,
     open_source,
@@ -37,11 +40,14 @@ from api.inputs import (
 )
 from configs.presets import PairPreset, UnknownPair, get_preset
 from configs.settings import Settings, get_settings
+from db import chunks
 from db import repository as repo
+from db.chunks import ChunkRef
 from db.models import ItemStatus, JobStatus
 from db.session import migrate, session_factory
+from worker import dispatch
 from worker.app import make_app
-from worker.constants import GENERATE_TASK, INSPECT_TIMEOUT, queue_name
+from worker.constants import INSPECT_TIMEOUT, queue_name
 from worker.engine import counters as rates
 from worker.engine.request import SamplingParams
 from worker.engine.speculative import (
@@ -53,6 +59,7 @@ from worker.engine.speculative import (
 from worker.pairs import locate
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -215,9 +222,8 @@ class Client:
             defaults = SamplingParams(**sampling).model_dump()
         except ValidationError as exc:
             raise InputError([f"sampling parameter {p}" for p in describe(exc)]) from None
-        chunk_size = chunk_size or self.settings.chunk_size
-        if chunk_size < 1:
-            raise InputError([f"chunk_size: must be at least 1, got {chunk_size}"])
+        chunk_size = (self.settings.chunk_size if chunk_size is None
+                      else check_count("chunk_size", chunk_size))
         name, entries = open_source(source)
         total = self._validate(entries, defaults, *prompt_checker(preset, self.settings))
         if total == 0:
@@ -225,13 +231,15 @@ class Client:
         t1 = time.perf_counter()
         with self.sessions.begin() as s:
             job = repo.create_job(s, pair=preset.name, params=defaults, chunk_size=chunk_size,
-                                  source=name, origin=origin)
+                                  source=name, queue=queue_name(preset.name, self.settings),
+                                  origin=origin)
             rows = (dict(normalise(raw), index=i) for i, (_, raw) in enumerate(entries))
             stored = repo.insert_items(s, job_id=job.id, rows=rows)
             if stored != total:
                 raise InputError([f"{name}: changed while it was submitted"])
             job.total = stored
             job.status = JobStatus.queued.value
+            chunks.insert_chunks(s, job_id=job.id, total=stored, chunk_size=chunk_size)
         t2 = time.perf_counter()
         log.info("job %d: %d items validated in %.2f s, stored in %.2f s",
                  job.id, total, t1 - t0, t2 - t1)
@@ -277,7 +285,14 @@ class Client:
 
     # -- reading --------------------------------------------------------------------
 
+    def retry(self, job_id: int) -> list[int]:
+        """Send a job's failed items back to pending (attempts kept) and their chunks to
+        the workers; returns their indices."""
+        return self.job(job_id).retry()
+
     def job(self, job_id: int) -> Job:
+        """A handle on a stored job; KeyError if there is none (InputError: not an id)."""
+        job_id = check_job_id(job_id)
         with self.sessions() as s:
             if repo.get_job(s, job_id=job_id) is None:
                 raise KeyError(f"job {job_id}: not found")
@@ -292,8 +307,9 @@ class Client:
     def workers_for(self, pair: str) -> list[str] | None:
         """Hostnames of the workers consuming ``pair``'s queue; None if the broker is down."""
         queue = queue_name(pair, self.settings)
+        inspect = self.celery.control.inspect(timeout=INSPECT_TIMEOUT)
         try:
-            replies = self.celery.control.inspect(timeout=INSPECT_TIMEOUT).active_queues() or {}
+            replies = _bounded(inspect.active_queues, INSPECT_TIMEOUT + 2) or {}
         except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
             log.warning("broker %s: %s", maybe_sanitize_url(self.settings.broker_url), exc)
             return None
@@ -306,28 +322,38 @@ class Job:
     def __init__(self, client: Client, job_id: int) -> None:
         self.client = client
         self.id = job_id
+        self.enqueue_error: str | None = None  # why the last enqueue() sent nothing
 
     def __repr__(self) -> str:
         return f"Job({self.id})"
 
-    def enqueue(self) -> None:
-        """Send one task per chunk to the pair's queue: references only, never prompts."""
+    def enqueue(self) -> bool:
+        """Send one task per chunk to the pair's queue: references only, never prompts.
+
+        Returns False, with a warning, when the broker cannot be reached (every call is
+        bounded by broker_timeout): the job stays stored and queued, and the reconciler
+        (any worker's, the beat's, or `specq reconcile JOB`) sends its chunks once the
+        broker is back.
+        """
+        settings = self.client.settings
         with self.client.sessions() as s:
             job = repo.get_job(s, job_id=self.id)
-        app = self.client.celery
-        queue = queue_name(job.pair, self.client.settings)
+        refs = [ChunkRef(job.id, start, end, job.queue) for start, end in job.chunks()]
         try:
-            with app.producer_or_acquire() as producer:
-                for start, end in job.chunks():
-                    app.send_task(GENERATE_TASK, args=[job.id, start, end], queue=queue,
-                                  producer=producer)
-        except Exception as exc:
-            broker = maybe_sanitize_url(self.client.settings.broker_url)
-            error = f"could not send chunks to {broker}: {type(exc).__name__}: {exc}"
-            with self.client.sessions.begin() as s:
-                repo.set_job_status(s, job_id=self.id, status=JobStatus.failed, error=error)
-            raise RuntimeError(f"job {self.id}: {error}") from exc
-        log.info("job %d: %d chunks sent to queue %s", job.id, len(job.chunks()), queue)
+            sent = _bounded(lambda: dispatch.send(self.client.celery, refs, settings),
+                            seconds=settings.broker_timeout * 3 + len(refs) / 1000)
+        except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
+            self.enqueue_error = (
+                f"the broker at {maybe_sanitize_url(settings.broker_url)} cannot be reached "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                f"job {self.id} is stored and its chunks will be sent when the broker is back "
+                f"(by a worker's or the beat's reconciler, or `specq reconcile {self.id}`)")
+            log.warning("job %d: %s", self.id, self.enqueue_error)
+            return False
+        with self.client.sessions.begin() as s:
+            chunks.mark_job_sent(s, job_id=self.id)
+        log.info("job %d: %d chunks sent to queue %s", job.id, sent, job.queue)
+        return True
 
     def status(self, check_workers: bool = True) -> JobState:
         with self.client.sessions() as s:
@@ -414,6 +440,23 @@ class Job:
             steps_by_draft_length=by_g, draft_length_over_time=_mean_g_by_tenths(timeline),
         )
 
+    def retry(self) -> list[int]:
+        """Failed items go back to pending, with their attempts kept (each retry allows
+        max_attempts more), and the job reopens; their chunks are sent (or left to the
+        reconciler if the broker is down). Returns the indices sent back."""
+        with self.client.sessions.begin() as s:
+            indices = repo.retry_failed(s, job_id=self.id)
+            refs = chunks.reopen(s, job_id=self.id, indices=indices)
+        if refs:
+            try:
+                _bounded(lambda: dispatch.send(self.client.celery, refs, self.client.settings),
+                         seconds=self.client.settings.broker_timeout * 3 + len(refs) / 1000)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("job %d: %d items back to pending, but the broker cannot be "
+                            "reached (%s): the reconciler sends them when it is back",
+                            self.id, len(indices), exc)
+        return indices
+
     def cancel(self) -> JobState:
         """Stop the job at its next chunk; items already finished stay."""
         with self.client.sessions.begin() as s:
@@ -450,3 +493,24 @@ def _checker(preset_json: str, data_dir: str) -> tuple[PreTrainedTokenizerBase, 
 def prompt_checker(preset: PairPreset, settings: Settings) -> tuple[PreTrainedTokenizerBase, int]:
     """The target's tokenizer and context length (loaded once per process, no weights)."""
     return _checker(preset.model_dump_json(), str(settings.data_dir))
+
+
+def _bounded(call: Callable[[], T], seconds: float) -> T:
+    """call() in a thread, waited for ``seconds`` at most: TimeoutError after that (a
+    broker that accepts connections but never answers must not hang the caller)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer within {seconds:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]

@@ -27,6 +27,42 @@ Format = Literal["jsonl", "openai", "parquet"]
 FORMATS: tuple[str, ...] = ("jsonl", "openai", "parquet")
 BATCH = 1000  # rows read from the database, and rows per Parquet row group
 
+
+class OutputError(ValueError):
+    """An output path that cannot be written; the message names it and why."""
+
+
+def check_output(path: str | os.PathLike, fmt: str = "jsonl") -> str:
+    """``path`` ("-" is stdout, which Parquet cannot use) if a file can be written there:
+    not a directory, and its nearest existing parent is a writable directory (missing
+    directories are created when the file is written). OutputError says why not."""
+    text = str(path)
+    if text == "":
+        raise OutputError("output: must not be empty")
+    if text == "-":
+        if fmt == "parquet":
+            raise OutputError("output: Parquet needs a file, not stdout")
+        return text
+    if "\x00" in text:
+        raise OutputError("output: contains a NUL character")
+    target = Path(text)
+    try:
+        if target.is_dir():
+            raise OutputError(f"output: {text}: is a directory")
+        if target.exists() and not os.access(target, os.W_OK):
+            raise OutputError(f"output: {text}: not writable")
+        parent = target.absolute().parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir():
+            raise OutputError(f"output: {text}: {parent} is not a directory")
+        if not target.exists() and not os.access(parent, os.W_OK | os.X_OK):
+            raise OutputError(f"output: {text}: directory {parent} is not writable")
+    except OSError as exc:  # a name too long, a loop of links
+        raise OutputError(f"output: {text}: {exc.strerror or exc}") from None
+    return text
+
+
 # -- sinks: where rows go, batch by batch ------------------------------------------------
 
 
@@ -53,9 +89,7 @@ class ParquetSink:
     pyarrow infers from the first batch (a column that is all null there becomes string)."""
 
     def __init__(self, path: str | os.PathLike, schema: pa.Schema | None = None) -> None:
-        if str(path) == "-":
-            raise ValueError("output: Parquet needs a file, not stdout")
-        self.path = str(path)
+        self.path = check_output(path, "parquet")
         self.schema = schema
         self._writer: pq.ParquetWriter | None = None
 
@@ -187,8 +221,8 @@ def openai_line(item: Item, job_id: int, model: str) -> dict[str, Any]:
 def export(job: Job, output: str | os.PathLike, fmt: str = "jsonl") -> int:
     """Write the job's results to ``output`` ("-" for stdout) in ``fmt``; returns the count."""
     if fmt not in FORMATS:
-        raise ValueError(f"format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if str(output) != "-":
+        raise OutputError(f"format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
+    if check_output(output, fmt) != "-":
         Path(output).parent.mkdir(parents=True, exist_ok=True)
     if fmt == "parquet":
         rows, sink = flat_rows(job), ParquetSink(output, RESULT_SCHEMA)

@@ -2,21 +2,25 @@
 
 Each input entry becomes an item row (index, custom_id, prompt | messages, params) and a
 validated engine Request. Problems are reported with where they are ("line 12") and the
-field they concern, before anything is stored.
+field they concern, before anything is stored. Whatever is stored is plain JSON that every
+database keeps as it is: valid Unicode text without NUL, finite numbers, integers within
+64 bits (`storable`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Iterable, Iterator
+import reprlib
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from worker.engine.request import Request, SamplingParams
+from worker.engine.request import INT32_MAX, Request, SamplingParams
 
 SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 LINE_FIELDS = frozenset({"custom_id", "prompt", "messages"}) | SAMPLING_FIELDS
@@ -24,17 +28,122 @@ OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 OPENAI_IGNORED = frozenset({"model", "user", "n", "stream"})  # accepted, not used
 OPENAI_RENAMED = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 MAX_PROBLEMS = 20
+MAX_CUSTOM_ID = 512  # items.custom_id is a String(512) column
+MAX_DEPTH = 32  # levels of nesting in one entry
+MAX_VALUES = 1_000_000  # values in one entry (a YAML alias bomb is small text, not data)
+INT64 = 2**63
 
 Source = str | os.PathLike | Iterable[Any]
 
 
 class InputError(ValueError):
-    """The job spec is invalid; ``problems`` lists each one as 'where: field: message'."""
+    """The job spec is invalid; ``problems`` lists each one as 'where: field: message'.
+
+    One problem reads as one line ('invalid job spec: line 3: seed: ...'); several as a
+    list under the title."""
+
+    title = "invalid job spec"
 
     def __init__(self, problems: list[str], truncated: bool = False) -> None:
         self.problems = problems
-        more = f"\n  ... (stopped after {len(problems)} problems)" if truncated else ""
-        super().__init__("invalid job spec:\n  " + "\n  ".join(problems) + more)
+        if len(problems) == 1 and not truncated:
+            message = f"{self.title}: {problems[0]}"
+        else:
+            more = f"\n  ... (stopped after {len(problems)} problems)" if truncated else ""
+            message = f"{self.title}:\n  " + "\n  ".join(problems) + more
+        super().__init__(message)
+
+
+def show(value: Any, limit: int = 60) -> str:
+    """``value`` for an error message: one line of printable text, at most ``limit`` chars
+    (a printable string as it is, anything else as a shortened repr)."""
+    if isinstance(value, str) and value.isprintable() and value:
+        text = value
+    elif isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        text = f"<a {value.bit_length()}-bit integer>"
+    else:
+        try:
+            text = _REPR.repr(value)  # repr() escapes what is not printable
+        except (ValueError, RecursionError):  # an int of thousands of digits, deep nesting
+            text = f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
+
+
+def text_problem(text: str) -> str | None:
+    """Why ``text`` cannot be stored in a text column, or None: a NUL, or a lone surrogate
+    (not Unicode: it has no UTF-8 encoding)."""
+    if "\x00" in text:
+        return "contains a NUL character (\\u0000), which no text column can store"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return (f"contains a lone surrogate ({ascii(text[exc.start])[1:-1]} at character "
+                f"{exc.start + 1}), which is not valid Unicode")
+    return None
+
+
+def storable(value: Any, path: str) -> str | None:
+    """The first reason ``value`` cannot be stored as JSON, as 'path: reason', or None.
+
+    Accepted: dicts with str keys, lists, str (`text_problem`), bool, None, ints within
+    64 bits, finite floats; at most MAX_DEPTH levels and MAX_VALUES values (cycles and
+    YAML alias bombs end there). ``path`` names ``value``; nested ones read
+    'messages[0].content'."""
+    stack: list[tuple[str, Any, int]] = [(path, value, 0)]
+    seen = 0
+    while stack:
+        where, v, depth = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES:
+            return f"{path or 'entry'}: more than {MAX_VALUES} values"
+        if depth > MAX_DEPTH:
+            return f"{where}: nested more than {MAX_DEPTH} levels deep"
+        if isinstance(v, str):
+            problem = text_problem(v)
+        elif v is None or isinstance(v, bool):
+            problem = None
+        elif isinstance(v, int):
+            problem = None if -INT64 <= v < INT64 else "integer out of range (beyond 64 bits)"
+        elif isinstance(v, float):
+            problem = None if math.isfinite(v) else f"must be a finite number, got {v}"
+        elif isinstance(v, (list, tuple)):
+            problem = None
+            stack.extend((f"{where}[{i}]", x, depth + 1) for i, x in enumerate(v))
+        elif isinstance(v, dict):
+            problem = None
+            for k, x in v.items():
+                if not isinstance(k, str):
+                    return f"{where or 'entry'}: key {show(k)}: keys must be strings"
+                key_problem = text_problem(k)
+                if key_problem:
+                    return f"{where or 'entry'}: key {show(k)}: {key_problem}"
+                stack.append((f"{where}.{show(k)}" if where else show(k), x, depth + 1))
+        else:
+            problem = f"{type(v).__name__} is not a JSON value"
+        if problem:
+            return f"{where or 'entry'}: {problem}"
+    return None
+
+
+def check_count(name: str, value: Any, *, low: int = 1, high: int = INT32_MAX) -> int:
+    """``value`` if it is an int in [low, high] (not a bool); InputError naming ``name``."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InputError([f"{name}: must be an integer, got {type(value).__name__} "
+                          f"{show(value)}"])
+    if value < low:
+        raise InputError([f"{name}: must be at least {low}, got {value}"])
+    if value > high:
+        raise InputError([f"{name}: must be at most {high}, got {show(value)}"])
+    return value
+
+
+def check_job_id(value: Any) -> int:
+    """``value`` as a job id (jobs.id is a 32-bit INTEGER); InputError otherwise."""
+    return check_count("job", value)
 
 
 @dataclass
@@ -50,22 +159,44 @@ def open_source(source: Source) -> tuple[str | None, Iterable[tuple[str, Any]]]:
     its JSONL lines, still text. A str or path is a file; anything else holds prompts."""
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        if not path.is_file():
-            raise InputError([f"{path}: file not found"])
-        return str(path), _FileLines(path)
+        name = show(str(path), 200)
+        try:
+            is_file, is_dir = path.is_file(), path.is_dir()
+        except (OSError, ValueError) as exc:  # a NUL in the name, a name too long
+            raise InputError([f"{name}: cannot open it ({exc})"]) from None
+        if not is_file:
+            kind = "a directory, not a file" if is_dir else "file not found"
+            raise InputError([f"{name}: {kind}"])
+        # the name as stored (jobs.source): a name of undecodable bytes keeps them escaped
+        return str(path).encode("utf-8", "backslashreplace").decode("utf-8"), _FileLines(path)
+    if isinstance(source, (bytes, bytearray, Mapping)) or not isinstance(source, Iterable):
+        raise InputError([f"prompts: expected a file path or a list of prompts, got "
+                          f"{type(source).__name__}"])
     items = source if isinstance(source, (list, tuple)) else list(source)
     return None, [(f"prompt {i + 1}", raw) for i, raw in enumerate(items)]
 
 
 class _FileLines:
-    """Iterating opens the file again: a first pass validates, a second stores."""
+    """Iterating opens the file again: a first pass validates, a second stores. Lines are
+    decoded one by one, so a bad byte is that line's problem (a BadLine), not the file's."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
-        with self.path.open(encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
+        try:
+            f = self.path.open("rb")
+        except OSError as exc:
+            raise InputError([f"{show(str(self.path), 200)}: cannot read it "
+                              f"({exc.strerror or exc})"]) from None
+        with f:
+            for n, data in enumerate(f, 1):
+                try:
+                    line = data.decode("utf-8-sig" if n == 1 else "utf-8")
+                except UnicodeDecodeError as exc:
+                    yield f"line {n}", BadLine(f"not valid UTF-8 (byte 0x{data[exc.start]:02x} "
+                                               f"at byte {exc.start + 1} of the line)")
+                    continue
                 if line.strip():
                     yield f"line {n}", JsonLine(line)
 
@@ -74,25 +205,27 @@ class JsonLine(str):
     """A line of a JSONL file, not yet parsed."""
 
 
+class BadLine(str):
+    """A line of a JSONL file that cannot be read; the text says why."""
+
+
 def parse_entries(
     raw_entries: Iterable[tuple[str, Any]], defaults: dict[str, Any]
 ) -> Iterator[tuple[str, Entry | list[str]]]:
-    """(where, Entry) for each good entry, (where, [problems]) for each bad one."""
+    """(where, Entry) for each good entry, (where, [problem]) for each bad one: one line
+    naming the entry and the field."""
     for index, (where, raw) in enumerate(raw_entries):
         try:
             row = normalise(raw)
-            texts = [row["prompt"] or ""] + [str(m.get("content", "")) for m in
-                                             row["messages"] or [] if isinstance(m, dict)]
-            if any("\x00" in t for t in texts):
-                raise _Problem("prompt: contains a NUL character (\\u0000), which no text "
-                               "column can store")
             overrides = row["params"] or {}
             request = Request(id=index, prompt=row["prompt"], messages=row["messages"],
                               **{**defaults, **overrides})
         except _Problem as exc:
             yield where, [f"{where}: {exc}"]
-        except ValidationError as exc:
-            yield where, [f"{where}: {p}" for p in describe(exc)]
+        except ValidationError as exc:  # one line per entry: its first problem
+            problems = describe(exc)
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            yield where, [f"{where}: {problems[0]}{more}"]
         else:
             row["index"] = index
             yield where, Entry(row, request)
@@ -103,64 +236,110 @@ class _Problem(ValueError):
 
 
 def normalise(raw: Any) -> dict[str, Any]:
-    """An item row (custom_id, prompt, messages, params) from a raw entry."""
+    """An item row (custom_id, prompt, messages, params) from a raw entry; _Problem when the
+    entry is not of a known shape or holds anything that cannot be stored (`storable`)."""
+    if isinstance(raw, BadLine):
+        raise _Problem(str(raw))
     if isinstance(raw, JsonLine):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise _Problem(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        raw = _loads(raw)
+    if not isinstance(raw, (str, list, dict)):
+        raise _Problem(f"expected a prompt, a message list or an object, got {type(raw).__name__}")
+    problem = storable(raw, "prompt" if isinstance(raw, str) else
+                       "messages" if isinstance(raw, list) else "")
+    if problem:
+        raise _Problem(_prompt_first(problem))
     if isinstance(raw, str):
         return {"custom_id": None, "prompt": raw, "messages": None, "params": None}
     if isinstance(raw, list):
         return {"custom_id": None, "prompt": None, "messages": raw, "params": None}
-    if not isinstance(raw, dict):
-        raise _Problem(f"expected a prompt, a message list or an object, got {type(raw).__name__}")
     if "body" in raw:
         return _openai(raw)
     unknown = sorted(set(raw) - LINE_FIELDS)
     if unknown:
-        raise _Problem(f"{unknown[0]}: unknown field (known: {', '.join(sorted(LINE_FIELDS))})")
+        raise _Problem(f"{show(unknown[0])}: unknown field (known: "
+                       f"{', '.join(sorted(LINE_FIELDS))})")
     params = {k: v for k, v in raw.items() if k in SAMPLING_FIELDS}
     return {"custom_id": _custom_id(raw.get("custom_id")), "prompt": raw.get("prompt"),
             "messages": raw.get("messages"), "params": params or None}
 
 
+def _loads(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as exc:
+        what = exc.msg.removesuffix(" at")  # 'Invalid control character at'
+        raise _Problem(f"not valid JSON ({what} at column {exc.colno})") from None
+    except RecursionError:
+        raise _Problem("not valid JSON (nested too deeply)") from None
+    except ValueError as exc:  # an integer of thousands of digits
+        raise _Problem(f"not valid JSON ({str(exc).split(':')[0]})") from None
+
+
+def _prompt_first(problem: str) -> str:
+    """A problem inside the prompt's text (prompt, messages, body.prompt, body.messages) is
+    reported under 'prompt', with the exact place after it."""
+    path, _, reason = problem.partition(": ")
+    top = path.removeprefix("body.").split(".")[0].split("[")[0]
+    if top not in ("prompt", "messages") or path == "prompt":
+        return problem
+    head, _, tail = reason.partition(", ")
+    return f"prompt: {head} at {path}" + (f", {tail}" if tail else "")
+
+
 def _openai(raw: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI Batch API request line: custom_id, method, url, body."""
     if raw.get("method", "POST") != "POST":
-        raise _Problem(f"method: must be POST, got {raw.get('method')!r}")
+        raise _Problem(f"method: must be POST, got {show(raw.get('method'))}")
     url = raw.get("url", "/v1/chat/completions")
-    if url not in OPENAI_URLS:
-        raise _Problem(f"url: must be one of {', '.join(OPENAI_URLS)}, got {url!r}")
+    if not isinstance(url, str) or url not in OPENAI_URLS:
+        raise _Problem(f"url: must be one of {', '.join(OPENAI_URLS)}, got {show(url)}")
     if raw.get("custom_id") is None:
         raise _Problem("custom_id: required in an OpenAI batch line")
     extra = sorted(set(raw) - {"custom_id", "method", "url", "body"})
     if extra:
-        raise _Problem(f"{extra[0]}: unknown field")
+        raise _Problem(f"{show(extra[0])}: unknown field")
     body = raw["body"]
     if not isinstance(body, dict):
-        raise _Problem("body: must be an object")
+        raise _Problem(f"body: must be an object, got {type(body).__name__}")
     kind = OPENAI_URLS[url]
     params: dict[str, Any] = {}
+    keys: dict[str, str] = {}  # our name -> the body's own
     for key, value in body.items():
         if key in OPENAI_IGNORED or key == kind:
             continue
         name = OPENAI_RENAMED.get(key, key)
         if name not in SAMPLING_FIELDS:
-            raise _Problem(f"body.{key}: not supported")
+            raise _Problem(f"body.{show(key)}: not supported")
+        if name in keys:
+            raise _Problem(f"body.{key}: gives {name} again (already given as body.{keys[name]})")
         params[name] = [value] if name == "stop" and isinstance(value, str) else value
+        keys[name] = key
     if kind not in body:
         raise _Problem(f"body.{kind}: required for {url}")
+    try:
+        SamplingParams.model_validate(params)
+    except ValidationError as exc:  # named as the line names it: body.max_tokens
+        err = exc.errors()[0]
+        name = str(err["loc"][0]) if err["loc"] else ""
+        field = f"body.{keys.get(name, name)}" if name else "body"
+        raise _Problem(f"{field}: {err['msg'].removeprefix('Value error, ')}") from None
     return {"custom_id": _custom_id(raw["custom_id"]), "prompt": body.get("prompt"),
             "messages": body.get("messages"), "params": params or None}
 
 
 def _custom_id(value: Any) -> str | None:
+    """A custom_id as stored: a non-empty string (an integer is taken as its digits) of at
+    most MAX_CUSTOM_ID characters; its text was checked by `storable` already."""
     if value is None:
         return None
-    if not isinstance(value, (str, int)) or isinstance(value, bool) or str(value) == "":
+    if not isinstance(value, (str, int)) or isinstance(value, bool):
+        raise _Problem(f"custom_id: must be a non-empty string, got {type(value).__name__}")
+    text = str(value)  # `storable` bounded an int to 64 bits: at most 20 characters
+    if text == "":
         raise _Problem("custom_id: must be a non-empty string")
-    return str(value)
+    if len(text) > MAX_CUSTOM_ID:
+        raise _Problem(f"custom_id: longer than {MAX_CUSTOM_ID} characters ({len(text)})")
+    return text
 
 
 def describe(exc: ValidationError) -> list[str]:

@@ -13,13 +13,15 @@ and where the finished data set goes:
     sampling: {max_new_tokens: 64, temperature: 0.8, top_p: 0.95}
     seed: 1234
     output: {path: "data/synth/example-{job_id}.parquet"}   # .parquet or .jsonl
+    limits: {max_chars: 100000, loop_turns: 1000000, seconds: 2}  # per row (the defaults)
 
 A relative seed_data path is taken from the spec file's directory (from the working
 directory for a spec given as a dict), a relative output path from the working directory,
 when the spec is loaded. Sample k of
 row r asks for the seed derived from (spec seed, r, k), and the engine's seeded sampling
 does not depend on the batch, so the same spec gives the same data set every run.
-Everything is checked (fields, seed file, every row rendered) before anything is submitted.
+Everything is checked (fields, seed file, output path, every row rendered within the
+limits of api/templates.py) before anything is submitted.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import hashlib
 import json
 import logging
 import os
+import string
 from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -37,20 +40,30 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
-from jinja2 import StrictUndefined, TemplateError
-from jinja2.sandbox import SandboxedEnvironment
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from jinja2 import Template, TemplateError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from api.client import Client, Job
-from api.formats import BATCH, open_sink, write_batches
-from api.inputs import InputError, describe
+from api.formats import BATCH, OutputError, check_output, open_sink, write_batches
+from api.inputs import InputError, describe, show, storable, text_problem
+from api.templates import BoundedSandbox, RenderLimits
 from db import repository as repo
-from worker.engine.request import SamplingParams
+from worker.engine.request import INT32_MAX, SamplingParams
 
 log = logging.getLogger(__name__)
 
 SEED_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 OUTPUT_FORMATS = {".parquet": "parquet", ".jsonl": "jsonl"}
+OUTPUT_PLACEHOLDERS = ("name", "job_id", "date")
+MAX_SAMPLES_PER_ROW = 100_000
+MAX_TEMPLATE_CHARS = 100_000
 # The columns each output row has besides the seed row's own fields.
 SAMPLE_COLUMNS = (
     "row_index", "sample_index", "seed", "custom_id", "prompt", "output", "finish_reason",
@@ -70,6 +83,8 @@ SAMPLE_SCHEMA = [
 class SpecError(InputError):
     """The synthesis spec is invalid; each problem names its field ('where: field: ...')."""
 
+    title = "invalid synthesis spec"
+
 
 class OutputSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -87,23 +102,34 @@ class SynthSpec(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     name: str = Field(min_length=1, max_length=200)
-    pair: str
+    pair: str = Field(min_length=1, max_length=200)
     seed_data: str | list[dict[str, Any]]
     seed_format: Literal["jsonl", "csv", "parquet"] | None = None
-    template: str = Field(min_length=1)
-    chat: bool = Field(False, description="send the rendered text as one user message")
-    n: int = Field(1, ge=1)
+    template: str = Field(min_length=1, max_length=MAX_TEMPLATE_CHARS)
+    chat: bool = Field(False, strict=True,
+                       description="send the rendered text as one user message")
+    n: int = Field(1, ge=1, le=MAX_SAMPLES_PER_ROW, strict=True)
     sampling: dict[str, Any] = Field(default_factory=dict)
-    seed: int = Field(0, ge=0)
+    seed: int = Field(0, ge=0, lt=2**63, strict=True)
     output: OutputSpec
-    chunk_size: int | None = Field(None, ge=1)
+    chunk_size: int | None = Field(None, ge=1, le=INT32_MAX, strict=True)
+    limits: RenderLimits = Field(default_factory=RenderLimits)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _storable(cls, raw: Any) -> Any:
+        """Every value is stored with the job (jobs.synthesis): plain JSON, valid text."""
+        problem = storable(raw, "")
+        if problem:
+            raise ValueError(problem)
+        return raw
 
     @field_validator("sampling")
     @classmethod
     def _sampling(cls, value: dict[str, Any]) -> dict[str, Any]:
         if "seed" in value:
             raise ValueError("seed: give the spec's seed; each sample's seed is derived from it")
-        return SamplingParams(**value).model_dump(exclude_unset=True)
+        return SamplingParams.model_validate(value).model_dump(exclude_unset=True)
 
     def resolved_seed_format(self) -> str:
         if isinstance(self.seed_data, list):
@@ -134,7 +160,13 @@ def load_spec(source: str | os.PathLike | dict[str, Any], where: str | None = No
         try:
             raw = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:
-            raise SpecError([f"{where}: not valid YAML: {exc}"]) from None
+            raise SpecError([f"{where}: not valid YAML: {' '.join(str(exc).split())}"]) from None
+        except UnicodeDecodeError as exc:
+            raise SpecError([f"{where}: not valid UTF-8 (byte {exc.start + 1})"]) from None
+        except RecursionError:
+            raise SpecError([f"{where}: not valid YAML (nested too deeply)"]) from None
+        except OSError as exc:
+            raise SpecError([f"{where}: cannot read it ({exc.strerror or exc})"]) from None
         if isinstance(raw, dict):
             raw.setdefault("name", path.stem)
         base = path.resolve().parent
@@ -156,7 +188,15 @@ def load_spec(source: str | os.PathLike | dict[str, Any], where: str | None = No
     if not spec.output.resolved_format():
         problems.append(f"{where}: output.format: cannot tell it from {spec.output.path!r}; "
                         f"give parquet or jsonl")
-    spec.output.path = str(Path(spec.output.path).expanduser().absolute())
+    try:
+        spec.output.path = str(Path(spec.output.path).expanduser().absolute())
+        check_output(output_path(spec, 0), spec.output.resolved_format())
+    except OutputError as exc:
+        problems.append(f"{where}: output.path: {str(exc).removeprefix('output: ')}")
+    except SpecError as exc:
+        problems += [f"{where}: {p}" for p in exc.problems]
+    except RuntimeError as exc:  # expanduser without a home
+        problems.append(f"{where}: output.path: {exc}")
     if problems:
         raise SpecError(problems)
     check_rows(spec, where)
@@ -169,33 +209,85 @@ def seed_rows(spec: SynthSpec) -> Iterator[dict[str, Any]]:
     if fmt == "inline":
         yield from spec.seed_data
     elif fmt == "jsonl":
-        with open(spec.seed_data, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    row = json.loads(line)
-                    if not isinstance(row, dict):
-                        raise SpecError([f"seed_data: line {n}: expected an object"])
-                    yield row
+        with open(spec.seed_data, "rb") as f:
+            for n, data in enumerate(f, 1):
+                if data.strip():
+                    yield _json_row(data, n)
     elif fmt == "csv":
         with open(spec.seed_data, encoding="utf-8", newline="") as f:
-            yield from csv.DictReader(f)
+            reader = csv.DictReader(f)
+            for row in reader:
+                if None in row:
+                    raise SpecError([f"seed_data: line {reader.line_num}: more fields than "
+                                     f"the header has columns"])
+                yield row
     else:
         for batch in pq.ParquetFile(spec.seed_data).iter_batches(batch_size=BATCH):
             yield from batch.to_pylist()
 
 
-def _environment() -> SandboxedEnvironment:
-    return SandboxedEnvironment(undefined=StrictUndefined, autoescape=False,
-                                keep_trailing_newline=True)
+def _json_row(data: bytes, n: int) -> dict[str, Any]:
+    """Line ``n`` of a JSONL seed file: an object, or SpecError naming the line."""
+    try:
+        row = json.loads(data.decode("utf-8-sig" if n == 1 else "utf-8"))
+    except UnicodeDecodeError as exc:
+        raise SpecError([f"seed_data: line {n}: not valid UTF-8 (byte {exc.start + 1})"]) from None
+    except json.JSONDecodeError as exc:
+        raise SpecError([f"seed_data: line {n}: not valid JSON ({exc.msg} at column "
+                         f"{exc.colno})"]) from None
+    except (ValueError, RecursionError) as exc:  # thousands of digits, deep nesting
+        raise SpecError([f"seed_data: line {n}: not valid JSON ({type(exc).__name__})"]) from None
+    if not isinstance(row, dict):
+        raise SpecError([f"seed_data: line {n}: expected an object"])
+    return row
+
+
+class _Renderer:
+    """The spec's template compiled in a BoundedSandbox; renders one row at a time."""
+
+    def __init__(self, spec: SynthSpec, where: str) -> None:
+        self.sandbox = BoundedSandbox(spec.limits)
+        self.where = where
+        try:
+            self.template: Template = self.sandbox.compile_template(spec.template)
+        except Exception as exc:  # noqa: BLE001 (syntax errors, and any other a template makes)
+            raise SpecError([f"{where}: template: {_reason(exc)}"]) from None
+
+    def try_render(self, i: int, row: dict[str, Any]) -> tuple[str | None, str | None]:
+        """(rendered text, None), or (None, the problem naming row ``i``): the template
+        failed, or its text is no prompt (empty, or not storable)."""
+        try:
+            text = self.sandbox.render(self.template, row)
+        except Exception as exc:  # noqa: BLE001 (whatever the template raises is its error)
+            columns = ", ".join(show(c, 40) for c in row) or "none"
+            return None, f"{self.where}: template: row {i}: {_reason(exc)} (columns: {columns})"
+        problem = "is empty" if not text.strip() else text_problem(text)
+        if problem:
+            return None, f"{self.where}: template: row {i}: the rendered text {problem}"
+        return text, None
+
+    def render(self, i: int, row: dict[str, Any]) -> str:
+        text, problem = self.try_render(i, row)
+        if problem is not None:
+            raise SpecError([problem])
+        return text or ""
+
+
+def _reason(exc: BaseException) -> str:
+    """One line saying what went wrong in a template."""
+    if isinstance(exc, RecursionError):
+        return "recursion too deep (a macro that calls itself without end?)"
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    if not isinstance(exc, TemplateError):
+        text = f"{type(exc).__name__}: {text}"
+    return show(text, 300)
 
 
 def check_rows(spec: SynthSpec, where: str = "spec") -> int:
-    """Render the template over every seed row; SpecError names the template field, the row
-    and the missing column. Returns the number of rows."""
-    try:
-        template = _environment().from_string(spec.template)
-    except TemplateError as exc:
-        raise SpecError([f"{where}: template: {exc}"]) from None
+    """Render the template over every seed row within the spec's limits; SpecError names
+    the template field, the first row that fails and why (a missing column, a limit passed,
+    any error the template raised, text no prompt can be). Returns the number of rows."""
+    renderer = _Renderer(spec, where)
     problems: list[str] = []
     rows = 0
     try:
@@ -205,17 +297,16 @@ def check_rows(spec: SynthSpec, where: str = "spec") -> int:
             if clash and not problems:
                 problems.append(f"{where}: seed_data: column {clash[0]!r} clashes with an "
                                 f"output column (reserved: {', '.join(SAMPLE_COLUMNS)})")
-            try:
-                template.render(**row)
-            except TemplateError as exc:
-                columns = ", ".join(map(str, row)) or "none"
-                problems.append(f"{where}: template: row {i}: {exc} (columns: {columns})")
-            if len(problems) >= 5:
+            _, problem = renderer.try_render(i, row)
+            if problem:  # the first row that fails is enough: one line, the row named
+                problems.append(problem)
                 break
-    except (ValueError, OSError, pa.ArrowException) as exc:
+    except (ValueError, OSError, pa.ArrowException, csv.Error) as exc:
         if isinstance(exc, SpecError):
             raise SpecError([f"{where}: {p}" for p in exc.problems]) from None
-        raise SpecError([f"{where}: seed_data: cannot read it: {exc}"]) from None
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise SpecError([f"{where}: seed_data: cannot read it: {show(str(reason), 300)}"]) \
+            from None
     if not problems and rows == 0:
         problems.append(f"{where}: seed_data: no rows")
     if problems:
@@ -225,9 +316,9 @@ def check_rows(spec: SynthSpec, where: str = "spec") -> int:
 
 def requests(spec: SynthSpec) -> Iterator[dict[str, Any]]:
     """One JSONL-shaped request per (row, sample), in that order: item index = row * n + k."""
-    template = _environment().from_string(spec.template)
+    renderer = _Renderer(spec, "spec")
     for r, row in enumerate(seed_rows(spec)):
-        text = template.render(**row)
+        text = renderer.render(r, row)
         for k in range(spec.n):
             entry: dict[str, Any] = {"custom_id": f"{r}-{k}",
                                      "seed": sample_seed(spec.seed, r, k)}
@@ -252,12 +343,24 @@ def submit(client: Client, spec: SynthSpec, *, schedule: str | None = None) -> J
 
 
 def output_path(spec: SynthSpec, job_id: int) -> Path:
-    date = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    """The spec's output path with {name}, {job_id} and {date} filled in; SpecError for any
+    other placeholder, or one with attributes, conversions or wide format specs."""
+    known = "(known: {name}, {job_id}, {date})"
     try:
+        for _, field, spec_, conversion in string.Formatter().parse(spec.output.path):
+            if field is None:
+                continue
+            if field not in OUTPUT_PLACEHOLDERS:
+                raise SpecError([f"output.path: unknown placeholder {{{show(field)}}} {known}"])
+            if conversion or "{" in (spec_ or "") or len(spec_ or "") > 8:
+                raise SpecError([f"output.path: {{{field}}}: only a short format spec such as "
+                                 f"{{job_id:05d}} is allowed"])
+        date = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         return Path(spec.output.path.format(name=spec.name, job_id=job_id, date=date))
-    except (KeyError, IndexError, ValueError) as exc:
-        raise SpecError([f"output.path: unknown placeholder {exc} "
-                         f"(known: {{name}}, {{job_id}}, {{date}})"]) from None
+    except ValueError as exc:  # SpecError included
+        if isinstance(exc, SpecError):
+            raise
+        raise SpecError([f"output.path: {exc} {known}"]) from None
 
 
 def write_output(client: Client, job_id: int) -> Path:

@@ -59,21 +59,37 @@ class UnknownPair(KeyError):
         return str(self.args[0])
 
 
+class PresetError(ValueError):
+    """A presets file that cannot be read or holds a bad preset; the message names both."""
+
+
 def load_presets(extra: Path | None = None) -> dict[str, PairPreset]:
-    """The built-in presets, then those of ``extra`` (same names override)."""
+    """The built-in presets, then those of ``extra`` (same names override); PresetError
+    names the file, the preset and the field of the first bad one."""
     presets: dict[str, PairPreset] = {}
     for path in [BUILTIN] + ([Path(extra)] if extra else []):
-        raw = yaml.safe_load(Path(path).read_text()) or {}
+        try:
+            raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else str(exc).splitlines()[0]
+            raise PresetError(f"{path}: cannot read presets: {reason}") from None
+        if not isinstance(raw, dict):
+            raise PresetError(f"{path}: expected a mapping of pair names")
         for name, body in raw.items():
+            if not isinstance(body, dict):
+                raise PresetError(f"{path}: preset {name!r}: expected a mapping of fields")
             try:
-                presets[name] = PairPreset(name=name, **body)
-            except (ValidationError, TypeError) as exc:
-                raise ValueError(f"{path}: preset {name!r}: {exc}") from exc
+                presets[str(name)] = PairPreset.model_validate({**body, "name": str(name)})
+            except ValidationError as exc:
+                first = exc.errors()[0]
+                where = ".".join(map(str, first["loc"]))
+                raise PresetError(f"{path}: preset {name!r}: {where}: "
+                                  f"{first['msg'].removeprefix('Value error, ')}") from None
     return presets
 
 
 def get_preset(name: str, extra: Path | None = None) -> PairPreset:
     presets = load_presets(extra)
-    if name not in presets:
+    if not isinstance(name, str) or name not in presets:
         raise UnknownPair(f"unknown pair {name!r}; known: {', '.join(sorted(presets))}")
     return presets[name]

@@ -9,6 +9,7 @@ seconds) and the synthesis spec it runs, validated with pydantic.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 import yaml
 from celery.schedules import crontab
@@ -27,6 +28,8 @@ from api.inputs import InputError, describe
 class ScheduleError(InputError):
     """The schedules file is invalid; each problem names the schedule and its field."""
 
+    title = "invalid schedules"
+
 
 class Schedule(BaseModel):
     """One named schedule: exactly one of cron, every."""
@@ -37,6 +40,12 @@ class Schedule(BaseModel):
     spec: Path = Field(description="synthesis spec (YAML), absolute once loaded")
     cron: str | None = Field(None, description="5 fields: minute hour day month weekday")
     every: float | None = Field(None, gt=0, description="seconds between firings instead")
+    stuck_after: float = Field(
+        86400.0, gt=0, description="seconds after which an unfinished run is stuck: each "
+        "firing that meets it says so (an error in the log)")
+    on_stuck: Literal["cancel", "skip"] = Field(
+        "cancel", description="cancel: the stuck run is cancelled (finished items kept, its "
+        "data set written) and a new run starts; skip: no new run while it is stuck")
 
     @field_validator("cron")
     @classmethod

@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
-from pydantic import Field
+from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import ArgumentError
+
+INT32_MAX = 2**31 - 1  # counts and seconds that land in INTEGER columns or Redis options
+DEVICES = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUEUE_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}")
+URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://.*", re.DOTALL)
 
 
 class Settings(BaseSettings):
     """One source of truth for where things are and how big they are."""
 
-    model_config = SettingsConfigDict(env_prefix="SPECQ_", env_file=".env", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="SPECQ_", env_file=".env", extra="ignore",
+                                      allow_inf_nan=False)
 
     broker_url: str = "redis://127.0.0.1:6379/0"
     database_url: str | None = Field(
@@ -22,23 +33,121 @@ class Settings(BaseSettings):
     presets_file: Path | None = Field(None, description="extra model-pair presets (YAML)")
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
-    chunk_size: int = Field(64, ge=1)
-    max_batch_size: int = Field(16, ge=1)
+    chunk_size: int = Field(64, ge=1, le=INT32_MAX)
+    max_batch_size: int = Field(16, ge=1, le=65536)
     # The job pipeline (worker/app.py, api/client.py).
     queue_prefix: str = Field("specq", description="prefix of every Celery queue name")
     visibility_timeout: int = Field(
-        3600, ge=1, description="seconds before an unacknowledged chunk is redelivered; "
+        3600, ge=1, le=INT32_MAX,
+        description="seconds before an unacknowledged chunk is redelivered; "
         "must exceed the longest chunk"
     )
-    worker_pair: str | None = Field(None, description="the pair a worker serves (specq worker)")
+    worker_pair: str | None = Field(None, min_length=1, max_length=200,
+                                    description="the pair a worker serves (specq worker)")
+    # Faults (worker/keeper.py, worker/reconciler.py; README "Failures and recovery").
+    max_attempts: int = Field(
+        3, ge=1, le=1000, description="engine failures an item survives before it fails")
+    lease_seconds: float = Field(
+        30.0, ge=1, le=86400, description="a running chunk's lease; renewed every third of it")
+    reconcile_every: float = Field(
+        15.0, ge=0, le=86400, description="seconds between reconciler runs in each worker and "
+        "the beat (one at a time fleet-wide); 0 turns the workers' own runs off")
+    reconcile_grace: float = Field(
+        10.0, ge=0, le=86400, description="a chunk sent less than this long ago is never "
+        "re-sent (its message may be on its way to a worker)")
+    flush_every: float = Field(
+        1.0, gt=0, le=3600, description="seconds between writes of a chunk's finished items")
+    flush_items: int = Field(32, ge=1, le=100000, description="...or after this many items")
+    retry_backoff: float = Field(
+        1.0, gt=0, le=3600, description="first pause after an engine or database failure; "
+        "doubles up to retry_backoff_max")
+    retry_backoff_max: float = Field(15.0, gt=0, le=3600)
+    db_patience: float = Field(
+        3600.0, gt=0, description="seconds a worker keeps retrying a database call "
+        "(finished outcomes are kept in memory meanwhile)")
+    max_chunk_runs: int = Field(
+        20, ge=1, le=100000, description="leases a chunk may take (workers killed or crashed "
+        "while running it) before its pending items fail")
+    broker_timeout: float = Field(
+        5.0, gt=0, le=600, description="seconds any broker call may take (connect, send, read)")
     # Scheduled synthesis (worker/beat.py).
     schedules_file: Path = Field(
         Path(__file__).with_name("schedules.yaml"),
         description="beat schedules (YAML): cron expressions naming synthesis specs",
     )
     schedule_lock_ttl: int = Field(
-        300, ge=1, description="seconds a schedule's firing lock lives if its holder dies"
+        300, ge=1, le=INT32_MAX,
+        description="seconds a schedule's firing lock lives if its holder dies"
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _whole_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        """An integer setting is written as one ('1.0' is refused, not truncated)."""
+        if cls.model_fields[info.field_name].annotation is int and isinstance(value, str):
+            try:
+                int(value)
+            except ValueError:
+                raise ValueError("must be an integer") from None
+        return value
+
+    @field_validator("broker_url")
+    @classmethod
+    def _broker_url(cls, value: str) -> str:
+        if not URL_SCHEME.fullmatch(value):
+            raise ValueError("must be a URL such as redis://host:6379/0")
+        return value
+
+    @field_validator("database_url")
+    @classmethod
+    def _database_url(cls, value: str | None) -> str | None:
+        if not value:
+            return None
+        try:
+            backend = make_url(value).get_backend_name()
+        except (ArgumentError, ValueError):
+            raise ValueError("not a database URL (sqlite:///FILE or "
+                             "postgresql+psycopg://USER@HOST/DB)") from None
+        if backend not in ("sqlite", "postgresql"):
+            raise ValueError(f"must be a sqlite or postgresql URL, not {backend}")
+        return value
+
+    @field_validator("data_dir")
+    @classmethod
+    def _data_dir(cls, value: Path) -> Path:
+        if _stat(value) == "file":
+            raise ValueError("not a directory")
+        return value
+
+    @field_validator("presets_file")
+    @classmethod
+    def _presets_file(cls, value: Path | None) -> Path | None:
+        # (schedules_file is the beat's alone: load_schedules names it when it is missing)
+        if value is not None and _stat(value) != "file":
+            raise ValueError("file not found")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, value: str) -> str:
+        if not DEVICES.fullmatch(value):
+            raise ValueError("must be auto, cpu, mps, cuda or cuda:N")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype(cls, value: str) -> str:
+        if value not in DTYPES:
+            raise ValueError(f"must be one of {', '.join(DTYPES)}")
+        return value
+
+    @field_validator("queue_prefix")
+    @classmethod
+    def _queue_prefix(cls, value: str) -> str:
+        if not QUEUE_PREFIX.fullmatch(value):
+            raise ValueError("must be 1 to 100 letters, digits or _.:- (starting with a letter "
+                             "or digit)")
+        return value
 
     @property
     def sqlalchemy_url(self) -> str:
@@ -47,6 +156,40 @@ class Settings(BaseSettings):
         return f"sqlite:///{(self.data_dir / 'specq.db').resolve()}"
 
 
+def _stat(path: Path) -> str:
+    """What ``path`` is: dir, file (anything else that exists), or missing (or unreadable)."""
+    try:
+        return "dir" if path.is_dir() else "file" if path.exists() else "missing"
+    except (OSError, ValueError):  # a name too long, a NUL in the name
+        return "missing"
+
+
 @lru_cache
 def get_settings() -> Settings:
     return Settings()
+
+
+# What pydantic's error types mean for a value read from the environment.
+_MEANINGS = {
+    "greater_than_equal": "must be at least {ge}", "greater_than": "must be more than {gt}",
+    "less_than_equal": "must be at most {le}", "less_than": "must be less than {lt}",
+    "int_parsing": "must be an integer", "int_from_float": "must be an integer",
+    "float_parsing": "must be a number", "finite_number": "must be a finite number",
+    "string_too_short": "must not be empty", "bool_parsing": "must be true or false",
+}
+
+
+def describe_settings(exc: ValidationError) -> list[str]:
+    """'SPECQ_NAME: what is wrong, got VALUE' for each error of Settings(); no value is shown
+    for a URL (it may hold a password)."""
+    out = []
+    for err in exc.errors():
+        name = str(err["loc"][0]) if err["loc"] else ""
+        ctx: dict[str, Any] = err.get("ctx") or {}
+        meaning = _MEANINGS.get(err["type"])
+        msg = meaning.format(**ctx) if meaning else err["msg"].removeprefix("Value error, ")
+        value = err.get("input")
+        shown = "" if "url" in name or not isinstance(value, (str, int, float)) else \
+            f", got {str(value)[:60]!r}"
+        out.append(f"SPECQ_{name.upper()}: {msg}{shown}")
+    return out

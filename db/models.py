@@ -8,6 +8,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -76,6 +77,7 @@ class Job(Base):
     params: Mapped[dict[str, Any]] = mapped_column(JSON)  # SamplingParams defaults of the job
     total: Mapped[int] = mapped_column(Integer, default=0)  # number of items
     chunk_size: Mapped[int] = mapped_column(Integer)
+    queue: Mapped[str | None] = mapped_column(String(300))  # the broker queue of its chunks
     source: Mapped[str | None] = mapped_column(Text)  # the submitted file, if any
     # Synthesis runs (api/synthesis.py): the spec that produced the job, the beat schedule
     # that fired it (None for a run by hand), the resolved spec, and where its data set went.
@@ -128,6 +130,37 @@ class Item(Base):
     draft_time: Mapped[float | None] = mapped_column(Float)
     verify_time: Mapped[float | None] = mapped_column(Float)
     worker: Mapped[str | None] = mapped_column(String(255))  # hostname that wrote the outcome
-    writes: Mapped[int] = mapped_column(Integer, default=0)  # outcomes written: 0 or 1
+    writes: Mapped[int] = mapped_column(Integer, default=0)  # outcomes written since pending: 0/1
+    # Engine failures while generating this item (the error of the latest is in ``error``
+    # while it stays pending); it fails for good at SPECQ_MAX_ATTEMPTS x (retries + 1).
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    retries: Mapped[int] = mapped_column(Integer, default=0)  # sent back by `specq retry`
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Chunk(Base):
+    """One task's range of a job's items [start, end), and who is running it.
+
+    A worker running the chunk holds its lease (``lease_owner`` until ``lease_until``,
+    seconds since the epoch on the database's clock) and renews it by heartbeat. ``done``:
+    no item of the range was pending when its last run ended. ``sent_at`` (database
+    clock): when a message for it was last sent to the broker (or is about to be, at
+    submission). The reconciler re-sends a chunk that is not done, not leased, and that no
+    message on the broker holds.
+    """
+
+    __tablename__ = "chunks"
+    __table_args__ = (Index("ix_chunks_job_id_done", "job_id", "done"),)
+
+    job_id: Mapped[int] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    start: Mapped[int] = mapped_column(Integer, primary_key=True)
+    end: Mapped[int] = mapped_column(Integer)
+    done: Mapped[bool] = mapped_column(Boolean, default=False)
+    lease_owner: Mapped[str | None] = mapped_column(String(300))
+    lease_until: Mapped[float | None] = mapped_column(Float)
+    sent_at: Mapped[float | None] = mapped_column(Float)
+    sends: Mapped[int] = mapped_column(Integer, default=0)  # messages sent for it
+    runs: Mapped[int] = mapped_column(Integer, default=0)  # leases taken on it

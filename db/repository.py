@@ -1,7 +1,9 @@
 """Reads and writes of jobs and items; keyword-only functions over a Session.
 
-Writers that change a job's items take the job's row lock first (lock_job), so that two
-workers finishing chunks of the same job at once cannot both miss the job's completion.
+Outcomes are written without the job's lock (each item is written once, whoever else
+writes); deciding that a job has ended (settle_job) takes the job's row lock first
+(lock_job), so that two workers finishing the last chunks of a job at once cannot both
+miss its completion.
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ OUTCOME_COLUMNS = (
 
 def create_job(
     session: Session, *, pair: str, params: dict[str, Any], chunk_size: int, source: str | None,
-    origin: dict[str, Any] | None = None,
+    queue: str | None = None, origin: dict[str, Any] | None = None,
 ) -> Job:
-    """``origin``: a synthesis run's spec, schedule and synthesis (resolved spec) columns."""
-    job = Job(pair=pair, params=params, chunk_size=chunk_size, source=source,
+    """``queue``: where its chunks are sent (None: nowhere, the caller runs them);
+    ``origin``: a synthesis run's spec, schedule
+    and synthesis (resolved spec) columns."""
+    job = Job(pair=pair, params=params, chunk_size=chunk_size, source=source, queue=queue,
               status=JobStatus.validating.value, total=0, **(origin or {}))
     session.add(job)
     session.flush()
@@ -139,7 +143,7 @@ def write_outcomes(session: Session, *, job_id: int, outcomes: list[dict[str, An
     """Write each outcome (a dict with ``index`` and OUTCOME_COLUMNS) to its item, once.
 
     Idempotent: only pending items are written, so a redelivered chunk changes nothing
-    already written. Returns how many items were written. Call under lock_job.
+    already written. Returns how many items were written.
     """
     if not outcomes:
         return 0
@@ -161,6 +165,60 @@ def write_outcomes(session: Session, *, job_id: int, outcomes: list[dict[str, An
     )
     session.execute(stmt, rows)
     return len(rows)
+
+
+def record_failures(session: Session, *, job_id: int, indices: list[int], error: str) -> int:
+    """One more engine failure for each of these pending items, and its error (kept as
+    the item's last error while it stays pending). Returns how many were pending."""
+    if not indices:
+        return 0
+    return session.execute(
+        update(Item)
+        .where(Item.job_id == job_id, Item.index.in_(indices), Item.status == PENDING)
+        .values(attempts=Item.attempts + 1, error=error[:10000]),
+        execution_options={"synchronize_session": False},
+    ).rowcount
+
+
+def retry_failed(session: Session, *, job_id: int) -> list[int]:
+    """Send a job's failed items back to pending (their attempts kept, their retries
+    counted) and reopen the job. Returns their indices. Takes the job's lock."""
+    job = lock_job(session, job_id=job_id)
+    if job is None:
+        raise KeyError(f"job {job_id}: not found")
+    status = JobStatus(job.status)
+    if status in (JobStatus.cancelling, JobStatus.cancelled):
+        raise ValueError(f"job {job_id} is {status.value}: its items are not retried")
+    indices = list(session.scalars(
+        select(Item.index).where(Item.job_id == job_id,
+                                 Item.status == ItemStatus.failed.value).order_by(Item.index)
+    ))
+    if not indices:
+        return []
+    session.execute(
+        update(Item)
+        .where(Item.job_id == job_id, Item.status == ItemStatus.failed.value)
+        .values(status=PENDING, retries=Item.retries + 1, writes=0, output=None,
+                token_ids=None, finish_reason=None, finished_at=None, worker=None),
+        execution_options={"synchronize_session": False},
+    )
+    if status.finished or status == JobStatus.in_progress:
+        reopened = JobStatus.in_progress if job.started_at else JobStatus.queued
+        session.execute(update(Job).where(Job.id == job_id)
+                        .values(status=reopened.value, finished_at=None, error=None))
+    return indices
+
+
+def unsettled_jobs(session: Session) -> list[int]:
+    """Unfinished jobs none of whose items is pending (their last writer died before
+    settling them): settle_job ends them."""
+    pending = select(Item.index).where(Item.job_id == Job.id, Item.status == PENDING)
+    return list(session.scalars(
+        select(Job.id).where(Job.status.in_([JobStatus.queued.value,
+                                              JobStatus.in_progress.value,
+                                              JobStatus.cancelling.value]),
+                             ~pending.exists())
+    ))
 
 
 def cancel_pending(

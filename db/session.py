@@ -41,7 +41,16 @@ def get_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"timeout": 30})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
+    if parsed.get_backend_name() == "postgresql":
+        return create_engine(url, pool_pre_ping=True, connect_args=_PG_TIMEOUTS)
     return create_engine(url, pool_pre_ping=True)
+
+
+# Every database call is bounded: connecting takes at most 10 s, and a server that stops
+# answering is noticed by TCP keepalives (about 25 s idle) and the user timeout (30 s of
+# unacknowledged data), so a cut network is an error a worker retries, never a hang.
+_PG_TIMEOUTS = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 10,
+                "keepalives_interval": 5, "keepalives_count": 3, "tcp_user_timeout": 30000}
 
 
 def session_factory(url: str) -> sessionmaker[Session]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 from celery import Celery
 
 from configs.settings import Settings, get_settings
+from worker.constants import queue_name
 
 
 def make_app(settings: Settings) -> Celery:
@@ -19,8 +20,9 @@ def make_app(settings: Settings) -> Celery:
         result_serializer="json",
         result_backend=None,
         task_ignore_result=True,
-        # A chunk is acknowledged only once its outcomes are written; a worker that dies
-        # mid-chunk leaves it to be redelivered (after visibility_timeout) to another.
+        # A chunk is acknowledged only once its outcomes are written. A worker that dies
+        # mid-chunk stops renewing the chunk's lease; the reconciler re-sends the chunk
+        # when the lease runs out (worker/reconciler.py), whatever visibility_timeout is.
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
@@ -30,8 +32,14 @@ def make_app(settings: Settings) -> Celery:
             # sweep runs only every 10th timer tick, i.e. every ~100 s).
             "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 2)),
             "unacked_restore_throttle": 1,
+            # every broker call is bounded: an unresponsive broker is an error, not a hang
+            "socket_timeout": settings.broker_timeout,
+            "socket_connect_timeout": settings.broker_timeout,
+            "health_check_interval": 10,
         },
+        broker_connection_timeout=settings.broker_timeout,
         broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,  # a worker reconnects for as long as it takes
         worker_hijack_root_logger=True,
         # Task events for Flower (`celery events`, the dashboard): sent, started, succeeded.
         worker_send_task_events=True,
@@ -41,4 +49,20 @@ def make_app(settings: Settings) -> Celery:
     return app
 
 
-app = make_app(get_settings())
+def worker_argv(pair: str, settings: Settings, loglevel: str = "info",
+                hostname: str | None = None) -> list[str]:
+    """The `celery` command-line arguments of a worker for ``pair``: solo pool (one
+    process holds the model), the pair's queue only, late acks (see make_app)."""
+    return ["-A", "worker.app", "worker", "-P", "solo", "-c", "1",
+            "-Q", queue_name(pair, settings), "--loglevel", loglevel,
+            "-n", hostname or f"{pair}@%h", "--without-gossip", "--without-mingle"]
+
+
+def __getattr__(name: str) -> Celery:
+    """``app``, made on first use (by `celery -A worker.app` and worker/tasks.py): importing
+    this module reads no settings, so a bad SPECQ_ variable is reported by whoever reads
+    them first, clearly (api/cli.py), not as a traceback at import."""
+    if name == "app":
+        globals()["app"] = make_app(get_settings())
+        return globals()["app"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

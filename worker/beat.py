@@ -7,13 +7,18 @@ seconds, and the same process (no GPU, no model) runs them:
 - fire(name): under a Redis lock keyed by the schedule's name, skip the slot if a run of
   that schedule is still unfinished in the database, otherwise submit the spec as an
   ordinary job that records its spec and schedule. The lock makes check-and-submit atomic
-  across concurrent firings; the database says whether the last run is still going.
+  across concurrent firings; the database says whether the last run is still going. A
+  run still going is reconciled first (a lost message cannot stall it), and once older
+  than the schedule's ``stuck_after`` it is stuck: the firing logs an error saying so and
+  (``on_stuck: cancel``, the default) cancels it and starts a new run.
 - collect(): write the data set of every finished synthesis run that has none yet.
+- reconcile (RECONCILE_TASK, every SPECQ_RECONCILE_EVERY seconds): worker/reconciler.py.
 """
 
 from __future__ import annotations
 
 import logging
+from datetime import datetime, timezone
 from typing import Any
 
 import redis
@@ -21,11 +26,13 @@ from celery import Celery
 
 from api.client import Client
 from api.synthesis import load_spec, submit, write_output
-from configs.schedules import load_schedules
+from configs.schedules import Schedule, load_schedules
 from configs.settings import Settings, get_settings
 from db import repository as repo
+from db.models import utcnow
 from worker.app import make_app
-from worker.constants import COLLECT_TASK, FIRE_TASK, synth_queue
+from worker.constants import COLLECT_TASK, FIRE_TASK, RECONCILE_TASK, synth_queue
+from worker.reconciler import reconcile, reconcile_if_due
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +56,7 @@ def fire(name: str, settings: Settings | None = None) -> int | None:
         client = Client(settings)
         with client.sessions() as s:
             running = repo.unfinished_runs(s, schedule=name)
-        if running:
-            log.info("schedule %s: run %s still going; slot skipped", name, running)
+        if running and not _stuck(client, schedule, running, settings):
             return None
         job = submit(client, load_spec(schedule.spec), schedule=name)
         return job.id
@@ -61,6 +67,36 @@ def fire(name: str, settings: Settings | None = None) -> int | None:
             log.warning("schedule %s: lock expired before the run was stored; raise "
                         "SPECQ_SCHEDULE_LOCK_TTL", name)
         r.close()
+
+
+def _stuck(client: Client, schedule: Schedule, running: list[int], settings: Settings) -> bool:
+    """Whether every unfinished run of ``schedule`` is stuck and was cancelled (a new run
+    may start). Lost chunks of each run are re-sent first."""
+    for job_id in running:
+        try:
+            reconcile(settings, job_id=job_id)
+        except Exception as exc:  # noqa: BLE001 (the broker away: say so, go on)
+            log.warning("schedule %s: run %d not reconciled: %s", schedule.name, job_id, exc)
+        state = client.job(job_id).status(check_workers=False)
+        age = (utcnow() - _aware(state.created_at)).total_seconds()
+        if age < schedule.stuck_after:
+            log.info("schedule %s: run %d still going (%d/%d done); slot skipped",
+                     schedule.name, job_id, state.done, state.total)
+            return False
+        state = client.job(job_id).status()  # with the note saying whether a worker serves it
+        said = (f"schedule {schedule.name}: run {job_id} is stuck: {state.status} for "
+                f"{age / 3600:.1f} h with {state.done}/{state.total} done"
+                f"{'; ' + state.note if state.note else ''}")
+        if schedule.on_stuck == "skip":
+            log.error("%s; slot skipped (on_stuck: skip)", said)
+            return False
+        log.error("%s; cancelled, a new run starts", said)
+        client.job(job_id).cancel()
+    return True
+
+
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
 def collect(settings: Settings | None = None) -> list[str]:
@@ -88,6 +124,9 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
     }
     entries["collect"] = {"task": COLLECT_TASK, "schedule": COLLECT_EVERY,
                           "options": {"queue": queue}}
+    if settings.reconcile_every > 0:
+        entries["reconcile"] = {"task": RECONCILE_TASK, "schedule": settings.reconcile_every,
+                                "options": {"queue": queue, "expires": settings.reconcile_every}}
     return entries
 
 
@@ -96,6 +135,7 @@ def make_beat_app(settings: Settings) -> Celery:
     app.conf.update(beat_schedule=beat_schedule(settings), timezone="UTC")
     app.task(name=FIRE_TASK)(fire_task)
     app.task(name=COLLECT_TASK)(collect_task)
+    app.task(name=RECONCILE_TASK)(reconcile_task)
     return app
 
 
@@ -105,6 +145,11 @@ def fire_task(name: str) -> int | None:
 
 def collect_task() -> list[str]:
     return collect()
+
+
+def reconcile_task() -> dict[str, Any] | None:
+    report = reconcile_if_due(get_settings())
+    return report.as_dict() if report else None
 
 
 app = make_beat_app(get_settings())

@@ -9,6 +9,7 @@ WORKER_PAIR_ENV = "SPECQ_WORKER_PAIR"  # set by `specq worker --pair`; read thro
 INSPECT_TIMEOUT = 1.0  # seconds to wait for workers to say which queues they consume
 FIRE_TASK = "specq.fire_schedule"  # args: schedule name (worker/beat.py)
 COLLECT_TASK = "specq.collect_runs"  # writes finished synthesis runs' data sets
+RECONCILE_TASK = "specq.reconcile"  # re-sends lost chunks (worker/reconciler.py)
 
 
 def queue_name(pair: str, settings: Settings | None = None) -> str:

@@ -1,37 +1,46 @@
 """Thin tasks: a chunk reference in → its pending items → the engine → outcomes out.
 
 The same run_chunk serves the Celery task (one worker per GPU) and the embedded
-`specq run` (in-process, chunk after chunk).
+`specq run` (in-process, chunk after chunk). A chunk runs under a lease; its outcomes
+are written as items finish (worker/keeper.py). Engine failures are transient until they
+repeat (worker/attempts.py); a device that is gone makes the worker exit.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
+import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from celery.signals import worker_init, worker_process_init
-from pydantic import ValidationError
-from sqlalchemy.exc import OperationalError, SQLAlchemyError
+from celery.signals import worker_init, worker_process_init, worker_shutdown
 from sqlalchemy.orm import Session, sessionmaker
 
 from configs.presets import get_preset
-from configs.settings import get_settings
+from configs.settings import Settings, get_settings
+from db import chunks
 from db import repository as repo
-from db.models import ItemStatus, JobStatus, utcnow
+from db.models import ItemStatus, JobStatus
 from db.session import session_factory
 from worker.app import app
+from worker.attempts import ChunkItem, Stopped, generate_with_retries
+from worker.backoff import Backoff, retry_db
 from worker.constants import GENERATE_TASK, WORKER_PAIR_ENV
-from worker.engine.counters import Counters
-from worker.engine.request import Request, Result
+from worker.device import DeviceLost
+from worker.engine.request import Request
 from worker.engine.speculative import SpeculativeEngine
+from worker.keeper import ChunkKeeper
 from worker.pairs import Pair, load_pair
 
 log = logging.getLogger(__name__)
+
+EXIT_DEVICE_LOST = 75  # the worker's exit status when its device is unusable (EX_TEMPFAIL)
 
 
 @dataclass
@@ -42,7 +51,10 @@ class ChunkReport:
     written: int = 0  # outcomes written by this run
     skipped: int = 0  # items already written (a redelivered chunk) or not pending
     cancelled: int = 0
+    failed: int = 0  # items this run failed for good (after max_attempts engine failures)
+    faults: int = 0  # engine failures met (and retried or counted)
     job_status: str = ""
+    note: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -65,30 +77,53 @@ def worker_engine() -> SpeculativeEngine:
     return worker_pair().engine()
 
 
+_started = threading.Event()
+_background: list[Any] = []
+
+
 @worker_init.connect
 @worker_process_init.connect
 def _load_at_start(**_: Any) -> None:
     """Load the pair when the worker starts, before it takes any chunk, run one short
-    generation so the first chunk does not pay the first call's set-up, and measure the
-    step costs the adaptive draft length decides by."""
-    if get_settings().worker_pair:
-        t0 = time.perf_counter()
-        pair = worker_pair()
-        engine = worker_engine()
-        engine.generate([Request(prompt="Hello", max_new_tokens=2)])
-        engine.calibrate()
-        log.info("pair %s loaded in %.1f s", pair.preset.name, time.perf_counter() - t0)
+    generation so the first chunk does not pay the first call's set-up, measure the step
+    costs the adaptive draft length decides by, and start the reconciler thread."""
+    settings = get_settings()
+    if not settings.worker_pair or _started.is_set():
+        return
+    _started.set()
+    t0 = time.perf_counter()
+    pair = worker_pair()
+    engine = worker_engine()
+    engine.generate([Request(prompt="Hello", max_new_tokens=2)])
+    engine.calibrate()
+    log.info("pair %s loaded in %.1f s", pair.preset.name, time.perf_counter() - t0)
+    if settings.reconcile_every > 0:
+        from worker.reconciler import Background
+
+        _background.append(Background(settings).start())
 
 
-@app.task(name=GENERATE_TASK, bind=True, autoretry_for=(OperationalError,),
-          retry_backoff=True, max_retries=8)
+@worker_shutdown.connect
+def _stop_background(**_: Any) -> None:
+    for b in _background:
+        b.stop()
+
+
+@app.task(name=GENERATE_TASK, bind=True)
 def generate_chunk(self, job_id: int, start: int, end: int) -> dict[str, Any]:
     settings = get_settings()
-    report = run_chunk(
-        sessions=session_factory(settings.sqlalchemy_url), engine=worker_engine(),
-        pair=worker_pair().preset.name, job_id=job_id, start=start, end=end,
-        hostname=self.request.hostname or socket.gethostname(),
-    )
+    try:
+        report = run_chunk(
+            sessions=session_factory(settings.sqlalchemy_url), engine=worker_engine(),
+            pair=worker_pair().preset.name, job_id=job_id, start=start, end=end,
+            hostname=self.request.hostname or socket.gethostname(), settings=settings,
+        )
+    except DeviceLost as exc:
+        log.critical("the device is unusable (%s): this worker exits (status %d) for its "
+                     "supervisor to restart it; chunk [%d, %d) of job %d goes to another",
+                     exc.__cause__ or exc, EXIT_DEVICE_LOST, start, end, job_id)
+        logging.shutdown()
+        os._exit(EXIT_DEVICE_LOST)
     return report.as_dict()
 
 
@@ -104,144 +139,131 @@ def run_chunk(
     start: int,
     end: int,
     hostname: str,
+    settings: Settings | None = None,
     on_item: Callable[[], None] | None = None,
 ) -> ChunkReport:
-    """Generate the chunk's pending items and write their outcomes in one transaction."""
+    """Claim the chunk's lease, generate its pending items (retrying engine faults) and
+    write their outcomes as they finish. Database outages are waited out (db_patience).
+    Raises DeviceLost when the device is gone (the outcomes finished so far are written
+    and the lease given back first)."""
+    settings = settings or get_settings()
     report = ChunkReport(job_id, start, end)
-    with sessions.begin() as s:
-        job = repo.lock_job(s, job_id=job_id)
-        if job is None:
-            log.warning("job %s: not found; chunk [%d, %d) dropped", job_id, start, end)
-            return report
-        status = JobStatus(job.status)
-        if status == JobStatus.cancelling:
-            report.cancelled = repo.cancel_pending(s, job_id=job_id, start=start, end=end)
-            report.job_status = repo.settle_job(s, job_id=job_id).value
-            log.info("job %s: cancelling; chunk [%d, %d): %d items cancelled",
-                     job_id, start, end, report.cancelled)
-            return report
-        if status.finished:  # e.g. a chunk redelivered after its job completed
-            report.skipped = end - start
-            report.job_status = status.value
-            return report
-        if job.pair != pair:
-            raise RuntimeError(f"job {job_id} is for pair {job.pair!r}; this worker: {pair!r}")
-        repo.start_job(s, job_id=job_id)
-        params = dict(job.params)
-        items = [(it.index, it.prompt, it.messages, it.params)
-                 for it in repo.pending_items(s, job_id=job_id, start=start, end=end)]
-    report.skipped = (end - start) - len(items)
-    if items:
-        outcomes = generate(engine, items, params, hostname, on_item)
-    else:
-        outcomes = []
+    owner = f"{hostname}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+    where = f"job {job_id}: chunk [{start}, {end})"
+    backoff = Backoff.from_settings(settings)
+    opened = retry_db(lambda: _open(sessions, settings, report, pair, owner),
+                      backoff=backoff, what=where)
+    if opened is None:
+        log.info("%s: %s", where, report.note or report.job_status)
+        return report
+    params, items = opened
+    keeper = ChunkKeeper(sessions, settings, job_id, start, end, owner).start()
+    outcome = None
     try:
-        write(sessions, job_id, outcomes, report)
-    except OperationalError:
-        raise  # the database is unreachable: the task retries the chunk later
-    except SQLAlchemyError as exc:  # outcomes the database refuses: the items say why
-        log.exception("job %s: chunk [%d, %d): outcomes refused", job_id, start, end)
-        error = f"could not store the outcome: {type(exc.orig or exc).__name__}: {exc.orig or exc}"
-        write(sessions, job_id, [_outcome(o["index"], Result(id=o["index"], error=error),
-                                          hostname, o["started_at"], o["finished_at"])
-                                 for o in outcomes], report)
-    log.info("job %s: chunk [%d, %d): %d written, %d skipped; job %s",
-             job_id, start, end, report.written, report.skipped, report.job_status)
+        outcome = generate_with_retries(engine, items, params, hostname, keeper, settings,
+                                        on_item)
+    except Stopped:
+        pass  # the lease went to another worker, or the job is being cancelled
+    finally:
+        kept = keeper.close()  # raises only if the database stays away past patience
+        report.written, report.failed = kept.written, outcome.failed if outcome else 0
+        report.faults = outcome.faults if outcome else kept.failures
+        report.skipped = (end - start) - len(items) + kept.unwritten
+        report.job_status = kept.job_status
+    if keeper.cancelling.is_set():
+        report.cancelled, report.job_status = retry_db(
+            lambda: _cancel(sessions, job_id, start, end), backoff=backoff, what=where)
+    elif keeper.lost.is_set():
+        report.note = "lease taken over by another worker"
+    log.info("%s: %d written, %d skipped, %d failed, %d faults%s; job %s", where,
+             report.written, report.skipped, report.failed, report.faults,
+             f", {report.note}" if report.note else "", report.job_status)
     return report
 
 
-def write(sessions: sessionmaker[Session], job_id: int, outcomes: list[dict[str, Any]],
-          report: ChunkReport) -> None:
-    """The chunk's outcomes and the job's status, in one transaction under the job's lock."""
+def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkReport, pair: str,
+          owner: str) -> tuple[dict[str, Any], list[ChunkItem]] | None:
+    """In one transaction: the job's state, the chunk's lease and its pending items; None
+    when there is nothing to generate (the report says why)."""
+    job_id, start, end = report.job_id, report.start, report.end
     with sessions.begin() as s:
-        repo.lock_job(s, job_id=job_id)
-        report.written = repo.write_outcomes(s, job_id=job_id, outcomes=outcomes)
-        report.skipped += len(outcomes) - report.written
-        report.job_status = repo.settle_job(s, job_id=job_id).value
+        job = repo.get_job(s, job_id=job_id)
+        if job is None:
+            report.note = "job not found; chunk dropped"
+            return None
+        status = JobStatus(job.status)
+        if status == JobStatus.cancelling:
+            report.cancelled, report.job_status = _cancel_in(s, job_id, start, end)
+            return None
+        if status.finished:  # e.g. a chunk re-sent after its job ended
+            report.skipped, report.job_status = end - start, status.value
+            return None
+        if job.pair != pair:
+            raise RuntimeError(f"job {job_id} is for pair {job.pair!r}; this worker: {pair!r}")
+        runs = chunks.claim(s, job_id=job_id, start=start, owner=owner,
+                            ttl=settings.lease_seconds)
+        if runs is None:
+            report.skipped, report.job_status = end - start, status.value
+            report.note = "another worker holds the chunk's lease"
+            return None
+        rows = repo.pending_items(s, job_id=job_id, start=start, end=end)
+        if runs > settings.max_chunk_runs and rows:
+            _abandon(s, job_id, rows, runs)
+            report.failed = len(rows)
+            chunks.release(s, job_id=job_id, start=start, end=end, owner=owner)
+            report.job_status = repo.settle_job(s, job_id=job_id).value
+            report.note = f"abandoned after {runs - 1} runs that never finished"
+            return None
+        repo.start_job(s, job_id=job_id)
+        items = [ChunkItem(it.index, it.prompt, it.messages, it.params, it.attempts,
+                           it.retries) for it in rows]
+        return dict(job.params), items
 
 
-def generate(
-    engine: SpeculativeEngine,
-    items: list[tuple[int, str | None, list | None, dict | None]],
-    params: dict[str, Any],
-    hostname: str,
-    on_item: Callable[[], None] | None = None,
-) -> list[dict[str, Any]]:
-    """Run the engine over (index, prompt, messages, overrides) items; one outcome each.
-
-    An item that fails (its request is invalid, or the engine reports an error for it) gets
-    a failed outcome with its error; if the engine itself fails, every item does.
-    """
-    started = utcnow()
-    finished: dict[int, Any] = {}
-    outcomes: dict[int, dict[str, Any]] = {}
-    requests = []
-    for index, prompt, messages, overrides in items:
-        try:
-            requests.append(Request(id=index, prompt=prompt, messages=messages,
-                                    **{**params, **(overrides or {})}))
-        except ValidationError as exc:
-            outcomes[index] = _outcome(index, Result(id=index, error=str(exc)), hostname,
-                                       started, started)
-
-    def seen(result: Result) -> None:
-        finished[int(result.id)] = utcnow()
-        if on_item:
-            on_item()
-
-    try:
-        results = engine.generate(requests, on_result=seen)
-    except Exception as exc:  # the whole chunk fails; its items say why
-        log.exception("engine failed on %d items", len(requests))
-        now = utcnow()
-        results = [Result(id=r.id, error=f"{type(exc).__name__}: {exc}") for r in requests]
-        finished = {int(r.id): now for r in requests}
-    for res in results:
-        index = int(res.id)
-        outcomes[index] = _outcome(index, res, hostname, started, finished.get(index, utcnow()))
-    return [outcomes[i] for i in sorted(outcomes)]
+def _abandon(s: Session, job_id: int, rows: list, runs: int) -> None:
+    """Fail the pending items of a chunk that took ``runs`` leases and never finished
+    (each of its workers died on it: a prompt that crashes the process, say)."""
+    repo.lock_job(s, job_id=job_id)
+    error = (f"chunk abandoned: {runs - 1} workers took it and none finished it (killed or "
+             f"crashed while running it)")
+    repo.write_outcomes(s, job_id=job_id, outcomes=[
+        {"index": it.index, "status": ItemStatus.failed.value, "output": None,
+         "token_ids": None, "finish_reason": None, "error": it.error or error,
+         "prompt_tokens": None, "accepted_by_position": None, "steps_by_draft_length": None,
+         "worker": None, "started_at": None, "finished_at": None,
+         **{c: None for c in repo.COUNTER_COLUMNS}}
+        for it in rows])
 
 
-def _outcome(index: int, res: Result, hostname: str, started: Any, finished: Any) -> dict:
-    c: Counters = res.counters
-    text = None if res.error else _storable(res.text)
-    return {
-        "index": index,
-        "status": (ItemStatus.failed if res.error else ItemStatus.completed).value,
-        "output": text,
-        "token_ids": None if res.error else list(res.token_ids),
-        "finish_reason": res.finish_reason,
-        "error": _storable(res.error),
-        "prompt_tokens": res.prompt_tokens,
-        "accepted_by_position": list(c.accepted_by_position),
-        "steps_by_draft_length": list(c.steps_by_draft_length),
-        "worker": hostname,
-        "started_at": started,
-        "finished_at": finished,
-        **{name: getattr(c, name) for name in repo.COUNTER_COLUMNS},
-    }
+def _cancel(sessions: sessionmaker[Session], job_id: int, start: int, end: int
+            ) -> tuple[int, str]:
+    with sessions.begin() as s:
+        return _cancel_in(s, job_id, start, end)
+
+
+def _cancel_in(s: Session, job_id: int, start: int, end: int) -> tuple[int, str]:
+    """A cancelling job's chunk: its pending items are cancelled. (count, job status)"""
+    repo.lock_job(s, job_id=job_id)
+    n = repo.cancel_pending(s, job_id=job_id, start=start, end=end)
+    chunks.mark_done(s, job_id=job_id, start=start)
+    return n, repo.settle_job(s, job_id=job_id).value
 
 
 def run_inline(
     *, sessions: sessionmaker[Session], engine: SpeculativeEngine, pair: str, job_id: int,
-    progress: bool = True,
+    progress: bool = True, settings: Settings | None = None,
 ) -> None:
     """The embedded mode: every chunk of the job, in this process, with a progress bar."""
     from tqdm import tqdm
 
     with sessions() as s:
         job = repo.get_job(s, job_id=job_id)
-        chunks = job.chunks()
+        chunk_list = job.chunks()
         done = job.total - repo.status_counts(s, job_id=job_id)[ItemStatus.pending.value]
     hostname = f"{socket.gethostname()} (embedded)"
     with tqdm(total=job.total, initial=done, desc=f"job {job_id}", unit="item",
               disable=not progress) as bar:
-        for start, end in chunks:
+        for start, end in chunk_list:
             run_chunk(sessions=sessions, engine=engine, pair=pair, job_id=job_id, start=start,
-                      end=end, hostname=hostname, on_item=lambda: bar.update(1))
-
-
-def _storable(text: str | None) -> str | None:
-    """Text as every database stores it: PostgreSQL text cannot hold NUL, so NUL becomes
-    U+FFFD (the token ids keep the exact output)."""
-    return text.replace("\x00", "\ufffd") if text else text
+                      end=end, hostname=hostname, settings=settings,
+                      on_item=lambda: bar.update(1))

@@ -43,14 +43,16 @@ def client(settings):
     return Client(settings)
 
 
+# the settings a test may change that a subprocess must see too
+PASSED_ON = ("database_url", "broker_url", "data_dir", "queue_prefix", "visibility_timeout",
+             "max_batch_size", "max_attempts", "lease_seconds", "reconcile_every",
+             "reconcile_grace", "flush_every", "flush_items", "retry_backoff",
+             "retry_backoff_max", "db_patience", "broker_timeout", "chunk_size")
+
+
 def worker_env(settings: Settings) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECQ_")}
-    env.update(
-        SPECQ_DATABASE_URL=settings.database_url, SPECQ_BROKER_URL=settings.broker_url,
-        SPECQ_DATA_DIR=str(settings.data_dir), SPECQ_QUEUE_PREFIX=settings.queue_prefix,
-        SPECQ_VISIBILITY_TIMEOUT=str(settings.visibility_timeout),
-        SPECQ_MAX_BATCH_SIZE=str(settings.max_batch_size),
-    )
+    env.update({f"SPECQ_{name.upper()}": str(getattr(settings, name)) for name in PASSED_ON})
     return env
 
 
@@ -63,11 +65,15 @@ def env_for():
 class WorkerProcess:
     """`specq worker --pair PAIR` in a subprocess, its log in a file."""
 
-    def __init__(self, settings: Settings, pair: str, name: str, log_dir: Path) -> None:
+    def __init__(self, settings: Settings, pair: str, name: str, log_dir: Path,
+                 faults: Path | None = None) -> None:
         self.name = f"{name}-{uuid.uuid4().hex[:6]}"
         self.log = log_dir / f"{self.name}.log"
+        # with a faults file, the engine fails as the file says (worker/bench/faults.py)
+        start = (["-m", "worker.bench.faults", str(faults)] if faults
+                 else ["-m", "api.cli", "worker"])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "api.cli", "worker", "--pair", pair, "-n", f"{self.name}@%h"],
+            [sys.executable, *start, "--pair", pair, "-n", f"{self.name}@%h"],
             cwd=ROOT, env=worker_env(settings), stdout=self.log.open("w"),
             stderr=subprocess.STDOUT,
         )
@@ -85,7 +91,8 @@ class WorkerProcess:
     def output(self) -> str:
         """The worker's log lines about chunks and errors (its model-loading noise left out)."""
         lines = [x for x in self.log.read_text().splitlines()
-                 if "chunk" in x or "ERROR" in x or "Traceback" in x or "ready" in x]
+                 if any(k in x for k in ("chunk", "ERROR", "WARNING", "CRITICAL", "Traceback",
+                                         "ready"))]
         return f"--- {self.name}\n" + "\n".join(lines[-60:]) + "\n"
 
     def kill(self) -> None:
@@ -107,10 +114,13 @@ def start_worker(tmp_path_factory):
     started: list[WorkerProcess] = []
     log_dir = tmp_path_factory.mktemp("workers")
 
-    def start(settings: Settings, pair: str = "tiny", name: str = "w") -> WorkerProcess:
-        w = WorkerProcess(settings, pair, name, log_dir)
+    def start(settings: Settings, pair: str = "tiny", name: str = "w",
+              faults: Path | None = None, ready: Settings | None = None) -> WorkerProcess:
+        """``ready``: the settings to ask the broker through (the worker's may go through
+        a proxy the test cuts)."""
+        w = WorkerProcess(settings, pair, name, log_dir, faults)
         started.append(w)
-        w.wait_ready(Client(settings), pair)
+        w.wait_ready(Client(ready or settings), pair)
         return w
 
     yield start

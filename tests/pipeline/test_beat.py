@@ -87,3 +87,34 @@ def test_celery_beat_fires_once_while_run_going(beat_settings, tmp_path):
         for name in ("beat-e2e", "threads", "nightly"):
             for j in runs(client, name):
                 client.job(j.id).cancel()
+
+
+def test_a_stuck_run_is_said_and_replaced_not_skipped_forever(beat_settings, caplog):
+    """A run with no worker never finishes: past stuck_after each firing says so, and
+    cancels it for a new run (on_stuck: cancel) or skips on (on_stuck: skip)."""
+    (beat_settings.schedules_file.parent / "stuck.yaml").write_text(yaml.safe_dump({
+        "stuck": {"spec": "synth/beat.yaml", "every": 60, "stuck_after": 0.5},
+        "stuck-skip": {"spec": "synth/beat.yaml", "every": 60, "stuck_after": 0.5,
+                       "on_stuck": "skip"},
+    }))
+    beat_settings = beat_settings.model_copy(update={
+        "schedules_file": beat_settings.schedules_file.parent / "stuck.yaml"})
+    client = Client(beat_settings)
+    first = fire("stuck", beat_settings)
+    assert first is not None and fire("stuck", beat_settings) is None  # young: skipped
+    time.sleep(0.6)
+    with caplog.at_level("ERROR", logger="worker.beat"):
+        second = fire("stuck", beat_settings)
+    assert second not in (None, first)
+    assert client.job(first).status(check_workers=False).status == "cancelled"
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert f"run {first} is stuck: queued" in said and "no worker is consuming" in said
+
+    kept = fire("stuck-skip", beat_settings)
+    time.sleep(0.6)
+    caplog.clear()
+    with caplog.at_level("ERROR", logger="worker.beat"):
+        assert fire("stuck-skip", beat_settings) is None
+    assert f"run {kept} is stuck" in caplog.text and "on_stuck: skip" in caplog.text
+    for j in (second, kept):
+        client.job(j).cancel()

@@ -16,7 +16,10 @@ log = logging.getLogger(__name__)
 def test_500_prompts_each_get_one_output_and_metrics_sum_up(client, tiny_worker):
     prompts = [f"Rewrite sentence {i}: the quick brown fox jumps over the dog" for i in range(500)]
     t0 = time.perf_counter()
-    job = client.submit(prompts, pair="tiny", max_new_tokens=12, chunk_size=25)
+    # seeded sampling pins the draft length (the adaptive engine may rightly never draft
+    # with the tiny pair, whose draft costs as much as its target): counters to sum up
+    job = client.submit(prompts, pair="tiny", max_new_tokens=12, chunk_size=25,
+                        temperature=0.8, seed=7)
     state = job.wait(progress=False, timeout=300)
     wall = time.perf_counter() - t0
     log.warning("500 prompts end to end in %.1f s", wall)

@@ -54,14 +54,28 @@ from worker.pairs import Pair, load_pair
 log = logging.getLogger(__name__)
 
 
+COUNT_MAX = 2**31 - 1
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: an integer from 1 to COUNT_MAX."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text[:40]!r}") from None
+    if not 1 <= value <= COUNT_MAX:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {COUNT_MAX}, got {text[:40]!r}")
+    return value
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"not a comma-separated list of integers: {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"need integers >= 1: {text!r}")
+            f"not a comma-separated list of integers: {text[:40]!r}") from None
+    if not values or min(values) < 1 or max(values) > COUNT_MAX:
+        raise argparse.ArgumentTypeError(f"need integers from 1 to {COUNT_MAX}: {text[:40]!r}")
     return values
 
 
@@ -80,24 +94,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated drafters to compare: preset (the preset's own), "
                    "lookup (prompt lookup), shallow:K (the target's first K layers), "
                    "skip:A+B (its first A and last B layers); see worker/drafts.py")
-    p.add_argument("--prompts", type=int, default=16, help="number of prompts")
+    p.add_argument("--prompts", type=positive_int, default=16, help="number of prompts")
     p.add_argument("--prompts-file", type=Path, default=None,
                    help="JSONL prompts (string, {prompt} or {messages}) instead of the built-in")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16, 64])
     p.add_argument("--draft-lengths", type=_ints, default=list(range(1, 9)))
     p.add_argument("--methods", type=_methods, default=list(METHODS),
                    help=f"comma-separated subset of {','.join(METHODS)}")
-    p.add_argument("--hf-lookup-tokens", type=int, default=10,
+    p.add_argument("--hf-lookup-tokens", type=positive_int, default=10,
                    help="prompt_lookup_num_tokens for HF assisted prompt lookup")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--repeat", type=positive_int, default=1,
                    help="run every configuration this many times, in turn, and report the "
                    "run of median time (a busy machine's noise)")
     p.add_argument("--output-dir", type=Path, default=Path("bench"))
     p.add_argument("--device", default=None, help="overrides SPECQ_DEVICE")
     p.add_argument("--dtype", default=None, help="overrides SPECQ_DTYPE")
     p.add_argument("--data-dir", type=Path, default=None, help="overrides SPECQ_DATA_DIR")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (1 is steadier on a shared, busy machine)")
 
 

@@ -29,6 +29,7 @@ from api.client import Client, prompt_checker
 from configs.presets import get_preset
 from configs.settings import Settings, get_settings
 from db import repository as repo
+from worker.bench import positive_int
 from worker.bench.prompts import load_prompts
 from worker.engine.request import Request
 from worker.pairs import load_pair
@@ -38,12 +39,13 @@ log = logging.getLogger(__name__)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pair", default="smollm2-135m", help="model-pair preset")
-    p.add_argument("--prompts", type=int, default=64)
-    p.add_argument("--max-new-tokens", type=int, default=48)
-    p.add_argument("--batch-size", type=int, default=16)
-    p.add_argument("--chunk-size", type=int, default=None, help="default: every prompt in one")
-    p.add_argument("--submit-prompts", type=int, default=20_000)
-    p.add_argument("--write-rows", type=int, default=5_000)
+    p.add_argument("--prompts", type=positive_int, default=64)
+    p.add_argument("--max-new-tokens", type=positive_int, default=48)
+    p.add_argument("--batch-size", type=positive_int, default=16)
+    p.add_argument("--chunk-size", type=positive_int, default=None,
+                   help="default: every prompt in one")
+    p.add_argument("--submit-prompts", type=positive_int, default=20_000)
+    p.add_argument("--write-rows", type=positive_int, default=5_000)
     p.add_argument("--output-dir", default="bench-out")
 
 

@@ -53,6 +53,9 @@ class Drafter(Protocol):
 
     def compact(self) -> None: ...
 
+    def reset(self) -> None:
+        """Forget every row (a generation starts, or one failed half-way)."""
+
 
 class _Stateless:
     """A drafter that keeps no per-row state."""
@@ -61,6 +64,7 @@ class _Stateless:
     def select(self, rows: torch.Tensor) -> None: ...
     def update(self, num_accepted: torch.Tensor, final_tokens: torch.Tensor) -> None: ...
     def compact(self) -> None: ...
+    def reset(self) -> None: ...
 
 
 class NoDraft(_Stateless):
@@ -117,9 +121,13 @@ class DraftModel:
     name = "draft_model"
 
     def __init__(self, model: PreTrainedModel, pad_id: int = 0, vocab_size: int | None = None):
-        self.kv = KVRows(model)
+        self.model = model
         self.pad_id = pad_id
         self.vocab_size = vocab_size  # the target's logits width, when it differs
+        self.reset()
+
+    def reset(self) -> None:
+        self.kv = KVRows(self.model)
         self.pending: list[list[int]] = []
         self.fresh: list[bool] = []  # row not prefilled yet: its whole prompt is pending
         self._last: tuple[int, int, list[torch.Tensor]] | None = None  # start, P, drafts

@@ -10,30 +10,52 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from worker.engine.counters import Counters
 
 FinishReason = Literal["stop", "length"]
+Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
+INT32_MAX = 2**31 - 1  # the largest count anything stores (INTEGER columns)
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 1000
 
 
 class SamplingParams(BaseModel):
-    """Generation parameters; temperature 0 is greedy."""
+    """Generation parameters; temperature 0 is greedy.
 
-    model_config = ConfigDict(extra="forbid")
+    Numbers are strict (no bool, no numeric strings, no 2.0 for an int), finite, and within
+    what the database and the engine can hold."""
 
-    max_new_tokens: int = Field(256, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=0, description="0 keeps every token")
-    stop: list[str] = Field(default_factory=list)
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    max_new_tokens: int = Field(256, ge=1, le=INT32_MAX, strict=True)
+    temperature: float = Field(0.0, ge=0.0, le=1e6, strict=True)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
+    top_k: int = Field(0, ge=0, le=INT32_MAX, strict=True, description="0 keeps every token")
+    stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
+    seed: int | None = Field(None, ge=0, lt=2**63, strict=True)
 
     @model_validator(mode="after")
     def _stop_strings(self) -> SamplingParams:
         if any(s == "" for s in self.stop):
             raise ValueError("stop: stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise ValueError(f"stop: a stop string is longer than {MAX_STOP_CHARS} characters")
+        if any("\x00" in s for s in self.stop):
+            raise ValueError("stop: contains a NUL character (\\u0000)")
+        if not all(_is_unicode(s) for s in self.stop):
+            raise ValueError("stop: contains a lone surrogate, which is not valid Unicode")
         return self
+
+
+def _is_unicode(text: str) -> bool:
+    """False for text with a lone surrogate (it has no UTF-8 encoding)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")
-    role: str
+    role: Role
     content: str
 
 

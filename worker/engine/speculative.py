@@ -52,7 +52,12 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, request: Request, context:
         if not tokenizer.chat_template:
             raise RequestError("messages", "this model's tokenizer has no chat template")
         msgs = [m.model_dump() for m in request.messages]
-        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        try:
+            text = tokenizer.apply_chat_template(msgs, tokenize=False,
+                                                 add_generation_prompt=True)
+        except Exception as exc:  # noqa: BLE001 (a model's own Jinja template: anything)
+            raise RequestError("messages", f"the model's chat template refused them: "
+                               f"{type(exc).__name__}: {exc}") from None
         ids = tokenizer(text, add_special_tokens=False).input_ids
     else:
         ids = tokenizer(request.prompt).input_ids
@@ -144,7 +149,7 @@ class SpeculativeEngine:
             if on_result:
                 on_result(res)
 
-        self._reset()
+        self.reset()
         while waiting or self.rows:
             if waiting and len(self.rows) < self.max_batch_size:
                 self._admit(waiting, done)
@@ -216,11 +221,21 @@ class SpeculativeEngine:
         self.drafter.select(torch.zeros(0, dtype=torch.long))
         return out
 
-    def _reset(self) -> None:
+    def reset(self) -> None:
+        """Drop every row and both caches' contents: the state a failed generation left
+        (a half-made step, a drafter's pending tokens) cannot reach the next one."""
         self.kv = KVRows(self.target)
+        self.drafter.reset()
         self.rows: list[Row] = []
         self.order: list[int] = []  # request index of each row
+        self.joining: list[int | str] = []  # ids of requests being prefilled
         self.last = torch.zeros(0, dtype=torch.long)  # [B] token the target has not seen yet
+
+    def active_ids(self) -> list[int | str]:
+        """Ids of the requests in the batch (and joining it) right now: after an
+        exception, the requests that were being generated when it struck."""
+        return [r.request.id for r in getattr(self, "rows", [])] + list(
+            getattr(self, "joining", []))
 
     def _admit(self, waiting: deque, done: Callable[[int, Result], None]) -> None:
         """Prefill waiting requests into free rows; the prefill yields each first token."""
@@ -237,6 +252,7 @@ class SpeculativeEngine:
             return
         t0 = time.perf_counter()
         rows = [r for _, r in new]
+        self.joining = [r.request.id for r in rows]
         prompts = [r.tokens for r in rows]
         kv = KVRows(self.target)
         logits = kv.forward(*left_pad(prompts, self.pad_id, self.target.device), last_only=True)
@@ -254,6 +270,7 @@ class SpeculativeEngine:
             row.result.counters.verify_time += share
             row.emit([tok])
         self.rows += rows
+        self.joining = []
         self.order += [i for i, _ in new]
         self.last = torch.cat([self.last.to(first.device), first])
 

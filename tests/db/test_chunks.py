@@ -1,0 +1,108 @@
+"""Chunks on SQLite and PostgreSQL: leases on the database's clock, what the reconciler
+may re-send, attempts and retries of items."""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import select
+
+from db import chunks
+from db import repository as repo
+from db.clock import db_now
+from db.models import Chunk, Item, ItemStatus, JobStatus
+
+
+def _job(sessions, n=10, chunk_size=4, queue="q.tiny"):
+    with sessions.begin() as s:
+        job = repo.create_job(s, pair="tiny", params={}, chunk_size=chunk_size, source=None,
+                              queue=queue)
+        rows = ({"index": i, "custom_id": None, "prompt": f"p{i}", "messages": None,
+                 "params": None} for i in range(n))
+        job.total = repo.insert_items(s, job_id=job.id, rows=rows)
+        job.status = JobStatus.queued.value
+        chunks.insert_chunks(s, job_id=job.id, total=n, chunk_size=chunk_size)
+        return job.id
+
+
+def test_the_database_clock_is_seconds_since_the_epoch(sessions):
+    with sessions() as s:
+        assert abs(s.scalar(select(db_now())) - time.time()) < 5
+
+
+def test_chunks_cover_the_job(sessions):
+    job_id = _job(sessions, n=10, chunk_size=4)
+    with sessions() as s:
+        rows = s.execute(select(Chunk.start, Chunk.end, Chunk.done)
+                         .where(Chunk.job_id == job_id).order_by(Chunk.start)).all()
+    assert [tuple(r) for r in rows] == [(0, 4, False), (4, 8, False), (8, 10, False)]
+
+
+def test_a_lease_is_held_until_it_runs_out(sessions):
+    job_id = _job(sessions)
+    with sessions.begin() as s:
+        assert chunks.claim(s, job_id=job_id, start=0, owner="a", ttl=0.5) == 1
+        assert chunks.claim(s, job_id=job_id, start=0, owner="b", ttl=0.5) is None
+        assert chunks.renew(s, job_id=job_id, start=0, owner="a", ttl=0.5)
+        assert not chunks.renew(s, job_id=job_id, start=0, owner="b", ttl=0.5)
+        assert [(j, st, o) for j, st, o in chunks.live_leases(s, job_id=job_id)] == [
+            (job_id, 0, "a")]
+    time.sleep(1.1)
+    with sessions.begin() as s:
+        assert chunks.live_leases(s, job_id=job_id) == []
+        assert chunks.claim(s, job_id=job_id, start=0, owner="b", ttl=5) == 2  # taken over
+        assert not chunks.renew(s, job_id=job_id, start=0, owner="a", ttl=5)  # a lost it
+
+
+def test_the_reconciler_sees_only_unleased_unfinished_chunks_sent_long_ago(sessions):
+    job_id = _job(sessions, n=12, chunk_size=4)
+    with sessions() as s:
+        assert chunks.unclaimed(s, grace=60, job_id=job_id) == []  # just sent
+        assert [c.start for c in chunks.unclaimed(s, grace=0, job_id=job_id)] == [0, 4, 8]
+    with sessions.begin() as s:
+        chunks.claim(s, job_id=job_id, start=0, owner="a", ttl=60)
+        repo.write_outcomes(s, job_id=job_id, outcomes=[_done(i) for i in range(4, 8)])
+        chunks.claim(s, job_id=job_id, start=4, owner="b", ttl=60)
+        assert chunks.release(s, job_id=job_id, start=4, end=8, owner="b")  # done
+    with sessions() as s:
+        left = chunks.unclaimed(s, grace=0, job_id=job_id)
+    assert [(c.start, c.end, c.queue) for c in left] == [(8, 12, "q.tiny")]
+    with sessions.begin() as s:
+        chunks.mark_sent(s, refs=left)
+    with sessions() as s:
+        assert chunks.unclaimed(s, grace=60, job_id=job_id) == []
+        assert s.get(Chunk, (job_id, 8)).sends == 1
+
+
+def test_failures_count_attempts_and_retry_keeps_them(sessions):
+    job_id = _job(sessions, n=4, chunk_size=4)
+    with sessions.begin() as s:
+        assert repo.record_failures(s, job_id=job_id, indices=[1, 2], error="boom") == 2
+        repo.write_outcomes(s, job_id=job_id, outcomes=[
+            _done(0), dict(_done(1), status=ItemStatus.failed.value, error="boom", output=None),
+            _done(2), _done(3)])
+        repo.lock_job(s, job_id=job_id)
+        assert repo.settle_job(s, job_id=job_id) == JobStatus.completed
+    with sessions.begin() as s:
+        assert repo.retry_failed(s, job_id=job_id) == [1]
+        refs = chunks.reopen(s, job_id=job_id, indices=[1])
+    assert [(r.start, r.end) for r in refs] == [(0, 4)]
+    with sessions() as s:
+        item = s.get(Item, (job_id, 1))
+        job = repo.get_job(s, job_id=job_id)
+        assert (item.status, item.attempts, item.retries, item.writes) == ("pending", 1, 1, 0)
+        assert job.status == JobStatus.queued.value and job.finished_at is None
+        assert s.get(Chunk, (job_id, 0)).done is False
+        assert repo.unsettled_jobs(s) == []
+    with sessions.begin() as s:
+        repo.write_outcomes(s, job_id=job_id, outcomes=[_done(1)])
+    with sessions() as s:
+        assert job_id in repo.unsettled_jobs(s)  # none pending, not yet ended
+
+
+def _done(i):
+    return {"index": i, "status": ItemStatus.completed.value, "output": "o", "token_ids": [1],
+            "finish_reason": "length", "error": None, "prompt_tokens": 1,
+            "accepted_by_position": [], "steps_by_draft_length": [1], "worker": "w",
+            "started_at": None, "finished_at": None,
+            **{c: 0 for c in repo.COUNTER_COLUMNS}}

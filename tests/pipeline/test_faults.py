@@ -1,0 +1,244 @@
+"""Fault injection with real Redis, PostgreSQL and worker subprocesses: every job ends
+with each item written exactly once, none wrongly failed, whatever fails on the way.
+
+The fleet: two prompt-lookup workers and one draft-model worker, each reaching Redis and
+PostgreSQL through a TCP proxy the tests can cut (worker/bench/proxy.py) and running with
+an engine that fails on request (worker/bench/faults.py). Leases of 3 s and a reconciler
+every second keep the suite short; the production defaults are 30 s and 15 s.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+from sqlalchemy import select
+from sqlalchemy.engine import make_url
+
+from api.client import Client
+from db.models import Chunk, Item, ItemStatus, JobStatus
+from tests.pipeline.conftest import ROOT, worker_env
+from worker.bench.proxy import Proxy
+
+LOOKUP, DRAFT = "tiny-lookup", "tiny"
+
+
+class Fleet:
+    def __init__(self, settings, start_worker, tmp: Path) -> None:
+        self.redis = Proxy("127.0.0.1", 6379).start()
+        self.pg = Proxy("127.0.0.1", 5432).start()
+        self.own = settings.model_copy(update={
+            "queue_prefix": settings.queue_prefix + "-faults", "visibility_timeout": 3600,
+            "lease_seconds": 3.0, "reconcile_every": 1.0, "reconcile_grace": 2.0,
+            "retry_backoff": 0.2, "retry_backoff_max": 2.0, "flush_every": 0.3,
+            "broker_timeout": 3.0})
+        db = self.own.broker_url.rsplit("/", 1)[1]
+        self.via = self.own.model_copy(update={
+            "broker_url": f"redis://127.0.0.1:{self.redis.port}/{db}",
+            "database_url": make_url(self.own.database_url).set(port=self.pg.port)
+            .render_as_string(hide_password=False)})
+        self.client = Client(self.own)
+        self.tmp = tmp
+        self.start_worker = start_worker
+        self.workers = {}
+        self.versions: dict[str, int] = {}
+
+    def start(self, name: str, pair: str):
+        self.workers[name] = self.start_worker(self.via, pair, name, faults=self.tmp / name,
+                                               ready=self.own)
+        return self.workers[name]
+
+    def faults(self, name: str, **plan) -> None:
+        self.versions[name] = self.versions.get(name, 0) + 1
+        (self.tmp / name).write_text(json.dumps({"version": self.versions[name], **plan}))
+
+    def output(self) -> str:
+        return "".join(w.output() for w in self.workers.values())
+
+    def close(self) -> None:
+        self.redis.close()
+        self.pg.close()
+
+
+@pytest.fixture(scope="module")
+def fleet(settings, start_worker, tmp_path_factory):
+    f = Fleet(settings, start_worker, tmp_path_factory.mktemp("faults"))
+    f.start("a", LOOKUP)
+    f.start("b", LOOKUP)
+    f.start("d", DRAFT)
+    yield f
+    for w in f.workers.values():
+        w.stop()
+    f.close()
+
+
+def prompts(n: int, tag: str) -> list[str]:
+    return [f"{tag} {i}: rewrite the quick brown fox jumps over the lazy dog" for i in range(n)]
+
+
+def exactly_once(fleet: Fleet, job, total: int, timeout: float = 180) -> None:
+    """The job completed; every item written exactly once; none failed."""
+    state = job.wait(progress=False, timeout=timeout)
+    assert state.status == JobStatus.completed.value, fleet.output()
+    with fleet.client.sessions() as s:
+        rows = s.execute(select(Item.index, Item.status, Item.writes, Item.error)
+                         .where(Item.job_id == job.id).order_by(Item.index)).all()
+    assert [r.index for r in rows] == list(range(total))
+    lost = [r.index for r in rows if r.status == ItemStatus.pending.value]
+    failed = [(r.index, r.error) for r in rows if r.status == ItemStatus.failed.value]
+    twice = [r.index for r in rows if r.writes != 1]
+    assert (lost, failed, twice) == ([], [], []), fleet.output()
+
+
+def wait_for(predicate, timeout: float, what: str, fleet: Fleet) -> float:
+    t0 = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - t0 < timeout, f"{what} after {timeout} s\n" + fleet.output()
+        time.sleep(0.1)
+    return time.monotonic() - t0
+
+
+def done(job) -> int:
+    return job.status(check_workers=False).done
+
+
+def test_engine_faults_fail_nothing_and_poison_no_later_job(fleet):
+    """Out-of-memory and other engine errors on both pairs: retried, none fails, and the
+    next job on the same workers runs clean (the engine state is rebuilt)."""
+    for name in ("a", "b", "d"):
+        fleet.faults(name, oom=1, error=2)
+    jobs = [(fleet.client.submit(prompts(48, f"faults {pair}"), pair=pair, max_new_tokens=10,
+                                 chunk_size=8), pair) for pair in (LOOKUP, DRAFT)]
+    for job, _ in jobs:
+        exactly_once(fleet, job, 48)
+    with fleet.client.sessions() as s:
+        attempts = s.scalars(select(Item.attempts).where(
+            Item.job_id.in_([j.id for j, _ in jobs]))).all()
+    assert sum(attempts) > 0, "no fault was injected"
+    for pair in (LOOKUP, DRAFT):
+        after = fleet.client.submit(prompts(24, f"after {pair}"), pair=pair, max_new_tokens=10,
+                                    chunk_size=8)
+        exactly_once(fleet, after, 24)
+
+
+def test_a_broker_flush_mid_job_loses_nothing(fleet):
+    job = fleet.client.submit(prompts(200, "flush"), pair=LOOKUP, max_new_tokens=16,
+                              chunk_size=10)
+    wait_for(lambda: done(job) >= 20, 120, "no progress", fleet)
+    r = redis.Redis.from_url(fleet.own.broker_url)
+    r.flushdb()  # every queued chunk, every unacked one: gone
+    r.close()
+    exactly_once(fleet, job, 200)
+
+
+def test_a_producer_killed_between_commit_and_send_loses_nothing(fleet):
+    code = ("import os, signal; from api.client import Client; "
+            "job = Client().submit([f'killed producer {i}' for i in range(40)], "
+            "pair='tiny-lookup', max_new_tokens=8, chunk_size=10, enqueue=False); "
+            "print(job.id, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=worker_env(fleet.own),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    exactly_once(fleet, fleet.client.job(int(out.stdout.split()[0])), 40)
+
+
+@pytest.mark.parametrize("link", ["redis", "pg"])
+def test_a_30_s_cut_between_workers_and_a_server_loses_nothing(fleet, link):
+    job = fleet.client.submit(prompts(240, f"cut {link}"), pair=LOOKUP, max_new_tokens=16,
+                              chunk_size=12)
+    wait_for(lambda: done(job) >= 24, 120, "no progress", fleet)
+    proxy = getattr(fleet, link)
+    proxy.cut()
+    cut_at = done(job)
+    time.sleep(30)
+    proxy.restore()
+    exactly_once(fleet, job, 240)
+    assert cut_at < 240, "the job ended before the cut: it tested nothing"
+    assert all(w.proc.poll() is None for w in fleet.workers.values()), fleet.output()
+
+
+def test_submit_says_so_when_the_broker_is_down_or_hung_and_the_job_still_runs(fleet):
+    closed = fleet.own.model_copy(update={"broker_url": "redis://127.0.0.1:1/0"})
+    t0 = time.monotonic()
+    job = Client(closed).submit(prompts(30, "broker down"), pair=LOOKUP, max_new_tokens=8,
+                                chunk_size=10)
+    assert time.monotonic() - t0 < 15
+    assert "cannot be reached" in job.enqueue_error
+    assert job.status(check_workers=False).status == JobStatus.queued.value
+
+    hung = Proxy("127.0.0.1", 6379).start()
+    hung.hang()  # accepts connections, never answers
+    env = worker_env(fleet.own.model_copy(update={
+        "broker_url": f"redis://127.0.0.1:{hung.port}/0"}))
+    (fleet.tmp / "hung.jsonl").write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in prompts(30, "broker hung")))
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "api.cli", "submit",
+                          str(fleet.tmp / "hung.jsonl"), "--pair", LOOKUP,
+                          "--max-new-tokens", "8", "--chunk-size", "10"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    submit_s = time.monotonic() - t0
+    assert out.returncode == 0 and "cannot be reached" in out.stderr, out.stderr
+    hung_id = int(out.stdout.split()[1].rstrip(":"))
+    t0 = time.monotonic()
+    status = subprocess.run([sys.executable, "-m", "api.cli", "status", str(hung_id)], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=60)
+    status_s = time.monotonic() - t0
+    hung.close()
+    assert status.returncode == 0 and json.loads(status.stdout)["id"] == hung_id, status.stderr
+    assert submit_s < 30 and status_s < 20, (submit_s, status_s)
+    # the reconciler (the workers run it every second here) sends both once it can
+    exactly_once(fleet, job, 30)
+    exactly_once(fleet, fleet.client.job(hung_id), 30)
+
+
+def test_a_lost_device_makes_its_worker_exit_and_another_finishes(fleet):
+    fleet.faults("b", device=1)
+    job = fleet.client.submit(prompts(60, "device"), pair=LOOKUP, max_new_tokens=12,
+                              chunk_size=6)
+    b = fleet.workers["b"]
+    wait_for(lambda: b.proc.poll() is not None, 120, "worker b did not exit", fleet)
+    assert b.proc.returncode == 75  # EX_TEMPFAIL: its supervisor restarts it
+    assert "the device is unusable" in b.log.read_text()
+    exactly_once(fleet, job, 60)
+    del fleet.workers["b"]
+
+
+def test_kill_9_mid_chunk_another_worker_resumes_it_within_a_minute(fleet):
+    """visibility_timeout is an hour here: the lease, not the broker, brings the chunk
+    back; items the killed worker wrote stay as they were, written once."""
+    c = fleet.start("c", LOOKUP)
+    a = fleet.workers["a"]
+    job = fleet.client.submit(prompts(160, "kill"), pair=LOOKUP, max_new_tokens=24,
+                              chunk_size=16)
+
+    def a_holds_a_chunk():
+        with fleet.client.sessions() as s:
+            return s.execute(select(Chunk.start).where(
+                Chunk.job_id == job.id, Chunk.lease_owner.like(f"{a.name}@%"),
+                Chunk.done.is_(False))).first()
+
+    wait_for(lambda: done(job) >= 16 and a_holds_a_chunk(), 120, "a ran nothing", fleet)
+    start = a_holds_a_chunk().start
+    a.kill()
+    resumed = wait_for(lambda: _resumed(fleet, job.id, start, a.name), 60,
+                       "the killed worker's chunk was not resumed", fleet)
+    exactly_once(fleet, job, 160)
+    with fleet.client.sessions() as s:
+        by = s.scalars(select(Item.worker).where(Item.job_id == job.id)).all()
+    assert {w.split("@")[0] for w in by} <= {a.name, c.name}
+    print(f"chunk [{start}, {start + 16}) resumed {resumed:.1f} s after kill -9")
+    del fleet.workers["a"]
+
+
+def _resumed(fleet: Fleet, job_id: int, start: int, dead: str) -> bool:
+    with fleet.client.sessions() as s:
+        chunk = s.get(Chunk, (job_id, start), populate_existing=True)
+        return chunk.done or (chunk.lease_owner is not None
+                              and not chunk.lease_owner.startswith(dead + "@"))

@@ -1,0 +1,140 @@
+"""A worker with injected engine faults, for the fault tests and `specq bench-chaos`.
+
+    python -m worker.bench.faults FAULTS_FILE --pair tiny [-n NAME]
+
+runs `specq worker --pair tiny` with the engine patched to raise the faults that
+FAULTS_FILE (JSON, re-read whenever it changes) asks for:
+
+    {"version": 1, "oom": 2, "error": 1, "device": 0, "poison": "MARKER"}
+
+- ``oom``, ``error``, ``device``: that many steps, from the next one on, fail with a CUDA
+  out-of-memory error, a RuntimeError, or a CUDA illegal-memory-access error (in that
+  order), once per ``version`` of the file: bump it to ask again.
+- ``poison``: every step whose batch holds a request with MARKER in its prompt fails.
+The fault strikes inside the step's target pass, after the drafter proposed, as a real
+one would: the drafter's state is left half-updated. A real CUDA error cannot happen on
+this CPU-only machine: these stand in for one (a mock where the real part cannot run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from worker.engine.batch import KVRows
+from worker.engine.speculative import SpeculativeEngine
+
+KINDS = ("oom", "error", "device")
+
+
+def make_fault(kind: str) -> Exception:
+    if kind == "oom":
+        return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB "
+                                      "(injected fault)")
+    if kind == "device":
+        return RuntimeError("CUDA error: an illegal memory access was encountered "
+                            "(injected fault)")
+    return RuntimeError(f"injected fault ({kind})")
+
+
+class FaultPlan:
+    """The faults a JSON file asks for, consumed one per step."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._mtime: float | None = None
+        self._version: Any = None
+        self.queue: list[str] = []
+        self.poison: str | None = None
+
+    def _reload(self) -> None:
+        try:
+            mtime = self.path.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if mtime == self._mtime:
+            return
+        self._mtime = mtime
+        try:
+            plan = json.loads(self.path.read_text() or "{}")
+        except ValueError:
+            return  # caught half-written: the next step reads it again
+        self.poison = plan.get("poison")
+        if plan.get("version") != self._version:
+            self._version = plan.get("version")
+            self.queue = [k for k in KINDS for _ in range(int(plan.get(k, 0)))]
+
+    def next_fault(self, engine: SpeculativeEngine) -> str | None:
+        self._reload()
+        if self.poison and any(self.poison in _text(r.request) for r in engine.rows):
+            return "poison"
+        return self.queue.pop(0) if self.queue else None
+
+
+def _text(request: Any) -> str:
+    if request.prompt is not None:
+        return request.prompt
+    return " ".join(m.content for m in request.messages or [])
+
+
+def install(plan: FaultPlan) -> Callable[[], None]:
+    """Patch the engine: a step the plan picks fails in its target pass. Returns the
+    function that takes the patch off again."""
+    armed: dict[int, str] = {}  # id(target model) -> fault kind for its next pass
+    step, forward = SpeculativeEngine.step, KVRows.forward
+
+    def faulty_step(self: SpeculativeEngine) -> None:
+        kind = plan.next_fault(self)
+        if kind:
+            armed[id(self.target)] = kind
+        try:
+            step(self)
+        finally:
+            armed.pop(id(self.target), None)
+
+    def faulty_forward(self: KVRows, *args: Any, **kwargs: Any) -> torch.Tensor:
+        kind = armed.pop(id(self.model), None)
+        if kind:
+            raise make_fault(kind)
+        return forward(self, *args, **kwargs)
+
+    SpeculativeEngine.step = faulty_step
+    KVRows.forward = faulty_forward
+
+    def undo() -> None:
+        SpeculativeEngine.step, KVRows.forward = step, forward
+
+    return undo
+
+
+def main(argv: list[str]) -> None:
+    """FAULTS_FILE --pair PAIR [-n NAME] [--loglevel L]: a worker with faults installed."""
+    import argparse
+
+    from celery.bin.celery import main as celery_main
+
+    from configs.settings import get_settings
+    from worker.app import worker_argv
+    from worker.constants import WORKER_PAIR_ENV
+
+    p = argparse.ArgumentParser(prog="python -m worker.bench.faults")
+    p.add_argument("faults_file", type=Path)
+    p.add_argument("--pair", required=True)
+    p.add_argument("-n", "--hostname")
+    p.add_argument("--loglevel", default="info")
+    args = p.parse_args(argv)
+    install(FaultPlan(args.faults_file))
+    os.environ[WORKER_PAIR_ENV] = args.pair
+    get_settings.cache_clear()
+    sys.argv = ["celery", *worker_argv(args.pair, get_settings(), args.loglevel, args.hostname)]
+    celery_main()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,89 @@
+"""Chunk messages: sending them to a pair's queue, and reading which ones the broker holds.
+
+A message is a reference, (job id, start, end) as JSON; the database says what is left to
+do. Producers send a job's chunks once; the reconciler (worker/reconciler.py) reads the
+broker to tell a chunk whose message is waiting from one whose message was lost.
+Reading the broker is specific to Redis, the broker specq runs on (kombu's layout: a list
+per queue and priority step, and an ``unacked`` hash of delivered messages indexed by
+delivery time in ``unacked_index``).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import time
+from collections.abc import Iterable
+
+import redis
+from celery import Celery
+from kombu.transport.redis import PRIORITY_STEPS, Channel
+
+from configs.settings import Settings
+from db.chunks import ChunkRef
+from worker.constants import GENERATE_TASK
+
+log = logging.getLogger(__name__)
+
+# each publish may be retried this often (kombu's retry policy), within broker_timeout
+_PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5,
+                  "interval_max": 1.0}
+
+
+def send(app: Celery, refs: Iterable[ChunkRef], settings: Settings) -> int:
+    """Publish one task message per chunk, on its job's queue; returns how many.
+    Raises the broker's error if it cannot be reached (within broker_timeout per call)."""
+    n = 0
+    with app.producer_or_acquire() as producer:
+        for ref in refs:
+            app.send_task(GENERATE_TASK, args=[ref.job_id, ref.start, ref.end],
+                          queue=ref.queue, producer=producer,
+                          retry=True, retry_policy=_PUBLISH_RETRY)
+            n += 1
+    return n
+
+
+def broker_client(settings: Settings) -> redis.Redis:
+    """A plain Redis client on the broker, every call bounded by broker_timeout."""
+    return redis.Redis.from_url(settings.broker_url, socket_timeout=settings.broker_timeout,
+                                socket_connect_timeout=settings.broker_timeout)
+
+
+def held(client: redis.Redis, queues: Iterable[str], recent: float) -> set[tuple[int, int]]:
+    """(job id, start) of every chunk message waiting on these queues, or delivered to a
+    worker less than ``recent`` seconds ago (it may not have taken its lease yet)."""
+    out: set[tuple[int, int]] = set()
+    for queue in queues:
+        for step in PRIORITY_STEPS:
+            key = f"{queue}{Channel.sep}{step}" if step else queue
+            for raw in client.lrange(key, 0, -1):
+                ref = _chunk_of(raw)
+                if ref:
+                    out.add(ref)
+    tags = client.zrangebyscore(Channel.unacked_index_key, time.time() - recent, "+inf")
+    if tags:
+        for raw in client.hmget(Channel.unacked_key, tags):
+            try:
+                ref = _chunk_of(json.loads(raw)[0]) if raw else None
+            except (ValueError, TypeError, IndexError):
+                ref = None
+            if ref:
+                out.add(ref)
+    return out
+
+
+def _chunk_of(raw: bytes | str | dict) -> tuple[int, int] | None:
+    """(job id, start) of a kombu message of GENERATE_TASK, else None."""
+    try:
+        msg = json.loads(raw) if isinstance(raw, (bytes, str)) else raw
+        if msg.get("headers", {}).get("task") != GENERATE_TASK:
+            return None
+        body = msg["body"]
+        if msg.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        return int(args[0]), int(args[1])
+    except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+        log.debug("unreadable message on the broker: %.200r", raw)
+        return None

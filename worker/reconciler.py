@@ -1,0 +1,142 @@
+"""The reconciler: the database is the truth, the broker is rebuilt from it.
+
+A chunk of an unfinished job that is not done, that no live lease holds, that was last
+sent more than ``reconcile_grace`` seconds ago and whose message is not on the broker (nor
+just delivered to a worker) is sent again. That one rule covers a flushed or restarted
+broker, a producer killed between storing a job and sending it, a submission made while
+the broker was down, a worker killed mid-chunk (its lease runs out within
+``lease_seconds``), and a task that gave up on a long database outage. Re-sending is
+always safe: a worker claims a chunk's lease before running it and writes each item once.
+It also ends jobs none of whose items is pending (their last writer died before it could).
+
+It runs in every worker (a thread; one run per ``reconcile_every`` seconds fleet-wide,
+under a Redis lock), in the beat process, and by hand: `specq reconcile [JOB]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+from celery import Celery
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from configs.settings import Settings
+from db import chunks
+from db import repository as repo
+from db.chunks import UNFINISHED, ChunkRef
+from db.models import Job
+from db.session import session_factory
+from worker import dispatch
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ReconcileReport:
+    candidates: int = 0  # chunks not done, not leased, not sent recently
+    on_broker: int = 0  # of those, still held by the broker
+    resent: list[ChunkRef] = field(default_factory=list)
+    settled: dict[int, str] = field(default_factory=dict)  # job id -> status it ended in
+
+    def as_dict(self) -> dict[str, Any]:
+        by_job: dict[int, int] = {}
+        for r in self.resent:
+            by_job[r.job_id] = by_job.get(r.job_id, 0) + 1
+        return {"candidates": self.candidates, "on_broker": self.on_broker,
+                "resent": len(self.resent), "resent_by_job": by_job, "settled": self.settled}
+
+
+def reconcile(settings: Settings, *, job_id: int | None = None,
+              sessions: sessionmaker[Session] | None = None,
+              app: Celery | None = None) -> ReconcileReport:
+    """One pass: settle what is finished, re-send what is lost. Raises if the database
+    or the broker cannot be reached (nothing is sent then)."""
+    from worker.app import make_app
+
+    sessions = sessions or session_factory(settings.sqlalchemy_url)
+    report = ReconcileReport()
+    with sessions.begin() as s:
+        for jid in repo.unsettled_jobs(s):
+            if job_id is None or jid == job_id:
+                repo.lock_job(s, job_id=jid)
+                report.settled[jid] = repo.settle_job(s, job_id=jid).value
+    with sessions() as s:
+        stmt = (select(Job.queue).where(Job.status.in_(UNFINISHED), Job.queue.is_not(None))
+                .distinct())
+        if job_id is not None:
+            stmt = stmt.where(Job.id == job_id)
+        queues = set(s.scalars(stmt))
+    if not queues:
+        return report
+    # the broker first: a message taken by a worker after this read shows as its lease
+    client = dispatch.broker_client(settings)
+    try:
+        held = dispatch.held(client, queues, recent=settings.reconcile_grace)
+    finally:
+        client.close()
+    with sessions() as s:
+        candidates = chunks.unclaimed(s, grace=settings.reconcile_grace, job_id=job_id)
+    report.candidates = len(candidates)
+    lost = [c for c in candidates if (c.job_id, c.start) not in held]
+    report.on_broker = len(candidates) - len(lost)
+    if lost:
+        dispatch.send(app or make_app(settings), lost, settings)
+        with sessions.begin() as s:
+            chunks.mark_sent(s, refs=lost)
+        report.resent = lost
+        log.warning("reconciler: %d chunks re-sent (%s)", len(lost), ", ".join(
+            f"job {j}: {n}" for j, n in report.as_dict()["resent_by_job"].items()))
+    return report
+
+
+def lock_key(settings: Settings) -> str:
+    return f"{settings.queue_prefix}:reconcile-lock"
+
+
+def reconcile_if_due(settings: Settings, **kwargs: Any) -> ReconcileReport | None:
+    """reconcile() unless another process of the fleet ran it in the last
+    ``reconcile_every`` seconds (a Redis key that expires); None when skipped."""
+    client = dispatch.broker_client(settings)
+    try:
+        ttl_ms = max(1, int(settings.reconcile_every * 900))  # 90 %: the next tick finds it gone
+        if not client.set(lock_key(settings), "1", nx=True, px=ttl_ms):
+            return None
+    finally:
+        client.close()
+    return reconcile(settings, **kwargs)
+
+
+class Background:
+    """reconcile_if_due every ``reconcile_every`` seconds in a daemon thread."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="reconciler", daemon=True)
+
+    def start(self) -> Background:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _run(self) -> None:
+        from worker.app import make_app
+
+        app = make_app(self.settings)
+        sessions = session_factory(self.settings.sqlalchemy_url)
+        while not self.stopped.wait(self.settings.reconcile_every):
+            try:
+                reconcile_if_due(self.settings, sessions=sessions, app=app)
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                log.warning("reconciler: broker unreachable (%s); next try in %.0f s", exc,
+                            self.settings.reconcile_every)
+            except Exception as exc:  # the database away, or a bug: log, try again later
+                log.warning("reconciler: %s: %s", type(exc).__name__,
+                            str(exc).splitlines()[0] if str(exc) else "")
