@@ -30,6 +30,7 @@ class ChunkRef:
     start: int
     end: int
     queue: str
+    started: bool = False  # a worker took it before (and died, or gave up on it)
 
 
 def insert_chunks(session: Session, *, job_id: int, total: int, chunk_size: int,
@@ -106,7 +107,7 @@ def unclaimed(session: Session, *, grace: float, job_id: int | None = None) -> l
     last message was sent more than ``grace`` seconds ago: the candidates for re-sending."""
     c = Chunk.__table__.c
     stmt = (
-        select(c.job_id, c.start, c.end, Job.queue)
+        select(c.job_id, c.start, c.end, Job.queue, c.runs > 0)
         .join(Job, Job.id == c.job_id)
         .where(Job.status.in_(UNFINISHED), Job.queue.is_not(None), c.done.is_(False),
                or_(c.lease_owner.is_(None), c.lease_until < db_now()),

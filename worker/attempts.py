@@ -122,8 +122,8 @@ def generate_with_retries(
                 error = f"{type(exc).__name__}: {exc}"[:2000]
                 if device.is_out_of_memory(exc) and min(batch, len(active)) > 1:
                     batch = max(1, min(batch, len(active)) // 2)
-                    log.warning("out of memory at %d rows; retrying %d items at batch size %d",
-                                len(active), len(remaining), batch)
+                    log.warning("out of memory at %d rows (%s); retrying %d items at batch "
+                                "size %d", len(active), error, len(remaining), batch)
                     continue
                 log.warning("engine failure on items %s (%s); %d items left", active, error,
                             len(remaining), exc_info=not device.is_out_of_memory(exc))

@@ -10,6 +10,11 @@ INSPECT_TIMEOUT = 1.0  # seconds to wait for workers to say which queues they co
 FIRE_TASK = "specq.fire_schedule"  # args: schedule name (worker/beat.py)
 COLLECT_TASK = "specq.collect_runs"  # writes finished synthesis runs' data sets
 RECONCILE_TASK = "specq.reconcile"  # re-sends lost chunks (worker/reconciler.py)
+# Message priorities. Redis serves lower numbers first (kombu's steps 0, 3, 6, 9: one list
+# per step, popped in that order): a chunk the reconciler sends again after its worker died
+# goes before every chunk still waiting its turn, so it resumes within seconds.
+PRIORITY_RESENT = 0
+PRIORITY_NORMAL = 6
 
 
 def queue_name(pair: str, settings: Settings | None = None) -> str:

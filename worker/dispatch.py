@@ -22,7 +22,7 @@ from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from configs.settings import Settings
 from db.chunks import ChunkRef
-from worker.constants import GENERATE_TASK
+from worker.constants import GENERATE_TASK, PRIORITY_NORMAL
 
 log = logging.getLogger(__name__)
 
@@ -31,14 +31,15 @@ _PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5,
                   "interval_max": 1.0}
 
 
-def send(app: Celery, refs: Iterable[ChunkRef], settings: Settings) -> int:
+def send(app: Celery, refs: Iterable[ChunkRef], settings: Settings,
+         priority: int = PRIORITY_NORMAL) -> int:
     """Publish one task message per chunk, on its job's queue; returns how many.
     Raises the broker's error if it cannot be reached (within broker_timeout per call)."""
     n = 0
     with app.producer_or_acquire() as producer:
         for ref in refs:
             app.send_task(GENERATE_TASK, args=[ref.job_id, ref.start, ref.end],
-                          queue=ref.queue, producer=producer,
+                          queue=ref.queue, producer=producer, priority=priority,
                           retry=True, retry_policy=_PUBLISH_RETRY)
             n += 1
     return n

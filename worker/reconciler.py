@@ -32,6 +32,7 @@ from db.chunks import UNFINISHED, ChunkRef
 from db.models import Job
 from db.session import session_factory
 from worker import dispatch
+from worker.constants import PRIORITY_NORMAL, PRIORITY_RESENT
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +86,12 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
     lost = [c for c in candidates if (c.job_id, c.start) not in held]
     report.on_broker = len(candidates) - len(lost)
     if lost:
-        dispatch.send(app or make_app(settings), lost, settings)
+        # a chunk a worker had started (and died on) goes before every chunk waiting its
+        # turn; a lost message that no worker ever took rejoins the queue as it was
+        app = app or make_app(settings)
+        for started in (True, False):
+            dispatch.send(app, [c for c in lost if c.started == started], settings,
+                          priority=PRIORITY_RESENT if started else PRIORITY_NORMAL)
         with sessions.begin() as s:
             chunks.mark_sent(s, refs=lost)
         report.resent = lost

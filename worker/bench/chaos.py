@@ -94,10 +94,12 @@ def run_chaos(args: argparse.Namespace) -> dict:
     job = client.submit(prompts, pair=args.pair, max_new_tokens=args.max_new_tokens,
                         chunk_size=args.chunk_size)
     # events at shares of the job's progress, in order
+    # events at shares of the job's progress, in order: the kills first, spread out, then
+    # the outages (progress jumps after a database outage: the workers went on generating)
     events = sorted(
-        [(0.05 + 0.85 * k / max(1, args.kills), "kill") for k in range(args.kills)]
-        + [(0.25, "flush"), (0.40, "db"), (0.65, "broker")]
-        + [(0.15 + 0.5 * k / max(1, args.ooms), "oom") for k in range(args.ooms)])
+        [(0.03 + 0.57 * k / max(1, args.kills), "kill") for k in range(args.kills)]
+        + [(0.30, "flush"), (0.62, "db"), (0.75, "broker")]
+        + [(0.10 + 0.35 * k / max(1, args.ooms), "oom") for k in range(args.ooms)])
     recoveries, timeline, version = [], [], 0
     for share, kind in events:
         while _done(client, job.id) < share * args.items:
@@ -116,8 +118,7 @@ def run_chaos(args: argparse.Namespace) -> dict:
             proxy.restore()
         elif kind == "oom":  # one out-of-memory error, in one live worker
             version += 1
-            target = rng.choice([w for w in workers if w.proc.poll() is None])
-            target.faults.write_text(json.dumps({"version": version, "oom": 1}))
+            _inject_oom(client, job.id, workers, version, rng)
         timeline.append({"at_s": at, "event": kind, "done": _done(client, job.id)})
         log.warning("chaos: %s at %.1f s", kind, at)
     state = job.wait(progress=False, poll=1.0, timeout=3600)
@@ -133,6 +134,7 @@ def run_chaos(args: argparse.Namespace) -> dict:
                                 .group_by(Item.status)).all())
         twice = s.scalar(select(func.count()).where(Item.job_id == job.id, Item.writes > 1))
         attempts = s.scalar(select(func.sum(Item.attempts)).where(Item.job_id == job.id))
+    logs = " ".join(p.read_text(errors="replace") for p in out.glob("chaos-*.log"))
     report = {
         "pair": args.pair, "items": args.items, "workers": args.workers,
         "chunk_size": args.chunk_size, "lease_seconds": args.lease,
@@ -142,10 +144,46 @@ def run_chaos(args: argparse.Namespace) -> dict:
         "lost": counts.get(ItemStatus.pending.value, 0), "duplicated": twice,
         "wrongly_failed": counts.get(ItemStatus.failed.value, 0),
         "attempts_recorded": attempts or 0,
+        "out_of_memory_seen": logs.count("CUDA out of memory"),
+        "reconciler_runs_resending": logs.count("chunks re-sent"),
         "kill_recovery_s": recoveries, "events": timeline,
     }
     (out / "chaos.json").write_text(json.dumps(report, indent=2))
     return report
+
+
+def _inject_oom(client: Client, job_id: int, workers: list[Worker], version: int,
+                rng: random.Random) -> None:
+    """Ask a worker running a chunk of the job for one out-of-memory error and wait (60 s
+    at most) until it struck, asking another if that worker was killed first."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        busy = _holding(client, job_id, workers)
+        if not busy:
+            time.sleep(0.1)
+            continue
+        target = rng.choice(busy)[1]
+        seen = _ooms(target)
+        target.faults.write_text(json.dumps({"version": version, "oom": 1}))
+        while time.monotonic() < deadline and target.proc.poll() is None:
+            if _ooms(target) > seen:
+                return
+            time.sleep(0.2)
+    log.warning("chaos: the out-of-memory error was not seen within 60 s")
+
+
+def _ooms(worker: Worker) -> int:
+    return worker.log.read_text(errors="replace").count("CUDA out of memory")
+
+
+def _holding(client: Client, job_id: int, workers: list[Worker]) -> list[tuple[int, Worker]]:
+    """(chunk start, worker) of each chunk of the job a live worker holds."""
+    with client.sessions() as s:
+        held = s.execute(select(Chunk.start, Chunk.lease_owner).where(
+            Chunk.job_id == job_id, Chunk.done.is_(False),
+            Chunk.lease_owner.is_not(None))).all()
+    return [(start, w) for start, owner in held for w in workers
+            if owner.startswith(w.name + "@") and w.proc.poll() is None]
 
 
 def _wait_ready(client: Client, pair: str, n: int, timeout: float = 300) -> None:
@@ -166,12 +204,7 @@ def _kill_one(client: Client, job_id: int, workers: list[Worker], via: Settings,
     until another worker held that chunk (or it was done), None if it was never held."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        with client.sessions() as s:
-            held = s.execute(select(Chunk.start, Chunk.lease_owner).where(
-                Chunk.job_id == job_id, Chunk.done.is_(False),
-                Chunk.lease_owner.is_not(None))).all()
-        mine = [(start, w) for start, owner in held for w in workers
-                if owner.startswith(w.name + "@") and w.proc.poll() is None]
+        mine = _holding(client, job_id, workers)
         if mine:
             break
         if client.job(job_id).status(check_workers=False).finished:
@@ -200,8 +233,8 @@ def run(args: argparse.Namespace) -> int:
           f" lease {r['lease_seconds']} s: job {r['job_status']} in {r['wall_s']} s")
     print("events: " + ", ".join(f"{e['event']}@{e['at_s']}s" for e in r["events"]))
     print(f"completed {r['completed']}  lost {r['lost']}  duplicated {r['duplicated']}  "
-          f"wrongly failed {r['wrongly_failed']}  (engine failures recorded: "
-          f"{r['attempts_recorded']})")
+          f"wrongly failed {r['wrongly_failed']}  (out-of-memory errors met: "
+          f"{r['out_of_memory_seen']}, item attempts recorded: {r['attempts_recorded']})")
     print(f"recovery after each kill (s): {r['kill_recovery_s']}")
     print(f"written to {Path(args.output_dir) / 'chaos.json'}")
     ok = r["job_status"] == "completed" and not (r["lost"] or r["duplicated"]

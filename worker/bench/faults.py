@@ -52,6 +52,7 @@ class FaultPlan:
         self._version: Any = None
         self.queue: list[str] = []
         self.poison: str | None = None
+        self.armed = True  # main() arms it once the worker is ready (after its warm-up)
 
     def _reload(self) -> None:
         try:
@@ -71,6 +72,8 @@ class FaultPlan:
             self.queue = [k for k in KINDS for _ in range(int(plan.get(k, 0)))]
 
     def next_fault(self, engine: SpeculativeEngine) -> str | None:
+        if not self.armed:
+            return None
         self._reload()
         if self.poison and any(self.poison in _text(r.request) for r in engine.rows):
             return "poison"
@@ -118,6 +121,7 @@ def main(argv: list[str]) -> None:
     import argparse
 
     from celery.bin.celery import main as celery_main
+    from celery.signals import worker_ready
 
     from configs.settings import get_settings
     from worker.app import worker_argv
@@ -129,7 +133,14 @@ def main(argv: list[str]) -> None:
     p.add_argument("-n", "--hostname")
     p.add_argument("--loglevel", default="info")
     args = p.parse_args(argv)
-    install(FaultPlan(args.faults_file))
+    plan = FaultPlan(args.faults_file)
+    plan.armed = False  # the worker's start-up generation and calibration run clean
+
+    @worker_ready.connect(weak=False)
+    def _arm(**_: Any) -> None:
+        plan.armed = True
+
+    install(plan)
     os.environ[WORKER_PAIR_ENV] = args.pair
     get_settings.cache_clear()
     sys.argv = ["celery", *worker_argv(args.pair, get_settings(), args.loglevel, args.hostname)]

@@ -1,0 +1,74 @@
+"""The reconciler against real Redis and PostgreSQL, in-process: what it re-sends, where
+to, and what it leaves alone."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+
+import redis
+from kombu.transport.redis import Channel
+
+from api.client import Client
+from db import chunks
+from db import repository as repo
+from worker.reconciler import reconcile
+
+
+def _queued(r: redis.Redis, queue: str) -> dict[int, list[int]]:
+    """Chunk starts waiting on each priority list of ``queue``."""
+    out = {}
+    for step in (0, 3, 6, 9):
+        key = f"{queue}{Channel.sep}{step}" if step else queue
+        out[step] = sorted(json.loads(base64.b64decode(json.loads(m)["body"]))[0][1]
+                           for m in r.lrange(key, 0, -1))
+    return {k: v for k, v in out.items() if v}
+
+
+def test_lost_chunks_are_sent_again_a_dead_workers_first(settings):
+    own = settings.model_copy(update={"queue_prefix": f"rec-{uuid.uuid4().hex[:6]}",
+                                      "reconcile_grace": 0.0})
+    client = Client(own)
+    job = client.submit([f"reconcile me {i}" for i in range(30)], pair="tiny-lookup",
+                        max_new_tokens=4, chunk_size=10)
+    queue = f"{own.queue_prefix}.tiny-lookup"
+    r = redis.Redis.from_url(own.broker_url)
+    assert _queued(r, queue) == {6: [0, 10, 20]}
+    report = reconcile(own, job_id=job.id)
+    assert (report.candidates, report.on_broker, len(report.resent)) == (3, 3, 0)
+
+    with client.sessions.begin() as s:  # a worker took chunk 0, then died
+        assert chunks.claim(s, job_id=job.id, start=0, owner="dead", ttl=0.2) == 1
+    r.delete(queue, f"{queue}{Channel.sep}6")  # and the broker lost every message
+    time.sleep(0.3)
+    report = reconcile(own, job_id=job.id)
+    assert sorted((c.start, c.started) for c in report.resent) == [
+        (0, True), (10, False), (20, False)]
+    assert _queued(r, queue) == {0: [0], 6: [10, 20]}  # the dead worker's chunk goes first
+    assert len(reconcile(own, job_id=job.id).resent) == 0  # all on the broker again
+
+    with client.sessions.begin() as s:  # a live lease is left alone, messages or not
+        assert chunks.claim(s, job_id=job.id, start=10, owner="alive", ttl=60) == 1
+    r.delete(queue, f"{queue}{Channel.sep}6", f"{queue}{Channel.sep}0")
+    assert [c.start for c in reconcile(own, job_id=job.id).resent] == [0, 20]
+    r.close()
+    client.job(job.id).cancel()
+
+
+def test_a_job_whose_last_writer_died_before_settling_is_ended(settings):
+    own = settings.model_copy(update={"queue_prefix": f"rec-{uuid.uuid4().hex[:6]}"})
+    client = Client(own)
+    job = client.submit(["settle me"], pair="tiny-lookup", max_new_tokens=4, enqueue=False)
+    with client.sessions.begin() as s:
+        repo.start_job(s, job_id=job.id)
+        repo.write_outcomes(s, job_id=job.id, outcomes=[{
+            "index": 0, "status": "completed", "output": "o", "token_ids": [1],
+            "finish_reason": "length", "error": None, "prompt_tokens": 1,
+            "accepted_by_position": [], "steps_by_draft_length": [1], "worker": "w",
+            "started_at": None, "finished_at": None,
+            **{c: 0 for c in repo.COUNTER_COLUMNS}}])
+    assert job.status(check_workers=False).status == "in_progress"
+    assert reconcile(own).settled.get(job.id) == "completed"
+    assert job.status(check_workers=False).status == "completed"
