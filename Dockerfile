@@ -20,7 +20,8 @@ COPY api api
 COPY configs configs
 COPY db db
 COPY worker worker
-RUN pip install ".[flower]"
+COPY specq specq
+RUN pip install ".[worker,flower]"
 # alembic.ini (script_location db/migrations) and the sources stay in /app, the working dir.
 # Numeric, so that a runtime that refuses root (Kubernetes runAsNonRoot) can check it.
 USER 10001:10001

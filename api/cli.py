@@ -11,22 +11,38 @@ import re
 import sys
 import time
 from collections.abc import Callable
+from importlib import import_module
 from typing import Any, NoReturn
 
 from pydantic import ValidationError
 from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 
-from api.client import Client, Job
-from api.formats import FORMATS, OutputError, check_output
-from api.inputs import InputError, check_count, check_job_id, describe, show
-from configs.presets import PresetError
-from configs.settings import describe_settings, get_settings
+from specq.api.client import Client, Job
+from specq.api.formats import FORMATS, OutputError, check_output
+from specq.api.inputs import InputError, check_count, check_job_id, describe, show
+from specq.configs.presets import PresetError
+from specq.configs.settings import describe_settings, get_settings
 
 SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
 
 
+# Commands whose modules load the model stack (torch, transformers): imported only when
+# one of them runs, so that every other command starts in a fraction of a second.
+HEAVY = {
+    "bench": ("specq.worker.bench", "when does speculation pay? methods side by side"),
+    "bench-pipeline": ("specq.api.pipeline_bench",
+                       "the job path's overhead over the engine alone"),
+    "bench-chaos": ("specq.api.chaos", "one job through kills, a broker flush, outages and "
+                    "engine faults: lost, duplicated, wrongly failed"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args, rest = p.parse_known_args(argv)
+    if rest and not getattr(args, "heavy", None):
+        p.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -231,25 +247,19 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("migrate", help="create or upgrade the database schema (alembic)")
     s.set_defaults(func=cmd_migrate)
 
-    from worker import bench
-
-    s = sub.add_parser("bench", help="when does speculation pay? methods side by side")
-    bench.add_arguments(s)
-    s.set_defaults(func=bench.run)
-
-    from worker.bench import pipeline
-
-    s = sub.add_parser("bench-pipeline", help="the job path's overhead over the engine alone")
-    pipeline.add_arguments(s)
-    s.set_defaults(func=pipeline.run)
-
-    from worker.bench import chaos
-
-    s = sub.add_parser("bench-chaos", help="one job through kills, a broker flush, outages "
-                       "and engine faults: lost, duplicated, wrongly failed")
-    chaos.add_arguments(s)
-    s.set_defaults(func=chaos.run)
+    for name, (_, text) in HEAVY.items():
+        s = sub.add_parser(name, help=text, add_help=False)  # `specq NAME -h`: its own help
+        s.set_defaults(func=cmd_heavy, heavy=name)
     return p
+
+
+def cmd_heavy(args: argparse.Namespace) -> int:
+    """A HEAVY command: its module's own parser reads the rest of the command line."""
+    module = import_module(HEAVY[args.heavy][0])
+    p = _Parser(prog=f"specq {args.heavy}", description=module.__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(p)
+    return module.run(p.parse_args(args.rest))
 
 
 def _job_flags(p: argparse.ArgumentParser) -> None:
@@ -284,11 +294,22 @@ def cmd_submit(args: argparse.Namespace) -> int:
     return 0
 
 
+def _need_model_stack(what: str) -> None:
+    """RuntimeError naming the extra when torch or transformers is not installed."""
+    from importlib.util import find_spec
+
+    missing = [m for m in ("torch", "transformers") if find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"{what} needs the model stack ({', '.join(missing)} not installed):"
+                           f" install torch first, then pip install 'specq[worker]'")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from configs.presets import get_preset
-    from db.session import redact
-    from worker.pairs import load_pair
-    from worker.tasks import run_inline
+    _need_model_stack("specq run")
+    from specq.configs.presets import get_preset
+    from specq.db.session import redact
+    from specq.worker.pairs import load_pair
+    from specq.worker.tasks import run_inline
 
     settings = get_settings()
     t0 = time.perf_counter()
@@ -357,7 +378,7 @@ def _progress_line(state: Any, m: Any) -> str:
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
-    from api.report import format_metrics
+    from specq.api.report import format_metrics
 
     metrics = Client().job(args.job).metrics()
     if args.json:
@@ -368,7 +389,7 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from api.report import draw_report
+    from specq.api.report import draw_report
 
     path = draw_report(Client().job(args.job).metrics(), args.output)
     print(f"report written to {path}", file=sys.stderr)
@@ -393,7 +414,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
     """Re-send lost chunks now (workers and the beat do it every SPECQ_RECONCILE_EVERY s)."""
-    from worker.reconciler import reconcile
+    from specq.worker.reconciler import reconcile
 
     settings = get_settings()
     if args.job is not None:
@@ -408,7 +429,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    from api import formats
+    from specq.api import formats
 
     n = formats.export(Client().job(args.job), args.output, args.format)
     if args.output != "-":
@@ -441,7 +462,7 @@ def _schedule_runs(client: Client, schedule: str, limit: int) -> int:
 
 
 def cmd_synth_run(args: argparse.Namespace) -> int:
-    from api import synthesis
+    from specq.api import synthesis
 
     spec = synthesis.load_spec(args.spec)
     client = Client()
@@ -464,7 +485,7 @@ def cmd_synth_run(args: argparse.Namespace) -> int:
 
 
 def cmd_synth_check(args: argparse.Namespace) -> int:
-    from api import synthesis
+    from specq.api import synthesis
 
     spec = synthesis.load_spec(args.spec)
     rows = synthesis.check_rows(spec, args.spec)
@@ -473,7 +494,7 @@ def cmd_synth_check(args: argparse.Namespace) -> int:
 
 
 def cmd_synth_write(args: argparse.Namespace) -> int:
-    from api import synthesis
+    from specq.api import synthesis
 
     client = Client()
     state = client.job(args.job).status(check_workers=False)
@@ -486,15 +507,15 @@ def cmd_synth_write(args: argparse.Namespace) -> int:
 def cmd_beat(args: argparse.Namespace) -> int:
     """Replace this process with Celery beat (embedded in a worker on the synth queue, which
     runs the firings and writes the data sets: no GPU, no model)."""
-    from configs.schedules import load_schedules
-    from worker.constants import synth_queue
+    from specq.configs.schedules import load_schedules
+    from specq.worker.constants import synth_queue
 
     settings = get_settings()
     schedules = load_schedules(settings.schedules_file)  # a bad schedule fails here, clearly
     print(f"beat: {len(schedules)} schedules from {settings.schedules_file}: "
           f"{', '.join(schedules) or 'none'}", file=sys.stderr)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
-    argv = [sys.executable, "-m", "celery", "-A", "worker.beat", "worker", "-B",
+    argv = [sys.executable, "-m", "celery", "-A", "specq.api.beat", "worker", "-B",
             "-s", str(settings.data_dir / "celerybeat-schedule"), "-P", "solo", "-c", "1",
             "-Q", synth_queue(settings), "--loglevel", args.loglevel, "-n", "beat@%h",
             "--without-gossip", "--without-mingle"]
@@ -505,9 +526,10 @@ def cmd_beat(args: argparse.Namespace) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     """Replace this process with a Celery worker consuming the pair's queue only."""
-    from configs.presets import get_preset
-    from worker.app import worker_argv
-    from worker.constants import WORKER_PAIR_ENV
+    _need_model_stack("specq worker")
+    from specq.configs.presets import get_preset
+    from specq.worker.app import worker_argv
+    from specq.worker.constants import WORKER_PAIR_ENV
 
     settings = get_settings()
     get_preset(args.pair, settings.presets_file)  # an unknown pair fails here, clearly
@@ -519,7 +541,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from db.session import migrate, redact
+    from specq.db.session import migrate, redact
 
     url = get_settings().sqlalchemy_url
     migrate(url)

@@ -15,9 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
-from functools import cached_property, lru_cache
-from pathlib import Path
-from types import SimpleNamespace
+from functools import cached_property
 from typing import Any, TypeVar
 
 from celery import Celery
@@ -25,9 +23,8 @@ from kombu.utils.url import maybe_sanitize_url
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm import tqdm
-from transformers import AutoConfig, AutoTokenizer, PreTrainedTokenizerBase
 
-from api.inputs import (
+from specq.api.inputs import (
     MAX_PROBLEMS,
     InputError,
     Source,
@@ -38,25 +35,19 @@ from api.inputs import (
     open_source,
     parse_entries,
 )
-from configs.presets import PairPreset, UnknownPair, get_preset
-from configs.settings import Settings, get_settings
-from db import chunks
-from db import repository as repo
-from db.chunks import ChunkRef
-from db.models import ItemStatus, JobStatus
-from db.session import migrate, session_factory
-from worker import dispatch
-from worker.app import make_app
-from worker.constants import INSPECT_TIMEOUT, queue_name
-from worker.engine import counters as rates
-from worker.engine.request import SamplingParams
-from worker.engine.speculative import (
-    RequestError,
-    context_length,
-    encode_prompt,
-    fits_by_size,
-)
-from worker.pairs import locate
+from specq.api.tokenizer import PromptTokenizer, prompt_tokenizer, target_context
+from specq.configs.generation import RequestError, SamplingParams, fits_by_size
+from specq.configs.presets import PairPreset, UnknownPair, get_preset
+from specq.configs.settings import Settings, get_settings
+from specq.db import chunks
+from specq.db import repository as repo
+from specq.db.chunks import ChunkRef
+from specq.db.models import ItemStatus, JobStatus
+from specq.db.session import migrate, session_factory
+from specq.worker import dispatch
+from specq.worker.app import make_app
+from specq.worker.constants import INSPECT_TIMEOUT, queue_name
+from specq.worker.engine import counters as rates
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -194,7 +185,7 @@ class Client:
 
     @cached_property
     def celery(self) -> Celery:
-        return make_app(self.settings)
+        return make_app(self.settings, tasks=False)
 
     # -- submission -----------------------------------------------------------------
 
@@ -225,7 +216,7 @@ class Client:
         chunk_size = (self.settings.chunk_size if chunk_size is None
                       else check_count("chunk_size", chunk_size))
         name, entries = open_source(source)
-        total = self._validate(entries, defaults, *prompt_checker(preset, self.settings))
+        total = self._validate(entries, defaults, preset)
         if total == 0:
             raise InputError([f"{name or 'prompts'}: no prompts"])
         t1 = time.perf_counter()
@@ -254,10 +245,11 @@ class Client:
         except UnknownPair as exc:
             raise InputError([f"pair: {exc}"]) from None
 
-    @staticmethod
-    def _validate(
-        entries: Any, defaults: dict[str, Any], tokenizer: PreTrainedTokenizerBase, context: int
-    ) -> int:
+    def _validate(self, entries: Any, defaults: dict[str, Any], preset: PairPreset) -> int:
+        """Every entry checked; the count. The target's tokenizer is loaded only when a
+        prompt may not fit by its size alone."""
+        context = target_context(preset, self.settings)
+        tokenizer: PromptTokenizer | None = None
         problems: list[str] = []
         seen: dict[str, str] = {}
         total = 0
@@ -274,7 +266,8 @@ class Client:
                     seen[cid] = where
                 try:
                     if not fits_by_size(got.request, context):
-                        encode_prompt(tokenizer, got.request, context)
+                        tokenizer = tokenizer or prompt_tokenizer(preset, self.settings)
+                        tokenizer.encode(got.request, context)
                 except RequestError as exc:
                     problems.append(f"{where}: {exc}")
             if len(problems) >= MAX_PROBLEMS:
@@ -477,22 +470,6 @@ def _mean_g_by_tenths(timeline: list[tuple[Any, list[int]]]) -> list[float]:
         total = sum(steps)
         out.append(sum(g * c for g, c in enumerate(steps)) / total if total else 0.0)
     return out
-
-
-@lru_cache(maxsize=8)
-def _checker(preset_json: str, data_dir: str) -> tuple[PreTrainedTokenizerBase, int]:
-    preset = PairPreset.model_validate_json(preset_json)
-    where, kwargs = locate(preset.target, Path(data_dir))
-    trust = preset.trust_remote_code
-    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust, **kwargs)
-    config = AutoConfig.from_pretrained(where, trust_remote_code=trust, **kwargs)
-    # context_length reads only model.config: the config alone answers it, no weights.
-    return tokenizer, context_length(SimpleNamespace(config=config))
-
-
-def prompt_checker(preset: PairPreset, settings: Settings) -> tuple[PreTrainedTokenizerBase, int]:
-    """The target's tokenizer and context length (loaded once per process, no weights)."""
-    return _checker(preset.model_dump_json(), str(settings.data_dir))
 
 
 def _bounded(call: Callable[[], T], seconds: float) -> T:

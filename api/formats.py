@@ -19,9 +19,9 @@ from typing import IO, Any, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from api.client import Job
-from db import repository as repo
-from db.models import Item, ItemStatus
+from specq.api.client import Job
+from specq.db import repository as repo
+from specq.db.models import Item, ItemStatus
 
 Format = Literal["jsonl", "openai", "parquet"]
 FORMATS: tuple[str, ...] = ("jsonl", "openai", "parquet")

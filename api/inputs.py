@@ -20,7 +20,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from worker.engine.request import INT32_MAX, Request, SamplingParams
+from specq.configs.errors import InputError, describe
+from specq.configs.generation import INT32_MAX, Request, SamplingParams, merge
 
 SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 LINE_FIELDS = frozenset({"custom_id", "prompt", "messages"}) | SAMPLING_FIELDS
@@ -34,24 +35,6 @@ MAX_VALUES = 1_000_000  # values in one entry (a YAML alias bomb is small text, 
 INT64 = 2**63
 
 Source = str | os.PathLike | Iterable[Any]
-
-
-class InputError(ValueError):
-    """The job spec is invalid; ``problems`` lists each one as 'where: field: message'.
-
-    One problem reads as one line ('invalid job spec: line 3: seed: ...'); several as a
-    list under the title."""
-
-    title = "invalid job spec"
-
-    def __init__(self, problems: list[str], truncated: bool = False) -> None:
-        self.problems = problems
-        if len(problems) == 1 and not truncated:
-            message = f"{self.title}: {problems[0]}"
-        else:
-            more = f"\n  ... (stopped after {len(problems)} problems)" if truncated else ""
-            message = f"{self.title}:\n  " + "\n  ".join(problems) + more
-        super().__init__(message)
 
 
 def show(value: Any, limit: int = 60) -> str:
@@ -217,9 +200,8 @@ def parse_entries(
     for index, (where, raw) in enumerate(raw_entries):
         try:
             row = normalise(raw)
-            overrides = row["params"] or {}
             request = Request(id=index, prompt=row["prompt"], messages=row["messages"],
-                              **{**defaults, **overrides})
+                              **merge(defaults, row["params"]))
         except _Problem as exc:
             yield where, [f"{where}: {exc}"]
         except ValidationError as exc:  # one line per entry: its first problem
@@ -340,13 +322,3 @@ def _custom_id(value: Any) -> str | None:
     if len(text) > MAX_CUSTOM_ID:
         raise _Problem(f"custom_id: longer than {MAX_CUSTOM_ID} characters ({len(text)})")
     return text
-
-
-def describe(exc: ValidationError) -> list[str]:
-    """'field: message' for each error of a pydantic ValidationError."""
-    out = []
-    for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
-        msg = err["msg"].removeprefix("Value error, ")
-        out.append(f"{loc}: {msg}" if loc else msg)
-    return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from api.client import JobMetrics
+from specq.api.client import JobMetrics
 
 
 def _f(v: float | None, spec: str = ".3f") -> str:
@@ -43,7 +43,11 @@ def format_metrics(m: JobMetrics) -> str:
 
 def draw_report(m: JobMetrics, path: str | Path) -> Path:
     """Acceptance by draft position, draft length over time, steps per draft length."""
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("specq report draws with matplotlib: pip install 'specq[report]'") \
+            from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

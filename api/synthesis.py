@@ -50,12 +50,12 @@ from pydantic import (
     model_validator,
 )
 
-from api.client import Client, Job
-from api.formats import BATCH, OutputError, check_output, open_sink, write_batches
-from api.inputs import InputError, describe, show, storable, text_problem
-from api.templates import BoundedSandbox, RenderLimits
-from db import repository as repo
-from worker.engine.request import INT32_MAX, SamplingParams
+from specq.api.client import Client, Job
+from specq.api.formats import BATCH, OutputError, check_output, open_sink, write_batches
+from specq.api.inputs import InputError, describe, show, storable, text_problem
+from specq.api.templates import BoundedSandbox, RenderLimits
+from specq.configs.generation import INT32_MAX, SamplingParams
+from specq.db import repository as repo
 
 log = logging.getLogger(__name__)
 

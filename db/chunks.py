@@ -15,8 +15,8 @@ from dataclasses import dataclass
 from sqlalchemy import and_, bindparam, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from db.clock import db_now
-from db.models import Chunk, Item, ItemStatus, Job, JobStatus
+from specq.db.clock import db_now
+from specq.db.models import Chunk, Item, ItemStatus, Job, JobStatus
 
 PENDING = ItemStatus.pending.value
 UNFINISHED = tuple(s.value for s in JobStatus if not s.finished and s != JobStatus.validating)

@@ -15,7 +15,7 @@ from typing import Any
 from sqlalchemy import bindparam, func, insert, select, text, update
 from sqlalchemy.orm import Session
 
-from db.models import Item, ItemStatus, Job, JobStatus, utcnow
+from specq.db.models import Item, ItemStatus, Job, JobStatus, utcnow
 
 PENDING = ItemStatus.pending.value
 COUNTER_COLUMNS = (

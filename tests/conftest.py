@@ -10,8 +10,8 @@ import torch
 from sqlalchemy import create_engine, text
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from db.session import get_engine
-from worker.tiny import build_tiny_pair
+from specq.db.session import get_engine
+from specq.worker.tiny import build_tiny_pair
 
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 

@@ -26,8 +26,8 @@ import yaml
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from api import cli
-from configs.settings import Settings
+from specq.api import cli
+from specq.configs.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[1]
 TEXT = (ROOT / "docker-compose.yml").read_text()
@@ -134,7 +134,7 @@ def test_one_worker_per_gpu():
 def test_command_resolves_in_the_image(name):
     cmd = [interpolate(c) for c in SERVICES[name]["command"]]
     if cmd[0] == "specq":
-        assert PYPROJECT["project"]["scripts"]["specq"] == "api.cli:main"
+        assert PYPROJECT["project"]["scripts"]["specq"] == "specq.api.cli:main"
         args = cli.parser().parse_args(cmd[1:])  # the subcommand and its flags exist
         assert callable(args.func)
     elif cmd[0] == "alembic":
@@ -147,7 +147,7 @@ def test_command_resolves_in_the_image(name):
         if "flower" in cmd:
             assert any(d.startswith("flower") for d in
                        PYPROJECT["project"]["optional-dependencies"]["flower"])
-            assert 'pip install ".[flower]"' in DOCKERFILE
+            assert 'pip install ".[worker,flower]"' in DOCKERFILE
     else:
         pytest.fail(f"{name}: unknown command {cmd}")
 
@@ -179,9 +179,10 @@ def test_environment_is_what_settings_read():
 def test_dockerfile_builds_what_the_package_needs():
     assert re.search(r"^ARG TORCH=cpu$", DOCKERFILE, re.M)
     assert "download.pytorch.org/whl/${TORCH}" in DOCKERFILE
-    packages = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
-    for pkg in (p.rstrip("*") for p in packages):
-        assert f"COPY {pkg} {pkg}" in DOCKERFILE
+    folders = set(PYPROJECT["tool"]["setuptools"]["package-dir"].values())
+    assert folders == {"specq", "api", "configs", "db", "worker"}  # one import name: specq
+    for folder in folders:
+        assert f"COPY {folder} {folder}" in DOCKERFILE
     assert (ROOT / "alembic.ini").read_text().count("script_location = %(here)s/db/migrations")
 
 

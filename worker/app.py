@@ -8,12 +8,15 @@ from __future__ import annotations
 
 from celery import Celery
 
-from configs.settings import Settings, get_settings
-from worker.constants import queue_name
+from specq.configs.settings import Settings, get_settings
+from specq.worker.constants import queue_name
 
 
-def make_app(settings: Settings) -> Celery:
-    app = Celery("specq", broker=settings.broker_url, include=["worker.tasks"])
+def make_app(settings: Settings, tasks: bool = True) -> Celery:
+    """The Celery app on the settings' broker; ``tasks``: a worker of it runs the chunk
+    task (the beat's app runs its own tasks and loads no model stack)."""
+    app = Celery("specq", broker=settings.broker_url,
+                 include=["specq.worker.tasks"] if tasks else [])
     app.conf.update(
         task_serializer="json",
         accept_content=["json"],  # never pickle
@@ -53,7 +56,7 @@ def worker_argv(pair: str, settings: Settings, loglevel: str = "info",
                 hostname: str | None = None) -> list[str]:
     """The `celery` command-line arguments of a worker for ``pair``: solo pool (one
     process holds the model), the pair's queue only, late acks (see make_app)."""
-    return ["-A", "worker.app", "worker", "-P", "solo", "-c", "1",
+    return ["-A", "specq.worker.app", "worker", "-P", "solo", "-c", "1",
             "-Q", queue_name(pair, settings), "--loglevel", loglevel,
             "-n", hostname or f"{pair}@%h", "--without-gossip", "--without-mingle"]
 

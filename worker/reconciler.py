@@ -25,14 +25,14 @@ from celery import Celery
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from configs.settings import Settings
-from db import chunks
-from db import repository as repo
-from db.chunks import UNFINISHED, ChunkRef
-from db.models import Job
-from db.session import session_factory
-from worker import dispatch
-from worker.constants import PRIORITY_NORMAL, PRIORITY_RESENT
+from specq.configs.settings import Settings
+from specq.db import chunks
+from specq.db import repository as repo
+from specq.db.chunks import UNFINISHED, ChunkRef
+from specq.db.models import Job
+from specq.db.session import session_factory
+from specq.worker import dispatch
+from specq.worker.constants import PRIORITY_NORMAL, PRIORITY_RESENT
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
               app: Celery | None = None) -> ReconcileReport:
     """One pass: settle what is finished, re-send what is lost. Raises if the database
     or the broker cannot be reached (nothing is sent then)."""
-    from worker.app import make_app
+    from specq.worker.app import make_app
 
     sessions = sessions or session_factory(settings.sqlalchemy_url)
     report = ReconcileReport()
@@ -88,7 +88,7 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
     if lost:
         # a chunk a worker had started (and died on) goes before every chunk waiting its
         # turn; a lost message that no worker ever took rejoins the queue as it was
-        app = app or make_app(settings)
+        app = app or make_app(settings, tasks=False)
         for started in (True, False):
             dispatch.send(app, [c for c in lost if c.started == started], settings,
                           priority=PRIORITY_RESENT if started else PRIORITY_NORMAL)
@@ -133,9 +133,9 @@ class Background:
         self.stopped.set()
 
     def _run(self) -> None:
-        from worker.app import make_app
+        from specq.worker.app import make_app
 
-        app = make_app(self.settings)
+        app = make_app(self.settings, tasks=False)
         sessions = session_factory(self.settings.sqlalchemy_url)
         while not self.stopped.wait(self.settings.reconcile_every):
             try:

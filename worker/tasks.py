@@ -22,21 +22,21 @@ from typing import Any
 from celery.signals import worker_init, worker_process_init, worker_shutdown
 from sqlalchemy.orm import Session, sessionmaker
 
-from configs.presets import get_preset
-from configs.settings import Settings, get_settings
-from db import chunks
-from db import repository as repo
-from db.models import ItemStatus, JobStatus
-from db.session import session_factory
-from worker.app import app
-from worker.attempts import ChunkItem, Stopped, generate_with_retries
-from worker.backoff import Backoff, retry_db
-from worker.constants import GENERATE_TASK, WORKER_PAIR_ENV
-from worker.device import DeviceLost
-from worker.engine.request import Request
-from worker.engine.speculative import SpeculativeEngine
-from worker.keeper import ChunkKeeper
-from worker.pairs import Pair, load_pair
+from specq.configs.generation import Request
+from specq.configs.presets import get_preset
+from specq.configs.settings import Settings, get_settings
+from specq.db import chunks
+from specq.db import repository as repo
+from specq.db.models import ItemStatus, JobStatus
+from specq.db.session import session_factory
+from specq.worker.app import app
+from specq.worker.attempts import ChunkItem, Stopped, generate_with_retries
+from specq.worker.backoff import Backoff, retry_db
+from specq.worker.constants import GENERATE_TASK, WORKER_PAIR_ENV
+from specq.worker.device import DeviceLost
+from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.keeper import ChunkKeeper
+from specq.worker.pairs import Pair, load_pair
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +98,7 @@ def _load_at_start(**_: Any) -> None:
     engine.calibrate()
     log.info("pair %s loaded in %.1f s", pair.preset.name, time.perf_counter() - t0)
     if settings.reconcile_every > 0:
-        from worker.reconciler import Background
+        from specq.worker.reconciler import Background
 
         _background.append(Background(settings).start())
 
@@ -196,6 +196,7 @@ def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkRepo
             report.cancelled, report.job_status = _cancel_in(s, job_id, start, end)
             return None
         if status.finished:  # e.g. a chunk re-sent after its job ended
+            chunks.mark_done(s, job_id=job_id, start=start)
             report.skipped, report.job_status = end - start, status.value
             return None
         if job.pair != pair:

@@ -6,7 +6,7 @@ from logging.config import fileConfig
 
 from alembic import context
 
-from db.models import Base
+from specq.db.models import Base
 
 config = context.config
 if config.config_file_name and "connection" not in config.attributes:
@@ -16,7 +16,7 @@ if config.config_file_name and "connection" not in config.attributes:
 def _url() -> str:
     if "url" in config.attributes:
         return config.attributes["url"]
-    from configs.settings import get_settings
+    from specq.configs.settings import get_settings
 
     return get_settings().sqlalchemy_url
 
@@ -34,7 +34,7 @@ def run_online() -> None:
         with context.begin_transaction():
             context.run_migrations()
         return
-    from db.session import get_engine
+    from specq.db.session import get_engine
 
     with get_engine(_url()).begin() as conn:
         context.configure(connection=conn, target_metadata=Base.metadata)

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from api.client import Client
-from configs.settings import Settings
-from worker.tiny import build_tiny_pair
+from specq.api.client import Client
+from specq.configs.settings import Settings
+from specq.worker.tiny import build_tiny_pair
 
 
 @pytest.fixture(scope="session")

@@ -15,13 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
 
-from api import cli
-from api.client import Client
-from api.formats import OutputError, check_output, export
-from api.inputs import LINE_FIELDS, InputError
-from configs.settings import Settings, get_settings
-from db.models import Item, Job
-from db.session import migrate
+from specq.api import cli
+from specq.api.client import Client
+from specq.api.formats import OutputError, check_output, export
+from specq.api.inputs import LINE_FIELDS, InputError
+from specq.configs.settings import Settings, get_settings
+from specq.db.models import Item, Job
+from specq.db.session import migrate
 
 # BAD_INPUT_EXAMPLES=2000 pytest ... digs deeper than the default run.
 FUZZ = settings(max_examples=int(os.environ.get("BAD_INPUT_EXAMPLES", 60)), deadline=None,

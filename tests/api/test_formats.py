@@ -13,12 +13,12 @@ from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 from sqlalchemy import update
 
-from api.formats import RESULT_SCHEMA, export
-from configs.presets import get_preset
-from db import repository as repo
-from db.models import Item
-from worker.pairs import load_pair
-from worker.tasks import run_inline
+from specq.api.formats import RESULT_SCHEMA, export
+from specq.configs.presets import get_preset
+from specq.db import repository as repo
+from specq.db.models import Item
+from specq.worker.pairs import load_pair
+from specq.worker.tasks import run_inline
 
 
 class BatchError(BaseModel):
@@ -43,7 +43,7 @@ class BatchOutputLine(BaseModel):
 
 @lru_cache(maxsize=1)
 def tiny_engine(data_dir: str):
-    from configs.settings import Settings
+    from specq.configs.settings import Settings
 
     return load_pair(get_preset("tiny"), Settings(data_dir=data_dir)).engine()
 

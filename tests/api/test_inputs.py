@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from api.inputs import InputError, JsonLine, normalise, open_source
+from specq.api.inputs import InputError, JsonLine, normalise, open_source
 
 
 def line(obj) -> JsonLine:

@@ -7,8 +7,8 @@ import json
 import pytest
 from sqlalchemy import func, select
 
-from api.inputs import InputError
-from db.models import Item, Job, JobStatus
+from specq.api.inputs import InputError
+from specq.db.models import Item, Job, JobStatus
 
 
 def counts(client) -> tuple[int, int]:

@@ -11,10 +11,10 @@ import pytest
 import yaml
 from sqlalchemy import func, select
 
-from api import synthesis
-from api.synthesis import SpecError, load_spec, requests, sample_seed
-from configs.schedules import ScheduleError, load_schedules
-from db.models import Job
+from specq.api import synthesis
+from specq.api.synthesis import SpecError, load_spec, requests, sample_seed
+from specq.configs.schedules import ScheduleError, load_schedules
+from specq.db.models import Job
 
 
 def jobs_count(client) -> int:
@@ -69,7 +69,7 @@ def test_invalid_cron_names_schedule_and_field(tmp_path):
 
 
 def test_builtin_example_and_schedules_are_valid():
-    from configs.settings import Settings
+    from specq.configs.settings import Settings
 
     schedules = load_schedules(Settings().schedules_file)
     for s in schedules.values():

@@ -15,11 +15,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
 
-from api import cli, synthesis
-from api.synthesis import SpecError, load_spec
-from api.templates import BoundedSandbox, RenderLimits, TemplateLimit
-from configs.settings import get_settings
-from db.models import Job
+from specq.api import cli, synthesis
+from specq.api.synthesis import SpecError, load_spec
+from specq.api.templates import BoundedSandbox, RenderLimits, TemplateLimit
+from specq.configs.settings import get_settings
+from specq.db.models import Job
 
 HOSTILE = [
     ("{{ 'x' * 30000000 }}", "builds a string of more than 100000 characters"),
@@ -104,7 +104,7 @@ def test_synth_check_prints_one_line_and_submits_nothing(tmp_path, capsys, monke
 
 
 def jobs(url: str) -> int:
-    from db.session import session_factory
+    from specq.db.session import session_factory
 
     with session_factory(url)() as s:
         return s.scalar(select(func.count()).select_from(Job))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from db.session import migrate, session_factory
+from specq.db.session import migrate, session_factory
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

@@ -7,10 +7,10 @@ import time
 
 from sqlalchemy import select
 
-from db import chunks
-from db import repository as repo
-from db.clock import db_now
-from db.models import Chunk, Item, ItemStatus, JobStatus
+from specq.db import chunks
+from specq.db import repository as repo
+from specq.db.clock import db_now
+from specq.db.models import Chunk, Item, ItemStatus, JobStatus
 
 
 def _job(sessions, n=10, chunk_size=4, queue="q.tiny"):

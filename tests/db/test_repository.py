@@ -6,9 +6,9 @@ import pytest
 from sqlalchemy import func, inspect, select
 from sqlalchemy.exc import IntegrityError
 
-from db import repository as repo
-from db.models import Item, ItemStatus, JobStatus
-from db.session import get_engine, migrate
+from specq.db import repository as repo
+from specq.db.models import Item, ItemStatus, JobStatus
+from specq.db.session import get_engine, migrate
 
 
 def _job(sessions, n=10, chunk_size=4):

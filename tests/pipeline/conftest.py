@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from api.client import Client
-from configs.settings import Settings
-from db.session import migrate
-from worker.tiny import build_tiny_pair
+from specq.api.client import Client
+from specq.configs.settings import Settings
+from specq.db.session import migrate
+from specq.worker.tiny import build_tiny_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -70,8 +70,8 @@ class WorkerProcess:
         self.name = f"{name}-{uuid.uuid4().hex[:6]}"
         self.log = log_dir / f"{self.name}.log"
         # with a faults file, the engine fails as the file says (worker/bench/faults.py)
-        start = (["-m", "worker.bench.faults", str(faults)] if faults
-                 else ["-m", "api.cli", "worker"])
+        start = (["-m", "specq.worker.bench.faults", str(faults)] if faults
+                 else ["-m", "specq.api.cli", "worker"])
         self.proc = subprocess.Popen(
             [sys.executable, *start, "--pair", pair, "-n", f"{self.name}@%h"],
             cwd=ROOT, env=worker_env(settings), stdout=self.log.open("w"),

@@ -10,14 +10,14 @@ import json
 import pytest
 from sqlalchemy import select
 
-from api import cli
-from configs.presets import get_preset
-from configs.settings import get_settings
-from db.models import Item, ItemStatus, JobStatus
-from worker.bench.faults import FaultPlan, install
-from worker.device import DeviceLost
-from worker.pairs import load_pair
-from worker.tasks import run_chunk, run_inline
+from specq.api import cli
+from specq.configs.presets import get_preset
+from specq.configs.settings import get_settings
+from specq.db.models import Item, ItemStatus, JobStatus
+from specq.worker.bench.faults import FaultPlan, install
+from specq.worker.device import DeviceLost
+from specq.worker.pairs import load_pair
+from specq.worker.tasks import run_chunk, run_inline
 
 PROMPTS = [f"Fix the grammar of sentence {i}: he go to school every days" for i in range(12)]
 

@@ -13,10 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import yaml
 
-from api.client import Client
-from db import repository as repo
+from specq.api.beat import beat_schedule, fire
+from specq.api.client import Client
+from specq.db import repository as repo
 from tests.pipeline.conftest import ROOT, worker_env
-from worker.beat import beat_schedule, fire
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_celery_beat_fires_once_while_run_going(beat_settings, tmp_path):
     env = worker_env(beat_settings)
     env["SPECQ_SCHEDULES_FILE"] = str(beat_settings.schedules_file)
     log = tmp_path / "beat.log"
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "beat"], cwd=ROOT, env=env,
+    proc = subprocess.Popen([sys.executable, "-m", "specq.api.cli", "beat"], cwd=ROOT, env=env,
                             stdout=log.open("w"), stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -103,7 +103,7 @@ def test_a_stuck_run_is_said_and_replaced_not_skipped_forever(beat_settings, cap
     first = fire("stuck", beat_settings)
     assert first is not None and fire("stuck", beat_settings) is None  # young: skipped
     time.sleep(0.6)
-    with caplog.at_level("ERROR", logger="worker.beat"):
+    with caplog.at_level("ERROR", logger="specq.api.beat"):
         second = fire("stuck", beat_settings)
     assert second not in (None, first)
     assert client.job(first).status(check_workers=False).status == "cancelled"
@@ -113,7 +113,7 @@ def test_a_stuck_run_is_said_and_replaced_not_skipped_forever(beat_settings, cap
     kept = fire("stuck-skip", beat_settings)
     time.sleep(0.6)
     caplog.clear()
-    with caplog.at_level("ERROR", logger="worker.beat"):
+    with caplog.at_level("ERROR", logger="specq.api.beat"):
         assert fire("stuck-skip", beat_settings) is None
     assert f"run {kept} is stuck" in caplog.text and "on_stuck: skip" in caplog.text
     for j in (second, kept):

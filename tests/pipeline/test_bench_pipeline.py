@@ -9,7 +9,8 @@ import sys
 
 def test_bench_pipeline_reports_overhead_and_rates(settings, env_for, tmp_path):
     out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "api.cli", "bench-pipeline", "--pair", "tiny", "--prompts", "12",
+    cmd = [sys.executable, "-m", "specq.api.cli", "bench-pipeline", "--pair", "tiny",
+           "--prompts", "12",
            "--max-new-tokens", "8", "--batch-size", "4", "--submit-prompts", "500",
            "--write-rows", "300", "--output-dir", str(out)]
     done = subprocess.run(cmd, env=env_for(settings), capture_output=True, text=True,

@@ -19,7 +19,7 @@ def test_specq_run_on_the_example_file(tmp_path, settings):
     out = tmp_path / "results.jsonl"
     example = ROOT / "examples" / "prompts.jsonl"
     proc = subprocess.run(
-        [sys.executable, "-m", "api.cli", "run", str(example), "--pair", "tiny",
+        [sys.executable, "-m", "specq.api.cli", "run", str(example), "--pair", "tiny",
          "--output", str(out), "--chunk-size", "5"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )

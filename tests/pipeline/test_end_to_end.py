@@ -7,8 +7,8 @@ import time
 
 from sqlalchemy import select
 
-from db.models import Item, ItemStatus, JobStatus
-from db.repository import COUNTER_COLUMNS
+from specq.db.models import Item, ItemStatus, JobStatus
+from specq.db.repository import COUNTER_COLUMNS
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 with each item written exactly once, none wrongly failed, whatever fails on the way.
 
 The fleet: two prompt-lookup workers and one draft-model worker, each reaching Redis and
-PostgreSQL through a TCP proxy the tests can cut (worker/bench/proxy.py) and running with
+PostgreSQL through a TCP proxy the tests can cut (api/proxy.py) and running with
 an engine that fails on request (worker/bench/faults.py). Leases of 3 s and a reconciler
 every second keep the suite short; the production defaults are 30 s and 15 s.
 """
@@ -21,10 +21,11 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
-from api.client import Client
-from db.models import Chunk, Item, ItemStatus, JobStatus
+from specq.api.client import Client
+from specq.api.proxy import Proxy
+from specq.db import chunks
+from specq.db.models import Chunk, Item, ItemStatus, JobStatus
 from tests.pipeline.conftest import ROOT, worker_env
-from worker.bench.proxy import Proxy
 
 LOOKUP, DRAFT = "tiny-lookup", "tiny"
 
@@ -179,7 +180,7 @@ def test_submit_says_so_when_the_broker_is_down_or_hung_and_the_job_still_runs(f
     (fleet.tmp / "hung.jsonl").write_text(
         "".join(json.dumps({"prompt": p}) + "\n" for p in prompts(30, "broker hung")))
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "api.cli", "submit",
+    out = subprocess.run([sys.executable, "-m", "specq.api.cli", "submit",
                           str(fleet.tmp / "hung.jsonl"), "--pair", LOOKUP,
                           "--max-new-tokens", "8", "--chunk-size", "10"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
@@ -187,8 +188,8 @@ def test_submit_says_so_when_the_broker_is_down_or_hung_and_the_job_still_runs(f
     assert out.returncode == 0 and "cannot be reached" in out.stderr, out.stderr
     hung_id = int(out.stdout.split()[1].rstrip(":"))
     t0 = time.monotonic()
-    status = subprocess.run([sys.executable, "-m", "api.cli", "status", str(hung_id)], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=60)
+    status = subprocess.run([sys.executable, "-m", "specq.api.cli", "status", str(hung_id)],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     status_s = time.monotonic() - t0
     hung.close()
     assert status.returncode == 0 and json.loads(status.stdout)["id"] == hung_id, status.stderr
@@ -238,7 +239,10 @@ def test_kill_9_mid_chunk_another_worker_resumes_it_within_a_minute(fleet):
 
 
 def _resumed(fleet: Fleet, job_id: int, start: int, dead: str) -> bool:
+    """Another worker holds the dead worker's chunk, or nothing of it is left to do (the
+    dead worker had written every item before it was killed)."""
     with fleet.client.sessions() as s:
         chunk = s.get(Chunk, (job_id, start), populate_existing=True)
-        return chunk.done or (chunk.lease_owner is not None
-                              and not chunk.lease_owner.startswith(dead + "@"))
+        left = chunks.pending_count(s, job_id=job_id, start=start, end=chunk.end)
+        return not left or (chunk.lease_owner is not None
+                            and not chunk.lease_owner.startswith(dead + "@"))

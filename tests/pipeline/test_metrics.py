@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from api.report import draw_report, format_metrics
-from configs.presets import get_preset
-from worker.pairs import load_pair
-from worker.tasks import run_inline
+from specq.api.report import draw_report, format_metrics
+from specq.configs.presets import get_preset
+from specq.worker.pairs import load_pair
+from specq.worker.tasks import run_inline
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_report_png_and_cli(finished_job, settings, env_for, tmp_path):
     png = draw_report(finished_job.metrics(), tmp_path / "r.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     env = env_for(settings)
-    cli = [sys.executable, "-m", "api.cli"]
+    cli = [sys.executable, "-m", "specq.api.cli"]
     out = subprocess.run(cli + ["metrics", str(finished_job.id)], env=env, capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 0, out.stderr

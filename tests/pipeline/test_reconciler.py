@@ -11,10 +11,10 @@ import uuid
 import redis
 from kombu.transport.redis import Channel
 
-from api.client import Client
-from db import chunks
-from db import repository as repo
-from worker.reconciler import reconcile
+from specq.api.client import Client
+from specq.db import chunks
+from specq.db import repository as repo
+from specq.worker.reconciler import reconcile
 
 
 def _queued(r: redis.Redis, queue: str) -> dict[int, list[int]]:

@@ -9,10 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from api import cli
-from api.synthesis import SAMPLE_COLUMNS, sample_seed
-from configs.settings import get_settings
-from db import repository as repo
+from specq.api import cli
+from specq.api.synthesis import SAMPLE_COLUMNS, sample_seed
+from specq.configs.settings import get_settings
+from specq.db import repository as repo
 from tests.pipeline.conftest import worker_env
 
 COMPARED = ["topic", "level", "row_index", "sample_index", "seed", "custom_id", "prompt",

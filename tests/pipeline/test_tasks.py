@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from configs.presets import get_preset
-from db import repository as repo
-from db.models import ItemStatus, JobStatus
-from worker.pairs import load_pair
-from worker.tasks import run_chunk, run_inline
+from specq.configs.presets import get_preset
+from specq.db import repository as repo
+from specq.db.models import ItemStatus, JobStatus
+from specq.worker.pairs import load_pair
+from specq.worker.tasks import run_chunk, run_inline
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,17 @@ import math
 import pytest
 import torch
 
-from worker.bench import add_arguments, run
-from worker.bench.figures import alpha_mle, figures, predicted, t_verify_at
-from worker.bench.greedy import NearTieCheck, compare
-from worker.bench.prompts import PromptFileError, load_prompts
-from worker.bench.runner import FIXED, NONE, Run, Step
-from worker.drafts import DraftBuildError, shallow_draft, skip_draft
-from worker.engine.counters import Counters
-from worker.engine.drafters import DraftModel
-from worker.engine.request import Request, Result
-from worker.engine.speculative import SpeculativeEngine
+from specq.configs.generation import Request
+from specq.worker.bench import add_arguments, run
+from specq.worker.bench.figures import alpha_mle, figures, predicted, t_verify_at
+from specq.worker.bench.greedy import NearTieCheck, compare
+from specq.worker.bench.prompts import PromptFileError, load_prompts
+from specq.worker.bench.runner import FIXED, NONE, Run, Step
+from specq.worker.drafts import DraftBuildError, shallow_draft, skip_draft
+from specq.worker.engine.counters import Counters
+from specq.worker.engine.drafters import DraftModel
+from specq.worker.engine.result import Result
+from specq.worker.engine.speculative import SpeculativeEngine
 
 
 def _args(tmp_path, *extra: str) -> argparse.Namespace:

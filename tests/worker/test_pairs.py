@@ -4,12 +4,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from configs.presets import ModelSource, PairPreset, UnknownPair, get_preset, load_presets
-from configs.settings import Settings
-from worker.engine.drafters import DraftModel, PromptLookup
-from worker.engine.request import Request
-from worker.pairs import PairError, load_pair, resolve_dtype
-from worker.tiny import build_tokenizer
+from specq.configs.generation import Request
+from specq.configs.presets import ModelSource, PairPreset, UnknownPair, get_preset, load_presets
+from specq.configs.settings import Settings
+from specq.worker.engine.drafters import DraftModel, PromptLookup
+from specq.worker.pairs import PairError, load_pair, resolve_dtype
+from specq.worker.tiny import build_tokenizer
 
 
 def test_builtin_presets_validate():

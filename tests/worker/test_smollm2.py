@@ -5,10 +5,10 @@ import logging
 import pytest
 import torch
 
-from configs.presets import get_preset
-from configs.settings import Settings
-from worker.engine.request import Request
-from worker.pairs import load_pair
+from specq.configs.generation import Request
+from specq.configs.presets import get_preset
+from specq.configs.settings import Settings
+from specq.worker.pairs import load_pair
 
 log = logging.getLogger(__name__)
 
@@ -49,3 +49,21 @@ def test_prompt_lookup_greedy_equals_plain_generate(smollm2):
         proposed += res.counters.proposed
     log.warning("smollm2 prompt lookup: accepted %d of %d proposed", accepted, proposed)
     assert accepted > 0
+
+
+def test_the_client_side_tokenizer_counts_as_the_model_does(smollm2, tmp_path):
+    """The client reads the GGUF model's tokenizer without transformers once converted:
+    the same token ids as the engine, for plain prompts and chat messages."""
+    from specq.api.tokenizer import prompt_tokenizer, target_context
+    from specq.worker.engine.speculative import encode_prompt
+
+    settings = Settings(data_dir=tmp_path)
+    preset = get_preset("smollm2-135m")
+    light = prompt_tokenizer(preset, settings)
+    assert (tmp_path / "tokenizers").is_dir()  # converted once, read with tokenizers after
+    assert target_context(preset, settings) == smollm2.engine().context
+    for p in PROMPTS:
+        for req in (Request(prompt=p, max_new_tokens=8),
+                    Request(messages=[{"role": "system", "content": "Be brief."},
+                                      {"role": "user", "content": p}], max_new_tokens=8)):
+            assert light.encode(req, 10**9) == encode_prompt(smollm2.tokenizer, req, 10**9)

@@ -26,13 +26,14 @@ from pathlib import Path
 import torch
 import transformers
 
-from configs.presets import get_preset
-from configs.settings import Settings
-from worker.bench.figures import figures
-from worker.bench.greedy import NearTieCheck, compare
-from worker.bench.prompts import load_prompts
-from worker.bench.report import LEGEND, plot, table, write_json
-from worker.bench.runner import (
+from specq.configs.generation import Request
+from specq.configs.presets import get_preset
+from specq.configs.settings import Settings
+from specq.worker.bench.figures import figures
+from specq.worker.bench.greedy import NearTieCheck, compare
+from specq.worker.bench.prompts import load_prompts
+from specq.worker.bench.report import LEGEND, plot, table, write_json
+from specq.worker.bench.runner import (
     ADAPTIVE,
     ASSISTED,
     FIXED,
@@ -45,11 +46,10 @@ from worker.bench.runner import (
     run_hf,
     run_specq,
 )
-from worker.drafts import shallow_draft, skip_draft
-from worker.engine.drafters import Drafter, DraftModel, PromptLookup
-from worker.engine.request import Request
-from worker.engine.speculative import encode_prompt
-from worker.pairs import Pair, load_pair
+from specq.worker.drafts import shallow_draft, skip_draft
+from specq.worker.engine.drafters import Drafter, DraftModel, PromptLookup
+from specq.worker.engine.speculative import encode_prompt
+from specq.worker.pairs import Pair, load_pair
 
 log = logging.getLogger(__name__)
 

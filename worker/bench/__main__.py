@@ -1,5 +1,5 @@
 import sys
 
-from worker.bench import main
+from specq.worker.bench import main
 
 sys.exit(main())

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from worker.engine.batch import KVRows
-from worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.batch import KVRows
+from specq.worker.engine.speculative import SpeculativeEngine
 
 KINDS = ("oom", "error", "device")
 
@@ -123,9 +123,9 @@ def main(argv: list[str]) -> None:
     from celery.bin.celery import main as celery_main
     from celery.signals import worker_ready
 
-    from configs.settings import get_settings
-    from worker.app import worker_argv
-    from worker.constants import WORKER_PAIR_ENV
+    from specq.configs.settings import get_settings
+    from specq.worker.app import worker_argv
+    from specq.worker.constants import WORKER_PAIR_ENV
 
     p = argparse.ArgumentParser(prog="python -m worker.bench.faults")
     p.add_argument("faults_file", type=Path)

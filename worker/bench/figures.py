@@ -33,8 +33,8 @@ import math
 from collections import Counter
 from statistics import fmean
 
-from worker.bench.runner import Run, Step
-from worker.engine.policy import expected_tokens, measured_speedup, theorem_speedup
+from specq.worker.bench.runner import Run, Step
+from specq.worker.engine.policy import expected_tokens, measured_speedup, theorem_speedup
 
 
 def alpha_mle(steps: list[Step]) -> tuple[float | None, float | None]:

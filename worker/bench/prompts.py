@@ -5,9 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from worker.engine.request import Message
+from specq.configs.generation import Message
 
-# Tasks whose answer reuses the input's words: prompt lookup and early-exit drafts can
 # guess them; open-ended tasks would measure the draft, not the engine.
 PROMPTS: list[str] = [
     "Rewrite in formal English: hey guys the meeting got moved to 3pm tmrw dont be late, "

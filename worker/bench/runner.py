@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from worker.engine.batch import left_pad
-from worker.engine.drafters import Drafter, NoDraft
-from worker.engine.request import Request, Result
-from worker.engine.speculative import SpeculativeEngine
+from specq.configs.generation import Request
+from specq.worker.engine.batch import left_pad
+from specq.worker.engine.drafters import Drafter, NoDraft
+from specq.worker.engine.result import Result
+from specq.worker.engine.speculative import SpeculativeEngine
 
 log = logging.getLogger(__name__)
 

@@ -164,7 +164,7 @@ class Row:
     """One request in flight: its tokens so far, its limits and its counters."""
 
     def __init__(self, request, prompt_ids: list[int], eos_ids: set[int], tokenizer) -> None:
-        from worker.engine.request import Result  # local: request imports nothing from here
+        from specq.worker.engine.result import Result  # local: request imports nothing from here
 
         self.request = request
         self.tokens: list[int] = list(prompt_ids)  # prompt + generated

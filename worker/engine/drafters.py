@@ -14,8 +14,8 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
-from worker.engine.batch import KVRows, left_pad
-from worker.engine.sampling import DRAFT, keyed_uniform, logits_to_probs, sample
+from specq.worker.engine.batch import KVRows, left_pad
+from specq.worker.engine.sampling import DRAFT, keyed_uniform, logits_to_probs, sample
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.sampling import sample
+from specq.worker.engine.sampling import sample
 
 
 def rejection_sample(

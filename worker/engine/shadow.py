@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from worker.engine.batch import Row
-from worker.engine.drafters import Drafter, DraftInputs
+from specq.worker.engine.batch import Row
+from specq.worker.engine.drafters import Drafter, DraftInputs
 
 
 def hold(drafter: Drafter, rows: list[Row], g: int) -> None:

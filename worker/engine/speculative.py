@@ -11,13 +11,14 @@ from statistics import median
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from worker.engine import shadow
-from worker.engine.batch import KVRows, Row, left_pad
-from worker.engine.drafters import Drafter, DraftInputs, NoDraft
-from worker.engine.policy import DraftLengthPolicy
-from worker.engine.rejection import greedy_accept, rejection_sample
-from worker.engine.request import Request, Result
-from worker.engine.sampling import ACCEPT, SAMPLE, keyed_uniform, logits_to_probs, sample
+from specq.configs.generation import Request, RequestError, check_length, context_length
+from specq.worker.engine import shadow
+from specq.worker.engine.batch import KVRows, Row, left_pad
+from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
+from specq.worker.engine.policy import DraftLengthPolicy
+from specq.worker.engine.rejection import greedy_accept, rejection_sample
+from specq.worker.engine.result import Result
+from specq.worker.engine.sampling import ACCEPT, SAMPLE, keyed_uniform, logits_to_probs, sample
 
 log = logging.getLogger(__name__)
 _NO_DRAFT = NoDraft()  # the proposal of a step that does not draft
@@ -28,20 +29,8 @@ _CALIBRATION_TEXT = (
 )
 
 
-class RequestError(ValueError):
-    """A request the model cannot serve; the message names the field."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-def context_length(model: PreTrainedModel) -> int:
-    cfg = model.config.get_text_config()
-    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
-        if getattr(cfg, name, None):
-            return int(getattr(cfg, name))
-    return 2**31
+def model_context(model: PreTrainedModel) -> int:
+    return context_length(model.config.get_text_config().to_dict())
 
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, request: Request, context: int) -> list[int]:
@@ -61,35 +50,8 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, request: Request, context:
         ids = tokenizer(text, add_special_tokens=False).input_ids
     else:
         ids = tokenizer(request.prompt).input_ids
-    if len(ids) >= context:
-        raise RequestError("prompt", f"{len(ids)} tokens, the model's context is {context}")
-    if len(ids) + request.max_new_tokens > context:
-        raise RequestError(
-            "max_new_tokens",
-            f"{request.max_new_tokens} after a {len(ids)}-token prompt exceeds the model's "
-            f"context of {context} tokens",
-        )
+    check_length(len(ids), request.max_new_tokens, context)
     return ids
-
-
-# Upper bound on what a tokenizer adds beyond one token per byte: special tokens, a
-# SentencePiece space prefix, and per message the chat template's role markers.
-_TOKENS_BEYOND_BYTES = 16
-_TOKENS_PER_MESSAGE = 64
-
-
-def fits_by_size(request: Request, context: int) -> bool:
-    """True when the prompt fits whatever its tokenization: every real tokenizer emits at
-    most one token per UTF-8 byte, plus a few special ones. Lets a submission skip
-    tokenizing the (vast majority of) prompts far below the model's context."""
-    if request.prompt_token_ids is not None:
-        n = len(request.prompt_token_ids)
-    elif request.messages is not None:
-        n = sum(len(m.content.encode()) + len(m.role) + _TOKENS_PER_MESSAGE
-                for m in request.messages)
-    else:
-        n = len(request.prompt.encode())
-    return n + _TOKENS_BEYOND_BYTES + request.max_new_tokens <= context
 
 
 class SpeculativeEngine:
@@ -121,7 +83,7 @@ class SpeculativeEngine:
         self.policy = DraftLengthPolicy(default=default, max_g=max_draft_length,
                                         adaptive=adaptive and default > 0,
                                         idle_acceptance=self.shadowing)
-        self.context = context_length(target)
+        self.context = model_context(target)
         eos = target.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         if tokenizer.eos_token_id is not None:

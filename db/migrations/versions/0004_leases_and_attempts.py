@@ -44,7 +44,7 @@ def upgrade() -> None:
     # the chunks of jobs stored before this revision; a finished job's are done
     conn = op.get_bind()
     jobs = conn.execute(sa.text("SELECT id, pair, total, chunk_size, status FROM jobs")).all()
-    from configs.settings import get_settings  # the queues jobs were sent to so far
+    from specq.configs.settings import get_settings  # the queues jobs were sent to so far
 
     prefix = get_settings().queue_prefix
     for j in jobs:

@@ -2,7 +2,7 @@
 
 import torch
 
-from worker.engine.batch import KVRows, left_pad
+from specq.worker.engine.batch import KVRows, left_pad
 
 
 def _alone(model, tokens):
@@ -53,8 +53,8 @@ def test_rows_added_empty_then_replaced_match_a_direct_prefill(tiny_models):
 def test_a_draft_model_costs_nothing_while_the_engine_does_not_draft(tiny_models,
                                                                       tiny_tokenizer,
                                                                       make_requests):
-    from worker.engine.drafters import DraftModel
-    from worker.engine.speculative import SpeculativeEngine
+    from specq.worker.engine.drafters import DraftModel
+    from specq.worker.engine.speculative import SpeculativeEngine
 
     draft = DraftModel(tiny_models["noisy"])
     calls = []

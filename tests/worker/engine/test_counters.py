@@ -2,8 +2,8 @@
 
 import pytest
 
-from worker.engine.drafters import DraftModel, NoDraft, PromptLookup
-from worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
+from specq.worker.engine.speculative import SpeculativeEngine
 
 
 @pytest.mark.parametrize("drafter", ["noisy", "prompt_lookup", "none"])

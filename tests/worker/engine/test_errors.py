@@ -3,8 +3,8 @@
 import pytest
 from pydantic import ValidationError
 
-from worker.engine.request import Request
-from worker.engine.speculative import SpeculativeEngine
+from specq.configs.generation import Request
+from specq.worker.engine.speculative import SpeculativeEngine
 
 
 @pytest.mark.parametrize("field,value", [
@@ -45,7 +45,8 @@ def test_too_long_prompts_fail_alone(tiny_models, tiny_tokenizer):
 
 def test_size_shortcut_never_passes_a_prompt_that_does_not_fit(tiny_tokenizer):
     """fits_by_size lets submissions skip tokenizing; it must be an upper bound."""
-    from worker.engine.speculative import encode_prompt, fits_by_size
+    from specq.configs.generation import fits_by_size
+    from specq.worker.engine.speculative import encode_prompt
 
     context = 512
     texts = ["é" * 200, "word " * 90, "日本語" * 50, "x" * 480, "a b"]

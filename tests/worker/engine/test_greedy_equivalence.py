@@ -4,8 +4,8 @@ import logging
 
 import pytest
 
-from worker.engine.drafters import DraftModel, NoDraft, PromptLookup
-from worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
+from specq.worker.engine.speculative import SpeculativeEngine
 
 log = logging.getLogger(__name__)
 BATCH_SIZES = [1, 2, 7, 16]

@@ -2,14 +2,14 @@
 
 import pytest
 
-from worker.engine.drafters import DraftModel, PromptLookup
-from worker.engine.policy import (
+from specq.worker.engine.drafters import DraftModel, PromptLookup
+from specq.worker.engine.policy import (
     DraftLengthPolicy,
     expected_tokens,
     measured_speedup,
     theorem_speedup,
 )
-from worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.speculative import SpeculativeEngine
 
 
 def test_speedup_arithmetic():

@@ -3,7 +3,7 @@
 import torch
 from scipy.stats import chisquare
 
-from worker.engine.rejection import greedy_accept, rejection_sample
+from specq.worker.engine.rejection import greedy_accept, rejection_sample
 
 P = torch.tensor([0.05, 0.40, 0.25, 0.20, 0.10])  # target
 Q = torch.tensor([0.30, 0.10, 0.25, 0.05, 0.30])  # draft, deliberately unlike P

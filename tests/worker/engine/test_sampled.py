@@ -3,16 +3,16 @@
 import torch
 from scipy.stats import chisquare
 
-from worker.engine.drafters import DraftModel, NoDraft, PromptLookup
-from worker.engine.request import Request
-from worker.engine.speculative import SpeculativeEngine
+from specq.configs.generation import Request
+from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
+from specq.worker.engine.speculative import SpeculativeEngine
 
 PROMPT = [40, 41, 42, 43, 44, 45, 46, 40, 41, 42]
 
 
 def _exact_second_token(target, params) -> torch.Tensor:
     """P(token 2) = sum_t1 p(t1) p(t2 | t1), by enumerating t1 (one batched forward)."""
-    from worker.engine.sampling import logits_to_probs
+    from specq.worker.engine.sampling import logits_to_probs
 
     t, k, p = (torch.tensor([params[x]]) for x in ("temperature", "top_k", "top_p"))
     with torch.no_grad():

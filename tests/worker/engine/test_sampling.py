@@ -2,7 +2,7 @@
 
 import torch
 
-from worker.engine.sampling import SAMPLE, keyed_uniform, logits_to_probs, sample
+from specq.worker.engine.sampling import SAMPLE, keyed_uniform, logits_to_probs, sample
 
 
 def test_greedy_rows_are_one_hot_and_sampled_rows_are_softmax():

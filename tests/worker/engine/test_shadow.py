@@ -2,11 +2,11 @@
 
 import pytest
 
-from worker.engine import shadow
-from worker.engine.batch import Row
-from worker.engine.drafters import PromptLookup
-from worker.engine.request import Request
-from worker.engine.speculative import SpeculativeEngine
+from specq.configs.generation import Request
+from specq.worker.engine import shadow
+from specq.worker.engine.batch import Row
+from specq.worker.engine.drafters import PromptLookup
+from specq.worker.engine.speculative import SpeculativeEngine
 
 
 def _row(tokens, max_new=50):

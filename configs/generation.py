@@ -1,15 +1,18 @@
-"""What a caller asks the engine for, and what it gets back."""
+"""What a request asks for: its prompt (text, chat messages or token ids) and generation
+parameters, validated here once for the client that submits and the engine that runs it.
+
+Also what fits a model: a prompt and its max_new_tokens within the model's context
+(``check_length``), and a bound that lets a submission skip tokenizing the prompts that
+fit whatever their tokenization (``fits_by_size``). No model or tokenizer is imported here.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from collections.abc import Mapping
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from worker.engine.counters import Counters
-
-FinishReason = Literal["stop", "length"]
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 INT32_MAX = 2**31 - 1  # the largest count anything stores (INTEGER columns)
 MAX_STOP_STRINGS = 64
@@ -85,14 +88,56 @@ class Request(SamplingParams):
         return SamplingParams(**self.model_dump(include=set(SamplingParams.model_fields)))
 
 
-@dataclass
-class Result:
-    """The outcome of one request: its tokens and text, or the error that stopped it."""
+def merge(defaults: Mapping[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
+    """A job's generation parameters with one item's own on top: the one place they meet."""
+    return {**defaults, **(overrides or {})}
 
-    id: int | str
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: FinishReason | None = None
-    prompt_tokens: int = 0
-    counters: Counters = field(default_factory=Counters)
-    error: str | None = None
+
+class RequestError(ValueError):
+    """A request the model cannot serve; the message names the field."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+def check_length(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
+    """RequestError unless a prompt of this many tokens and its max_new_tokens fit."""
+    if prompt_tokens >= context:
+        raise RequestError("prompt", f"{prompt_tokens} tokens, the model's context is {context}")
+    if prompt_tokens + max_new_tokens > context:
+        raise RequestError(
+            "max_new_tokens",
+            f"{max_new_tokens} after a {prompt_tokens}-token prompt exceeds the model's "
+            f"context of {context} tokens",
+        )
+
+
+def context_length(config: Mapping[str, Any]) -> int:
+    """The context of a model from its config.json (the text model's, for a multimodal
+    one); 2**31 when it names none."""
+    config = config.get("text_config") or config
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if config.get(name):
+            return int(config[name])
+    return 2**31
+
+
+# Upper bound on what a tokenizer adds beyond one token per byte: special tokens, a
+# SentencePiece space prefix, and per message the chat template's role markers.
+_TOKENS_BEYOND_BYTES = 16
+_TOKENS_PER_MESSAGE = 64
+
+
+def fits_by_size(request: Request, context: int) -> bool:
+    """True when the prompt fits whatever its tokenization: every real tokenizer emits at
+    most one token per UTF-8 byte, plus a few special ones. Lets a submission skip
+    tokenizing the (vast majority of) prompts far below the model's context."""
+    if request.prompt_token_ids is not None:
+        n = len(request.prompt_token_ids)
+    elif request.messages is not None:
+        n = sum(len(m.content.encode()) + len(m.role) + _TOKENS_PER_MESSAGE
+                for m in request.messages)
+    else:
+        n = len(request.prompt.encode())
+    return n + _TOKENS_BEYOND_BYTES + request.max_new_tokens <= context

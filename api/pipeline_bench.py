@@ -25,14 +25,15 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from api.client import Client, prompt_checker
-from configs.presets import get_preset
-from configs.settings import Settings, get_settings
-from db import repository as repo
-from worker.bench import positive_int
-from worker.bench.prompts import load_prompts
-from worker.engine.request import Request
-from worker.pairs import load_pair
+from specq.api.client import Client
+from specq.api.tokenizer import prompt_tokenizer
+from specq.configs.generation import Request
+from specq.configs.presets import get_preset
+from specq.configs.settings import Settings, get_settings
+from specq.db import repository as repo
+from specq.worker.bench import positive_int
+from specq.worker.bench.prompts import load_prompts
+from specq.worker.pairs import load_pair
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +64,7 @@ def start_worker(settings: Settings, pair: str, client: Client, log_path: Path,
     """`specq worker --pair PAIR`, returned once it consumes the pair's queue."""
     log_file = log_path.open("w")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "api.cli", "worker", "--pair", pair, "--loglevel", "warning"],
+        [sys.executable, "-m", "specq.api.cli", "worker", "--pair", pair, "--loglevel", "warning"],
         env=worker_env(settings), stdout=log_file, stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + timeout
@@ -131,7 +132,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
     proc = start_worker(worker_settings, args.pair, client, out / "pipeline-worker.log")
     # a client loads the target's tokenizer once per process (seconds for a GGUF file):
     # do it before the clock starts, as for any client that has submitted before
-    prompt_checker(get_preset(args.pair, settings.presets_file), settings)
+    prompt_tokenizer(get_preset(args.pair, settings.presets_file), settings)
     try:
         submitted_at = datetime.now(timezone.utc)
         job = client.submit(messages, pair=args.pair, max_new_tokens=args.max_new_tokens,

@@ -2,7 +2,7 @@
 
 A job of --items prompts runs on --workers worker subprocesses (real Redis, the configured
 database: point SPECQ_DATABASE_URL at a scratch PostgreSQL). Each worker reaches Redis and
-the database through a TCP proxy (worker/bench/proxy.py) and runs an engine that fails on
+the database through a TCP proxy (api/proxy.py) and runs an engine that fails on
 request (worker/bench/faults.py). While the job runs, at fixed points of its progress:
 --kills SIGKILLs of a worker that holds a chunk (a new worker is started in its place, as a
 supervisor would), a broker flush (FLUSHDB), a --outage s cut of every worker's database
@@ -28,10 +28,11 @@ import redis
 from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
-from api.client import Client
-from configs.settings import Settings, get_settings
-from db.models import Chunk, Item, ItemStatus
-from worker.bench.proxy import Proxy
+from specq.api.client import Client
+from specq.api.proxy import Proxy
+from specq.configs.settings import Settings, get_settings
+from specq.db import chunks
+from specq.db.models import Chunk, Item, ItemStatus
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +56,14 @@ class Worker:
     """A worker subprocess with its own faults file."""
 
     def __init__(self, settings: Settings, pair: str, out: Path) -> None:
-        from worker.bench.pipeline import worker_env
+        from specq.api.pipeline_bench import worker_env
 
         self.name = f"chaos-{uuid.uuid4().hex[:6]}"
         self.log = out / f"{self.name}.log"
         self.faults = out / f"{self.name}.faults.json"
         self.faults.write_text("{}")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.bench.faults", str(self.faults), "--pair", pair,
+            [sys.executable, "-m", "specq.worker.bench.faults", str(self.faults), "--pair", pair,
              "-n", f"{self.name}@%h", "--loglevel", "warning"],
             env=worker_env(settings), stdout=self.log.open("w"), stderr=subprocess.STDOUT)
 
@@ -217,11 +218,12 @@ def _kill_one(client: Client, job_id: int, workers: list[Worker], via: Settings,
     victim.proc.wait(10)
     killed_at = time.monotonic()
     workers[workers.index(victim)] = Worker(via, args.pair, out)  # the supervisor
-    while time.monotonic() - killed_at < 600:
+    while time.monotonic() - killed_at < 600:  # resumed elsewhere, or nothing left to do
         with client.sessions() as s:
             chunk = s.get(Chunk, (job_id, start), populate_existing=True)
-            if chunk.done or (chunk.lease_owner and
-                              not chunk.lease_owner.startswith(victim.name + "@")):
+            left = chunks.pending_count(s, job_id=job_id, start=start, end=chunk.end)
+            if not left or (chunk.lease_owner and
+                            not chunk.lease_owner.startswith(victim.name + "@")):
                 return round(time.monotonic() - killed_at, 1)
         time.sleep(0.1)
     return None

@@ -1,6 +1,6 @@
 """Scheduled synthesis: Celery beat fires the schedules of SPECQ_SCHEDULES_FILE.
 
-`specq beat` runs `celery -A worker.beat worker -B` on the queue PREFIX.synth: the embedded
+`specq beat` runs `celery -A specq.api.beat worker -B` on the queue PREFIX.synth: the embedded
 beat sends FIRE_TASK for each schedule at its slots and COLLECT_TASK every COLLECT_EVERY
 seconds, and the same process (no GPU, no model) runs them:
 
@@ -24,15 +24,15 @@ from typing import Any
 import redis
 from celery import Celery
 
-from api.client import Client
-from api.synthesis import load_spec, submit, write_output
-from configs.schedules import Schedule, load_schedules
-from configs.settings import Settings, get_settings
-from db import repository as repo
-from db.models import utcnow
-from worker.app import make_app
-from worker.constants import COLLECT_TASK, FIRE_TASK, RECONCILE_TASK, synth_queue
-from worker.reconciler import reconcile, reconcile_if_due
+from specq.api.client import Client
+from specq.api.synthesis import load_spec, submit, write_output
+from specq.configs.schedules import Schedule, load_schedules
+from specq.configs.settings import Settings, get_settings
+from specq.db import repository as repo
+from specq.db.models import utcnow
+from specq.worker.app import make_app
+from specq.worker.constants import COLLECT_TASK, FIRE_TASK, RECONCILE_TASK, synth_queue
+from specq.worker.reconciler import reconcile, reconcile_if_due
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, Any]]:
 
 
 def make_beat_app(settings: Settings) -> Celery:
-    app = make_app(settings)
+    app = make_app(settings, tasks=False)
     app.conf.update(beat_schedule=beat_schedule(settings), timezone="UTC")
     app.task(name=FIRE_TASK)(fire_task)
     app.task(name=COLLECT_TASK)(collect_task)

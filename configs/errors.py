@@ -1,0 +1,34 @@
+"""Refusals of bad input: one type for every spec (job files, synthesis specs, schedules),
+each problem naming where and which field, before anything is stored."""
+
+from __future__ import annotations
+
+from pydantic import ValidationError
+
+
+class InputError(ValueError):
+    """The job spec is invalid; ``problems`` lists each one as 'where: field: message'.
+
+    One problem reads as one line ('invalid job spec: line 3: seed: ...'); several as a
+    list under the title."""
+
+    title = "invalid job spec"
+
+    def __init__(self, problems: list[str], truncated: bool = False) -> None:
+        self.problems = problems
+        if len(problems) == 1 and not truncated:
+            message = f"{self.title}: {problems[0]}"
+        else:
+            more = f"\n  ... (stopped after {len(problems)} problems)" if truncated else ""
+            message = f"{self.title}:\n  " + "\n  ".join(problems) + more
+        super().__init__(message)
+
+
+def describe(exc: ValidationError) -> list[str]:
+    """'field: message' for each error of a pydantic ValidationError."""
+    out = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        out.append(f"{loc}: {msg}" if loc else msg)
+    return out
