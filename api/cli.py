@@ -17,7 +17,8 @@ from typing import Any, NoReturn
 from pydantic import ValidationError
 from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 
-from specq.api.client import Client, Job
+from specq.api import formats
+from specq.api.client import Client
 from specq.api.formats import FORMATS, OutputError, check_output
 from specq.api.inputs import InputError, check_count, check_job_id, describe, show
 from specq.configs.presets import PresetError
@@ -323,7 +324,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     engine.calibrate()
     run_inline(sessions=client.sessions, engine=engine, pair=pair.preset.name,
                job_id=job.id, progress=True)
-    n = export(job, args.output)
+    n = formats.export(job, args.output)
     m = job.metrics()
     print(f"job {job.id}: {m.completed} completed, {m.failed} failed; {n} results in "
           f"{args.output}; {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -338,20 +339,6 @@ def _summary(d: dict[str, Any]) -> dict[str, Any]:
         return round(v, 4) if isinstance(v, float) else v
 
     return {k: r(v) for k, v in d.items()}
-
-
-def export(job: Job, output: str) -> int:
-    """Write the job's results as JSONL, one line per item in order; returns the count."""
-    out = sys.stdout if output == "-" else open(output, "w", encoding="utf-8")  # noqa: SIM115
-    n = 0
-    try:
-        for item in job.results():
-            out.write(json.dumps(item.as_dict(), ensure_ascii=False) + "\n")
-            n += 1
-    finally:
-        if out is not sys.stdout:
-            out.close()
-    return n
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -429,8 +416,6 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    from specq.api import formats
-
     n = formats.export(Client().job(args.job), args.output, args.format)
     if args.output != "-":
         print(f"{n} results written to {args.output}", file=sys.stderr)

@@ -36,6 +36,8 @@ from specq.api.inputs import (
     parse_entries,
 )
 from specq.api.tokenizer import PromptTokenizer, prompt_tokenizer, target_context
+from specq.configs.counters import ARRAYS, SCALARS, Counters
+from specq.configs.counters import kinds as counter_kinds
 from specq.configs.generation import RequestError, SamplingParams, fits_by_size
 from specq.configs.presets import PairPreset, UnknownPair, get_preset
 from specq.configs.settings import Settings, get_settings
@@ -47,7 +49,6 @@ from specq.db.session import migrate, session_factory
 from specq.worker import dispatch
 from specq.worker.app import make_app
 from specq.worker.constants import INSPECT_TIMEOUT, queue_name
-from specq.worker.engine import counters as rates
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -85,9 +86,11 @@ class JobState:
         return d
 
 
-@dataclass
-class JobMetrics:
-    """A job's counters summed over its items in SQL; every rate is derived from them."""
+@dataclass(kw_only=True)
+class JobMetrics(Counters):
+    """A job's counters (configs/counters.py) summed over its items in SQL, and its item
+    counts; every rate is derived from them (acceptance rate and mean acceptance length
+    as for one request)."""
 
     job_id: int
     status: str
@@ -96,16 +99,7 @@ class JobMetrics:
     failed: int
     cancelled: int
     pending: int
-    draft_steps: int
-    proposed: int
-    accepted: int
-    target_passes: int
-    new_tokens: int
-    draft_time: float
-    verify_time: float
     wall_time: float | None  # first item start → last item finish
-    accepted_by_position: list[int] = field(default_factory=list)
-    steps_by_draft_length: list[int] = field(default_factory=list)  # [g]: steps run at g
     draft_length_over_time: list[float] = field(default_factory=list)  # mean g, by 10ths
 
     @property
@@ -123,14 +117,6 @@ class JobMetrics:
         if not self.target_passes or not busy:
             return None
         return self.new_tokens / self.target_passes * self.verify_time / busy
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return rates.acceptance_rate(self.accepted, self.proposed)
-
-    @property
-    def mean_acceptance_length(self) -> float | None:
-        return rates.mean_acceptance_length(self.accepted, self.draft_steps)
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -404,9 +390,7 @@ class Job:
         """Every item in index order, streamed from the database."""
         with self.client.sessions() as s:
             for it in repo.iter_items(s, job_id=self.id, batch=batch):
-                counters = {c: getattr(it, c) for c in repo.COUNTER_COLUMNS}
-                counters["accepted_by_position"] = it.accepted_by_position
-                counters["steps_by_draft_length"] = it.steps_by_draft_length
+                counters = {c: getattr(it, c) for c in SCALARS + ARRAYS}
                 yield ItemResult(
                     index=it.index, custom_id=it.custom_id, status=it.status,
                     output=it.output, finish_reason=it.finish_reason, error=it.error,
@@ -420,17 +404,17 @@ class Job:
                 raise KeyError(f"job {self.id}: not found")
             counts = repo.status_counts(s, job_id=self.id)
             sums = repo.counter_sums(s, job_id=self.id)
-            by_position = repo.accepted_by_position(s, job_id=self.id)
-            by_g = repo.array_sums(s, job_id=self.id, column="steps_by_draft_length")
+            arrays = {c: repo.array_sums(s, job_id=self.id, column=c) for c in ARRAYS}
             timeline = repo.draft_length_timeline(s, job_id=self.id)
         first, last = sums.pop("first_started"), sums.pop("last_finished")
+        kind = counter_kinds()
         return JobMetrics(
             job_id=self.id, status=job.status, total=job.total,
             completed=counts[ItemStatus.completed.value], failed=counts[ItemStatus.failed.value],
             cancelled=counts[ItemStatus.cancelled.value], pending=counts[ItemStatus.pending.value],
-            **{k: (float(v) if k.endswith("_time") else int(v)) for k, v in sums.items()},
-            wall_time=repo.elapsed(first, last), accepted_by_position=by_position,
-            steps_by_draft_length=by_g, draft_length_over_time=_mean_g_by_tenths(timeline),
+            **{k: (float(v) if kind[k] == "float" else int(v)) for k, v in sums.items()},
+            **arrays, wall_time=repo.elapsed(first, last),
+            draft_length_over_time=_mean_g_by_tenths(timeline),
         )
 
     def retry(self) -> list[int]:

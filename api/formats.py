@@ -20,6 +20,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from specq.api.client import Job
+from specq.configs.counters import ARRAYS, SCALARS, acceptance_rate
+from specq.configs.counters import kinds as counter_kinds
 from specq.db import repository as repo
 from specq.db.models import Item, ItemStatus
 
@@ -142,13 +144,20 @@ def write_batches(sink: Sink, rows: Iterable[dict[str, Any]], batch: int = BATCH
 
 # -- the rows of each format --------------------------------------------------------------
 
-COUNTERS = (*repo.COUNTER_COLUMNS,)
+_ARROW = {"int": pa.int64(), "float": pa.float64(), "array": pa.list_(pa.int64())}
+
+
+def counter_fields(names: tuple[str, ...] = SCALARS + ARRAYS) -> list[tuple[str, pa.DataType]]:
+    """Parquet columns of these counters, typed as configs/counters.py defines them."""
+    kind = counter_kinds()
+    return [(c, _ARROW[kind[c]]) for c in names]
+
+
 RESULT_SCHEMA = pa.schema(
     [("index", pa.int64()), ("custom_id", pa.string()), ("status", pa.string()),
      ("output", pa.string()), ("finish_reason", pa.string()), ("error", pa.string()),
      ("prompt_tokens", pa.int64()), ("worker", pa.string())]
-    + [(c, pa.float64() if c.endswith("_time") else pa.int64()) for c in COUNTERS]
-    + [("accepted_by_position", pa.list_(pa.int64())), ("acceptance_rate", pa.float64())]
+    + counter_fields() + [("acceptance_rate", pa.float64())]
 )
 
 
@@ -167,9 +176,8 @@ def flat_rows(job: Job) -> Iterator[dict[str, Any]]:
             "index": item.index, "custom_id": item.custom_id, "status": item.status,
             "output": item.output, "finish_reason": item.finish_reason, "error": item.error,
             "prompt_tokens": item.prompt_tokens, "worker": item.worker,
-            **{k: c.get(k) for k in COUNTERS},
-            "accepted_by_position": c.get("accepted_by_position"),
-            "acceptance_rate": c["accepted"] / proposed if proposed else None,
+            **{k: c.get(k) for k in SCALARS + ARRAYS},
+            "acceptance_rate": acceptance_rate(c["accepted"], proposed) if proposed else None,
         }
 
 

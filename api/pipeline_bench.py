@@ -27,10 +27,13 @@ from pathlib import Path
 
 from specq.api.client import Client
 from specq.api.tokenizer import prompt_tokenizer
+from specq.configs.counters import Counters
 from specq.configs.generation import Request
 from specq.configs.presets import get_preset
 from specq.configs.settings import Settings, get_settings
 from specq.db import repository as repo
+from specq.db.models import ItemStatus
+from specq.db.outcomes import Outcome
 from specq.worker.bench import positive_int
 from specq.worker.bench.prompts import load_prompts
 from specq.worker.pairs import load_pair
@@ -102,13 +105,13 @@ def submission_rate(client: Client, pair: str, n: int, path: Path) -> float:
 
 def write_rate(client: Client, pair: str, n: int) -> float:
     job = client.submit([f"p{i}" for i in range(n)], pair=pair, enqueue=False, max_new_tokens=8)
-    outcomes = [{
-        "index": i, "status": "completed", "output": "an output of a few words", "error": None,
-        "token_ids": list(range(24)), "finish_reason": "length", "prompt_tokens": 12,
-        "accepted_by_position": [3, 2, 1], "steps_by_draft_length": [1, 0, 0, 0, 8],
-        "worker": "bench", "started_at": None, "finished_at": None,
-        **{c: 1 for c in repo.COUNTER_COLUMNS},
-    } for i in range(n)]
+    counters = Counters(draft_steps=8, proposed=32, accepted=6, target_passes=9,
+                        new_tokens=24, accepted_by_position=[3, 2, 1],
+                        steps_by_draft_length=[1, 0, 0, 0, 8], draft_time=0.1,
+                        verify_time=0.2)
+    outcomes = [Outcome(i, ItemStatus.completed, output="an output of a few words",
+                        token_ids=list(range(24)), finish_reason="length", prompt_tokens=12,
+                        counters=counters, worker="bench") for i in range(n)]
     t0 = time.perf_counter()
     with client.sessions.begin() as s:
         repo.lock_job(s, job_id=job.id)

@@ -51,9 +51,17 @@ from pydantic import (
 )
 
 from specq.api.client import Client, Job
-from specq.api.formats import BATCH, OutputError, check_output, open_sink, write_batches
+from specq.api.formats import (
+    BATCH,
+    OutputError,
+    check_output,
+    counter_fields,
+    open_sink,
+    write_batches,
+)
 from specq.api.inputs import InputError, describe, show, storable, text_problem
 from specq.api.templates import BoundedSandbox, RenderLimits
+from specq.configs.counters import SCALARS, acceptance_rate
 from specq.configs.generation import INT32_MAX, SamplingParams
 from specq.db import repository as repo
 
@@ -64,20 +72,16 @@ OUTPUT_FORMATS = {".parquet": "parquet", ".jsonl": "jsonl"}
 OUTPUT_PLACEHOLDERS = ("name", "job_id", "date")
 MAX_SAMPLES_PER_ROW = 100_000
 MAX_TEMPLATE_CHARS = 100_000
-# The columns each output row has besides the seed row's own fields.
-SAMPLE_COLUMNS = (
-    "row_index", "sample_index", "seed", "custom_id", "prompt", "output", "finish_reason",
-    "status", "error", "prompt_tokens", "new_tokens", "draft_steps", "proposed", "accepted",
-    "target_passes", "acceptance_rate",
-)
+# The columns each output row has besides the seed row's own fields: the sample, its
+# outcome, every scalar counter (configs/counters.py) and the acceptance rate.
 SAMPLE_SCHEMA = [
     ("row_index", pa.int64()), ("sample_index", pa.int64()), ("seed", pa.int64()),
     ("custom_id", pa.string()), ("prompt", pa.string()), ("output", pa.string()),
     ("finish_reason", pa.string()), ("status", pa.string()), ("error", pa.string()),
-    ("prompt_tokens", pa.int64()), ("new_tokens", pa.int64()), ("draft_steps", pa.int64()),
-    ("proposed", pa.int64()), ("accepted", pa.int64()), ("target_passes", pa.int64()),
+    ("prompt_tokens", pa.int64()), *counter_fields(SCALARS),
     ("acceptance_rate", pa.float64()),
 ]
+SAMPLE_COLUMNS = tuple(name for name, _ in SAMPLE_SCHEMA)
 
 
 class SpecError(InputError):
@@ -410,17 +414,15 @@ def _output_rows(client: Client, spec: SynthSpec, job_id: int) -> Iterator[dict[
                 if row is None:
                     raise RuntimeError(f"job {job_id}: {spec.seed_data} has fewer rows than the "
                                        f"job; it changed since the run was submitted")
-            rate = item.accepted / item.proposed if item.proposed else None
+            rate = acceptance_rate(item.accepted, item.proposed) if item.proposed else None
             yield {**row, "row_index": r, "sample_index": k,
                    "seed": (item.params or {}).get("seed"), "custom_id": item.custom_id,
                    "prompt": item.prompt if item.prompt is not None
                    else json.dumps(item.messages, ensure_ascii=False),
                    "output": item.output, "finish_reason": item.finish_reason,
                    "status": item.status, "error": item.error,
-                   "prompt_tokens": item.prompt_tokens, "new_tokens": item.new_tokens,
-                   "draft_steps": item.draft_steps, "proposed": item.proposed,
-                   "accepted": item.accepted, "target_passes": item.target_passes,
-                   "acceptance_rate": rate}
+                   "prompt_tokens": item.prompt_tokens,
+                   **{c: getattr(item, c) for c in SCALARS}, "acceptance_rate": rate}
 
 
 def run(client: Client, spec: SynthSpec, *, wait: bool = True, progress: bool = False,

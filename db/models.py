@@ -21,6 +21,8 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from specq.configs.counters import kinds as counter_kinds
+
 
 class JobStatus(str, Enum):
     """A job's life, named as in the OpenAI Batch API.
@@ -119,16 +121,6 @@ class Item(Base):
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     error: Mapped[str | None] = mapped_column(Text)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
-    # Counters (worker/engine/counters.py); rates are derived from them, never stored.
-    draft_steps: Mapped[int | None] = mapped_column(Integer)
-    proposed: Mapped[int | None] = mapped_column(Integer)
-    accepted: Mapped[int | None] = mapped_column(Integer)
-    accepted_by_position: Mapped[list[int] | None] = mapped_column(JSON)
-    steps_by_draft_length: Mapped[list[int] | None] = mapped_column(JSON)  # [g]: steps at g
-    target_passes: Mapped[int | None] = mapped_column(Integer)
-    new_tokens: Mapped[int | None] = mapped_column(Integer)
-    draft_time: Mapped[float | None] = mapped_column(Float)
-    verify_time: Mapped[float | None] = mapped_column(Float)
     worker: Mapped[str | None] = mapped_column(String(255))  # hostname that wrote the outcome
     writes: Mapped[int] = mapped_column(Integer, default=0)  # outcomes written since pending: 0/1
     # Engine failures while generating this item (the error of the latest is in ``error``
@@ -137,6 +129,13 @@ class Item(Base):
     retries: Mapped[int] = mapped_column(Integer, default=0)  # sent back by `specq retry`
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+# The counter columns, one per field of configs/counters.py: Counters (rates are derived
+# from them, never stored): INTEGER, FLOAT, or a JSON array per draft position or length.
+_COUNTER_TYPES = {"int": Integer, "float": Float, "array": JSON}
+for _name, _kind in counter_kinds().items():
+    setattr(Item, _name, mapped_column(_name, _COUNTER_TYPES[_kind], nullable=True))
 
 
 class Chunk(Base):

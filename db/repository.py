@@ -15,18 +15,14 @@ from typing import Any
 from sqlalchemy import bindparam, func, insert, select, text, update
 from sqlalchemy.orm import Session
 
+from specq.configs.counters import ARRAYS, SCALARS
 from specq.db.models import Item, ItemStatus, Job, JobStatus, utcnow
+from specq.db.outcomes import COLUMNS as OUTCOME_COLUMNS
+from specq.db.outcomes import Outcome
 
 PENDING = ItemStatus.pending.value
-COUNTER_COLUMNS = (
-    "draft_steps", "proposed", "accepted", "target_passes", "new_tokens", "draft_time",
-    "verify_time",
-)
-OUTCOME_COLUMNS = (
-    "status", "output", "token_ids", "finish_reason", "error", "prompt_tokens",
-    "accepted_by_position", "steps_by_draft_length", "worker", "started_at", "finished_at",
-    *COUNTER_COLUMNS,
-)
+COUNTER_COLUMNS = SCALARS  # summed over a job's items
+ARRAY_COUNTERS = ARRAYS  # summed element-wise
 
 
 def create_job(
@@ -139,21 +135,20 @@ def pending_items(session: Session, *, job_id: int, start: int, end: int) -> lis
     ))
 
 
-def write_outcomes(session: Session, *, job_id: int, outcomes: list[dict[str, Any]]) -> int:
-    """Write each outcome (a dict with ``index`` and OUTCOME_COLUMNS) to its item, once.
+def write_outcomes(session: Session, *, job_id: int, outcomes: list[Outcome]) -> int:
+    """Write each outcome to its item, once.
 
     Idempotent: only pending items are written, so a redelivered chunk changes nothing
     already written. Returns how many items were written.
     """
     if not outcomes:
         return 0
-    indices = [o["index"] for o in outcomes]
+    indices = [o.index for o in outcomes]
     pending = set(session.scalars(
         select(Item.index).where(Item.job_id == job_id, Item.index.in_(indices),
                                  Item.status == PENDING)
     ))
-    rows = [{"b_index": o["index"], **{c: o[c] for c in OUTCOME_COLUMNS}}
-            for o in outcomes if o["index"] in pending]
+    rows = [{"b_index": o.index, **o.row()} for o in outcomes if o.index in pending]
     if not rows:
         return 0
     table = Item.__table__
@@ -312,7 +307,6 @@ _ARRAY_SUMS = {
         WHERE items.job_id = :job_id AND json_typeof(items.{col}) = 'array'
         GROUP BY pos ORDER BY pos""",
 }
-ARRAY_COUNTERS = ("accepted_by_position", "steps_by_draft_length")
 
 
 def array_sums(session: Session, *, job_id: int, column: str) -> list[int]:

@@ -29,8 +29,8 @@ from pydantic import ValidationError
 from specq.configs.generation import Request, merge
 from specq.configs.settings import Settings
 from specq.db.models import ItemStatus, utcnow
+from specq.db.outcomes import Outcome
 from specq.worker import device
-from specq.worker.engine.counters import Counters
 from specq.worker.engine.result import Result
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.keeper import ChunkKeeper
@@ -55,7 +55,7 @@ class ChunkItem:
 
 
 @dataclass
-class Outcome:
+class Tally:
     """What a chunk's generation came to."""
 
     failed: int = 0  # items failed for good by this run
@@ -71,9 +71,9 @@ def generate_with_retries(
     keeper: ChunkKeeper,
     settings: Settings,
     on_item: Callable[[], None] | None = None,
-) -> Outcome:
+) -> Tally:
     """Generate every item once (each outcome goes to the keeper as it finishes)."""
-    outcome = Outcome()
+    tally = Tally()
     started = utcnow()
     requests: dict[int, Request] = {}
     for it in items:
@@ -112,7 +112,7 @@ def generate_with_retries(
             except Stopped:
                 raise
             except Exception as exc:  # noqa: BLE001 (every engine fault is judged here)
-                outcome.faults += 1
+                tally.faults += 1
                 active = [int(i) for i in engine.active_ids() if int(i) not in finished]
                 active = active or [i for i in remaining if i not in finished]
                 engine.reset()
@@ -136,37 +136,27 @@ def generate_with_retries(
                         keeper.put(item_outcome(i, Result(id=i, error=error), hostname,
                                                 started, utcnow()))
                         finished.add(i)
-                        outcome.failed += 1
+                        tally.failed += 1
                 remaining = [i for i in remaining if i not in finished]
                 if remaining:
                     time.sleep(pause)
                     pause = min(settings.retry_backoff_max, pause * 2)
     finally:
         engine.max_batch_size = full
-    return outcome
+    return tally
 
 
-def item_outcome(index: int, res: Result, hostname: str, started: Any, finished: Any) -> dict:
-    """The item columns a result writes (db/repository.py: OUTCOME_COLUMNS)."""
-    from specq.db.repository import COUNTER_COLUMNS
-
-    c: Counters = res.counters
-    text = None if res.error else storable(res.text)
-    return {
-        "index": index,
-        "status": (ItemStatus.failed if res.error else ItemStatus.completed).value,
-        "output": text,
-        "token_ids": None if res.error else list(res.token_ids),
-        "finish_reason": res.finish_reason,
-        "error": storable(res.error),
-        "prompt_tokens": res.prompt_tokens,
-        "accepted_by_position": list(c.accepted_by_position),
-        "steps_by_draft_length": list(c.steps_by_draft_length),
-        "worker": hostname,
-        "started_at": started,
-        "finished_at": finished,
-        **{name: getattr(c, name) for name in COUNTER_COLUMNS},
-    }
+def item_outcome(index: int, res: Result, hostname: str, started: Any, finished: Any
+                 ) -> Outcome:
+    """What a result writes to its item: the output, or the error that stopped it."""
+    if res.error:
+        return Outcome.failure(index, storable(res.error), prompt_tokens=res.prompt_tokens,
+                               counters=res.counters, worker=hostname, started_at=started,
+                               finished_at=finished)
+    return Outcome(index, ItemStatus.completed, output=storable(res.text),
+                   token_ids=list(res.token_ids), finish_reason=res.finish_reason,
+                   prompt_tokens=res.prompt_tokens, counters=res.counters, worker=hostname,
+                   started_at=started, finished_at=finished)
 
 
 def storable(text: str | None) -> str | None:

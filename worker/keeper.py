@@ -21,7 +21,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -29,7 +28,8 @@ from sqlalchemy.orm import Session, sessionmaker
 from specq.configs.settings import Settings
 from specq.db import chunks
 from specq.db import repository as repo
-from specq.db.models import ItemStatus, JobStatus
+from specq.db.models import JobStatus
+from specq.db.outcomes import Outcome
 from specq.worker.backoff import UNREACHABLE, Backoff, retry_db, short_error
 
 log = logging.getLogger(__name__)
@@ -59,7 +59,7 @@ class ChunkKeeper:
         self.sessions, self.settings, self.owner = sessions, settings, owner
         self.job_id, self.start_index, self.end = job_id, start, end
         self.report = KeeperReport()
-        self._queue: list[dict[str, Any] | _Failures] = []
+        self._queue: list[Outcome | _Failures] = []
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -76,7 +76,7 @@ class ChunkKeeper:
         self._thread.start()
         return self
 
-    def put(self, outcome: dict[str, Any]) -> None:
+    def put(self, outcome: Outcome) -> None:
         """A finished item's outcome, to be written in the next batch."""
         with self._cond:
             self._queue.append(outcome)
@@ -175,7 +175,7 @@ class ChunkKeeper:
                 with self._cond:
                     self._queue = batch + self._queue
 
-    def _write(self, outcomes: list[dict[str, Any]]) -> None:
+    def _write(self, outcomes: list[Outcome]) -> None:
         try:
             with self.sessions.begin() as s:
                 n = repo.write_outcomes(s, job_id=self.job_id, outcomes=outcomes)
@@ -187,7 +187,7 @@ class ChunkKeeper:
         self.report.written += n
         self.report.unwritten += len(outcomes) - n
 
-    def _write_one(self, outcome: dict[str, Any]) -> int:
+    def _write_one(self, outcome: Outcome) -> int:
         try:
             with self.sessions.begin() as s:
                 return repo.write_outcomes(s, job_id=self.job_id, outcomes=[outcome])
@@ -195,8 +195,10 @@ class ChunkKeeper:
             raise
         except SQLAlchemyError as exc:
             orig = getattr(exc, "orig", None) or exc
-            failed = {**outcome, **refused_outcome(f"could not store the outcome: "
-                                                   f"{type(orig).__name__}: {orig}")}
+            failed = Outcome.failure(outcome.index, f"could not store the outcome: "
+                                     f"{type(orig).__name__}: {orig}", worker=outcome.worker,
+                                     started_at=outcome.started_at,
+                                     finished_at=outcome.finished_at)
             self.report.refused += 1
             with self.sessions.begin() as s:
                 return repo.write_outcomes(s, job_id=self.job_id, outcomes=[failed])
@@ -211,9 +213,3 @@ class ChunkKeeper:
                 self.report.job_status = repo.settle_job(s, job_id=self.job_id).value
             else:
                 self.report.job_status = repo.get_job(s, job_id=self.job_id).status
-
-
-def refused_outcome(error: str) -> dict[str, Any]:
-    """The columns that turn an outcome into a failure saying why."""
-    return {"status": ItemStatus.failed.value, "output": None, "token_ids": None,
-            "finish_reason": None, "error": error[:10000]}

@@ -28,6 +28,7 @@ from specq.configs.settings import Settings, get_settings
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
+from specq.db.outcomes import Outcome
 from specq.db.session import session_factory
 from specq.worker.app import app
 from specq.worker.attempts import ChunkItem, Stopped, generate_with_retries
@@ -158,16 +159,16 @@ def run_chunk(
         return report
     params, items = opened
     keeper = ChunkKeeper(sessions, settings, job_id, start, end, owner).start()
-    outcome = None
+    tally = None
     try:
-        outcome = generate_with_retries(engine, items, params, hostname, keeper, settings,
+        tally = generate_with_retries(engine, items, params, hostname, keeper, settings,
                                         on_item)
     except Stopped:
         pass  # the lease went to another worker, or the job is being cancelled
     finally:
         kept = keeper.close()  # raises only if the database stays away past patience
-        report.written, report.failed = kept.written, outcome.failed if outcome else 0
-        report.faults = outcome.faults if outcome else kept.failures
+        report.written, report.failed = kept.written, tally.failed if tally else 0
+        report.faults = tally.faults if tally else kept.failures
         report.skipped = (end - start) - len(items) + kept.unwritten
         report.job_status = kept.job_status
     if keeper.cancelling.is_set():
@@ -228,12 +229,7 @@ def _abandon(s: Session, job_id: int, rows: list, runs: int) -> None:
     error = (f"chunk abandoned: {runs - 1} workers took it and none finished it (killed or "
              f"crashed while running it)")
     repo.write_outcomes(s, job_id=job_id, outcomes=[
-        {"index": it.index, "status": ItemStatus.failed.value, "output": None,
-         "token_ids": None, "finish_reason": None, "error": it.error or error,
-         "prompt_tokens": None, "accepted_by_position": None, "steps_by_draft_length": None,
-         "worker": None, "started_at": None, "finished_at": None,
-         **{c: None for c in repo.COUNTER_COLUMNS}}
-        for it in rows])
+        Outcome.failure(it.index, it.error or error) for it in rows])
 
 
 def _cancel(sessions: sessionmaker[Session], job_id: int, start: int, end: int

@@ -7,10 +7,12 @@ import time
 
 from sqlalchemy import select
 
+from specq.configs.counters import Counters
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.clock import db_now
 from specq.db.models import Chunk, Item, ItemStatus, JobStatus
+from specq.db.outcomes import Outcome
 
 
 def _job(sessions, n=10, chunk_size=4, queue="q.tiny"):
@@ -79,8 +81,7 @@ def test_failures_count_attempts_and_retry_keeps_them(sessions):
     with sessions.begin() as s:
         assert repo.record_failures(s, job_id=job_id, indices=[1, 2], error="boom") == 2
         repo.write_outcomes(s, job_id=job_id, outcomes=[
-            _done(0), dict(_done(1), status=ItemStatus.failed.value, error="boom", output=None),
-            _done(2), _done(3)])
+            _done(0), Outcome.failure(1, "boom"), _done(2), _done(3)])
         repo.lock_job(s, job_id=job_id)
         assert repo.settle_job(s, job_id=job_id) == JobStatus.completed
     with sessions.begin() as s:
@@ -101,8 +102,5 @@ def test_failures_count_attempts_and_retry_keeps_them(sessions):
 
 
 def _done(i):
-    return {"index": i, "status": ItemStatus.completed.value, "output": "o", "token_ids": [1],
-            "finish_reason": "length", "error": None, "prompt_tokens": 1,
-            "accepted_by_position": [], "steps_by_draft_length": [1], "worker": "w",
-            "started_at": None, "finished_at": None,
-            **{c: 0 for c in repo.COUNTER_COLUMNS}}
+    return Outcome(i, ItemStatus.completed, output="o", token_ids=[1],
+                   finish_reason="length", prompt_tokens=1, counters=Counters(), worker="w")

@@ -6,8 +6,10 @@ import pytest
 from sqlalchemy import func, inspect, select
 from sqlalchemy.exc import IntegrityError
 
+from specq.configs.counters import Counters
 from specq.db import repository as repo
 from specq.db.models import Item, ItemStatus, JobStatus
+from specq.db.outcomes import Outcome
 from specq.db.session import get_engine, migrate
 
 
@@ -22,16 +24,14 @@ def _job(sessions, n=10, chunk_size=4):
         return job.id
 
 
-def _outcome(index, accepted_by_position, draft_steps=2, new_tokens=5):
-    return {
-        "index": index, "status": ItemStatus.completed.value, "output": f"out{index}",
-        "token_ids": [1, 2], "finish_reason": "length", "error": None, "prompt_tokens": 3,
-        "accepted_by_position": accepted_by_position, "steps_by_draft_length": [1, draft_steps],
-        "worker": "w", "started_at": None,
-        "finished_at": None, "draft_steps": draft_steps, "proposed": 4 * draft_steps,
-        "accepted": sum(accepted_by_position), "target_passes": 3, "new_tokens": new_tokens,
-        "draft_time": 0.5, "verify_time": 0.25,
-    }
+def _outcome(index, accepted_by_position, draft_steps=2, new_tokens=5, output=None):
+    counters = Counters(
+        draft_steps=draft_steps, proposed=4 * draft_steps, accepted=sum(accepted_by_position),
+        accepted_by_position=accepted_by_position, target_passes=3, new_tokens=new_tokens,
+        steps_by_draft_length=[1, draft_steps], draft_time=0.5, verify_time=0.25)
+    return Outcome(index, ItemStatus.completed, output=output or f"out{index}",
+                   token_ids=[1, 2], finish_reason="length", prompt_tokens=3,
+                   counters=counters, worker="w")
 
 
 def test_migration_creates_every_table(db_url):
@@ -71,7 +71,7 @@ def test_outcomes_are_written_once(sessions):
         repo.lock_job(s, job_id=job_id)
         assert repo.write_outcomes(s, job_id=job_id, outcomes=first) == 4
         assert repo.settle_job(s, job_id=job_id) == JobStatus.completed
-    again = [dict(_outcome(i, [0]), output="rewritten") for i in range(4)]
+    again = [_outcome(i, [0], output="rewritten") for i in range(4)]
     with sessions.begin() as s:
         repo.lock_job(s, job_id=job_id)
         assert repo.write_outcomes(s, job_id=job_id, outcomes=again) == 0
@@ -132,3 +132,16 @@ def test_cancel_of_a_running_job_waits_for_its_chunks(sessions):
     with sessions() as s:
         counts = repo.status_counts(s, job_id=job_id)
     assert counts["completed"] == 2 and counts["cancelled"] == 2
+
+
+def test_the_migrations_build_the_schema_the_models_describe(db_url):
+    """Migrations are written out by hand (they are history); the models derive from one
+    definition (the counters of configs/counters.py among them): they must agree."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from specq.db.models import Base
+
+    with get_engine(db_url).connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == []

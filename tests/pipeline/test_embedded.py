@@ -13,7 +13,7 @@ from sqlalchemy import create_engine, text
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_specq_run_on_the_example_file(tmp_path, settings):
+def test_specq_run_on_the_example_file(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECQ_")}
     env["SPECQ_DATA_DIR"] = str(tmp_path / "data")
     out = tmp_path / "results.jsonl"

@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import time
 
+import pytest
 from sqlalchemy import select
 
+from specq.configs.counters import SCALARS
 from specq.db.models import Item, ItemStatus, JobStatus
-from specq.db.repository import COUNTER_COLUMNS
 
 log = logging.getLogger(__name__)
 
@@ -35,10 +36,10 @@ def test_500_prompts_each_get_one_output_and_metrics_sum_up(client, tiny_worker)
     assert writes == [1] * 500
 
     m = job.metrics()
-    for name in COUNTER_COLUMNS:
+    for name in SCALARS:  # int counters exactly, the seconds up to float summation order
         total = sum(it.counters[name] for it in items)
-        assert getattr(m, name) == (total if isinstance(total, int) else m.__dict__[name]), name
-    assert abs(m.draft_time - sum(it.counters["draft_time"] for it in items)) < 1e-6
+        assert getattr(m, name) == pytest.approx(total, rel=1e-9, abs=1e-9), name
+        assert total > 0, name
     by_pos = [0] * max(len(it.counters["accepted_by_position"]) for it in items)
     for it in items:
         for i, n in enumerate(it.counters["accepted_by_position"]):
@@ -63,14 +64,19 @@ def test_cancelling_a_running_job_stops_it_at_the_next_chunk(client, tiny_worker
     job = client.submit([f"Summarise item {i}: a b c d e f" for i in range(240)], pair="tiny",
                         max_new_tokens=32, chunk_size=chunk)
     deadline = time.monotonic() + 120
-    while (state := job.status(check_workers=False)).completed < 2 * chunk:
+    while job.status(check_workers=False).completed < 2 * chunk:
         assert time.monotonic() < deadline, tiny_worker.output()
         time.sleep(0.05)
-    done_at_cancel = state.completed
     assert job.cancel().status in (JobStatus.cancelling.value, JobStatus.cancelled.value)
     state = job.wait(progress=False, timeout=120)
     assert state.status == JobStatus.cancelled.value
-    assert state.pending == 0 and state.cancelled > 0
-    assert done_at_cancel <= state.completed <= done_at_cancel + 2 * chunk
-    kept = [it for it in job.results() if it.status == ItemStatus.completed.value]
-    assert len(kept) == state.completed and all(it.output is not None for it in kept)
+    assert state.pending == 0 and state.cancelled > 0 and state.completed >= 2 * chunk
+    items = list(job.results())
+    assert all(it.output is not None for it in items if it.status == "completed")
+    # one worker takes chunks in order: the chunks before the cancel completed, the chunk
+    # running at the cancel may be cut short, every later one is cancelled whole
+    by_chunk = [{it.status for it in items[i:i + chunk]} for i in range(0, 240, chunk)]
+    first_cut = next(k for k, s in enumerate(by_chunk) if s != {"completed"})
+    assert all(s == {"completed"} for s in by_chunk[:first_cut])
+    assert by_chunk[first_cut] <= {"completed", "cancelled"}
+    assert all(s == {"cancelled"} for s in by_chunk[first_cut + 1:])

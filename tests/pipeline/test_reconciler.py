@@ -14,6 +14,8 @@ from kombu.transport.redis import Channel
 from specq.api.client import Client
 from specq.db import chunks
 from specq.db import repository as repo
+from specq.db.models import ItemStatus
+from specq.db.outcomes import Outcome
 from specq.worker.reconciler import reconcile
 
 
@@ -63,12 +65,8 @@ def test_a_job_whose_last_writer_died_before_settling_is_ended(settings):
     job = client.submit(["settle me"], pair="tiny-lookup", max_new_tokens=4, enqueue=False)
     with client.sessions.begin() as s:
         repo.start_job(s, job_id=job.id)
-        repo.write_outcomes(s, job_id=job.id, outcomes=[{
-            "index": 0, "status": "completed", "output": "o", "token_ids": [1],
-            "finish_reason": "length", "error": None, "prompt_tokens": 1,
-            "accepted_by_position": [], "steps_by_draft_length": [1], "worker": "w",
-            "started_at": None, "finished_at": None,
-            **{c: 0 for c in repo.COUNTER_COLUMNS}}])
+        repo.write_outcomes(s, job_id=job.id, outcomes=[
+            Outcome(0, ItemStatus.completed, output="o", token_ids=[1], worker="w")])
     assert job.status(check_workers=False).status == "in_progress"
     assert reconcile(own).settled.get(job.id) == "completed"
     assert job.status(check_workers=False).status == "completed"

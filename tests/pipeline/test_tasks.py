@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from sqlalchemy import select, update
 
 from specq.configs.presets import get_preset
+from specq.db import chunks
 from specq.db import repository as repo
-from specq.db.models import ItemStatus, JobStatus
+from specq.db.models import Chunk, Item, ItemStatus, JobStatus
 from specq.worker.pairs import load_pair
 from specq.worker.tasks import run_chunk, run_inline
 
@@ -55,3 +57,96 @@ def test_a_chunk_of_a_cancelling_job_is_cancelled_not_generated(client, engine):
                        start=2, end=4, hostname="h")
     assert (report.cancelled, report.written, report.job_status) == (2, 0, "cancelled")
     assert [it.status for it in job.results()] == ["completed"] * 2 + ["cancelled"] * 2
+
+
+# -- every other way a chunk can end -------------------------------------------------------
+
+
+def _job(client, n=4, chunk_size=4, **kw):
+    return client.submit([f"Fix: item {i} of {n}" for i in range(n)], pair="tiny",
+                         enqueue=False, max_new_tokens=4, chunk_size=chunk_size, **kw)
+
+
+def _run(client, engine, job, start=0, end=4, pair="tiny", **kw):
+    return run_chunk(sessions=client.sessions, engine=engine, pair=pair, job_id=job.id,
+                     start=start, end=end, hostname="h", **kw)
+
+
+def test_a_chunk_of_a_job_that_is_gone_is_dropped(client, engine):
+    report = run_chunk(sessions=client.sessions, engine=engine, pair="tiny",
+                       job_id=2**31 - 1, start=0, end=4, hostname="h")
+    assert report.note == "job not found; chunk dropped" and report.written == 0
+
+
+def test_a_chunk_of_a_finished_job_is_skipped_and_marked_done(client, engine):
+    job = _job(client)
+    assert _run(client, engine, job).job_status == "completed"
+    with client.sessions.begin() as s:  # as if a re-sent message came back later
+        s.execute(update(Chunk).where(Chunk.job_id == job.id).values(done=False))
+    report = _run(client, engine, job)
+    assert (report.written, report.skipped, report.job_status) == (0, 4, "completed")
+    with client.sessions() as s:
+        assert s.get(Chunk, (job.id, 0), populate_existing=True).done
+
+
+def test_a_chunk_for_another_pair_is_refused_and_changes_nothing(client, engine):
+    job = _job(client)
+    with pytest.raises(RuntimeError, match="is for pair 'tiny'; this worker: 'tiny-lookup'"):
+        _run(client, engine, job, pair="tiny-lookup")
+    assert job.status(check_workers=False).pending == 4
+
+
+def test_a_chunk_another_worker_holds_is_left_to_it(client, engine):
+    job = _job(client)
+    with client.sessions.begin() as s:
+        chunks.claim(s, job_id=job.id, start=0, owner="other", ttl=60)
+    report = _run(client, engine, job)
+    assert report.note == "another worker holds the chunk's lease" and report.written == 0
+    assert job.status(check_workers=False).pending == 4
+
+
+def test_a_chunk_no_worker_ever_finishes_fails_its_items_with_the_reason(client, engine,
+                                                                        settings):
+    job = _job(client)
+    with client.sessions.begin() as s:  # 20 workers took it and died (a crashing prompt)
+        s.execute(update(Chunk).where(Chunk.job_id == job.id).values(runs=20))
+    report = _run(client, engine, job, settings=settings)
+    assert report.failed == 4 and report.job_status == "completed"
+    items = list(job.results())
+    assert all(it.status == "failed" and "chunk abandoned: 20 workers" in it.error
+               for it in items)
+
+
+def test_an_item_whose_stored_request_is_invalid_fails_alone(client, engine):
+    job = _job(client)
+    with client.sessions.begin() as s:  # as if edited in the database since validation
+        s.execute(update(Item).where(Item.job_id == job.id, Item.index == 2)
+                  .values(params={"temperature": -1.0}))
+    assert _run(client, engine, job).job_status == "completed"
+    items = list(job.results())
+    assert [it.status for it in items] == ["completed"] * 2 + ["failed", "completed"]
+    assert "temperature" in items[2].error
+
+
+def test_an_outcome_the_database_refuses_fails_that_item_saying_why(client, engine):
+    job = _job(client)
+    generate = engine.generate
+
+    def overflowing(requests, on_result=None):  # one result no INTEGER column can hold
+        def seen(result):
+            if result.id == 1:
+                result.prompt_tokens = 2**40
+            on_result(result)
+        return generate(requests, on_result=seen)
+
+    engine.generate = overflowing
+    try:
+        report = _run(client, engine, job)
+    finally:
+        del engine.generate
+    items = list(job.results())
+    assert [it.status for it in items] == ["completed", "failed", "completed", "completed"]
+    assert items[1].error.startswith("could not store the outcome")
+    assert report.job_status == "completed"
+    with client.sessions() as s:
+        assert s.scalars(select(Item.writes).where(Item.job_id == job.id)).all() == [1] * 4

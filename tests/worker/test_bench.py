@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from specq.configs.counters import Counters
 from specq.configs.generation import Request
 from specq.worker.bench import add_arguments, run
 from specq.worker.bench.figures import alpha_mle, figures, predicted, t_verify_at
@@ -16,7 +17,6 @@ from specq.worker.bench.greedy import NearTieCheck, compare
 from specq.worker.bench.prompts import PromptFileError, load_prompts
 from specq.worker.bench.runner import FIXED, NONE, Run, Step
 from specq.worker.drafts import DraftBuildError, shallow_draft, skip_draft
-from specq.worker.engine.counters import Counters
 from specq.worker.engine.drafters import DraftModel
 from specq.worker.engine.result import Result
 from specq.worker.engine.speculative import SpeculativeEngine

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from specq.worker.engine.counters import Counters
+from specq.configs.counters import Counters
 
 FinishReason = Literal["stop", "length"]
 

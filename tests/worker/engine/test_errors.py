@@ -39,7 +39,8 @@ def test_too_long_prompts_fail_alone(tiny_models, tiny_tokenizer):
     ok, long, budget, chat = engine.generate(reqs)
     assert ok.error is None and len(ok.token_ids) >= 1
     assert long.error.startswith("prompt: 1000 tokens") and "context is 512" in long.error
-    assert budget.error.startswith("max_new_tokens: 510") and long.token_ids == []
+    assert long.token_ids == [] and long.finish_reason is None
+    assert budget.error.startswith("max_new_tokens: 510") and budget.token_ids == []
     assert chat.error is None and chat.prompt_tokens > 3
 
 

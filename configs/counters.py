@@ -1,8 +1,15 @@
-"""Per-request counters; every rate is derived from them, never stored alone."""
+"""Per-request counters; every rate is derived from them, never stored alone.
+
+The one definition of the counters: the engine counts them per request (Counters), the
+items table stores them (db/models.py makes a column of each field), job metrics sum them
+(api/client.py: JobMetrics extends Counters), exports and synthesis data sets write them
+(api/formats.py, api/synthesis.py), and the SQL sums run over SCALARS and ARRAYS.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
+from typing import Literal
 
 
 def acceptance_rate(accepted: int, proposed: int) -> float | None:
@@ -57,3 +64,20 @@ class Counters:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+
+Kind = Literal["int", "float", "array"]
+
+
+def kinds() -> dict[str, Kind]:
+    """Each counter's name and kind, in definition order: int and float counters are summed
+    over a job's items; array counters (per draft position or draft length) element-wise."""
+    out: dict[str, Kind] = {}
+    for f in fields(Counters):
+        t = f.type if isinstance(f.type, str) else f.type.__name__
+        out[f.name] = "array" if t.startswith("list") else "float" if t == "float" else "int"
+    return out
+
+
+SCALARS: tuple[str, ...] = tuple(n for n, k in kinds().items() if k != "array")
+ARRAYS: tuple[str, ...] = tuple(n for n, k in kinds().items() if k == "array")

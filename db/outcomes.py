@@ -1,0 +1,48 @@
+"""Outcomes: what one run of an item came to, as it is written to the item's row, once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import datetime
+from typing import Any
+
+from specq.configs.counters import ARRAYS, SCALARS, Counters
+from specq.db.models import ItemStatus
+
+
+@dataclass
+class Outcome:
+    """An item's result (completed) or its error (failed), with its counters."""
+
+    index: int
+    status: ItemStatus
+    output: str | None = None
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    prompt_tokens: int | None = None
+    counters: Counters | None = None  # None: the item never reached the engine
+    worker: str | None = None  # hostname that wrote it
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+    @classmethod
+    def failure(cls, index: int, error: str, **kw: Any) -> Outcome:
+        return cls(index, ItemStatus.failed, error=error[:10000], **kw)
+
+    def row(self) -> dict[str, Any]:
+        """The item columns it writes (COLUMNS), counters spread into theirs."""
+        row = {f.name: getattr(self, f.name) for f in fields(self)
+               if f.name not in ("index", "counters")}
+        row["status"] = ItemStatus(self.status).value
+        c = self.counters
+        for name in SCALARS + ARRAYS:
+            value = None if c is None else getattr(c, name)
+            row[name] = list(value) if isinstance(value, list) else value
+        return row
+
+
+COLUMNS: tuple[str, ...] = (
+    *(f.name for f in fields(Outcome) if f.name not in ("index", "counters")),
+    *SCALARS, *ARRAYS,
+)
