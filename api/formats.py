@@ -14,16 +14,16 @@ import os
 import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import IO, Any, Literal
-
-import pyarrow as pa
-import pyarrow.parquet as pq
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 from specq.api.client import Job
 from specq.configs.counters import ARRAYS, SCALARS, acceptance_rate
 from specq.configs.counters import kinds as counter_kinds
 from specq.db import repository as repo
 from specq.db.models import Item, ItemStatus
+
+if TYPE_CHECKING:  # pyarrow is imported where Parquet is written: the CLI starts faster
+    import pyarrow as pa
 
 Format = Literal["jsonl", "openai", "parquet"]
 FORMATS: tuple[str, ...] = ("jsonl", "openai", "parquet")
@@ -93,9 +93,12 @@ class ParquetSink:
     def __init__(self, path: str | os.PathLike, schema: pa.Schema | None = None) -> None:
         self.path = check_output(path, "parquet")
         self.schema = schema
-        self._writer: pq.ParquetWriter | None = None
+        self._writer: Any = None  # pyarrow.parquet.ParquetWriter, opened at the first rows
 
     def write(self, rows: list[dict[str, Any]]) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         if not rows:
             return
         if self.schema is None:
@@ -108,6 +111,9 @@ class ParquetSink:
         self._writer.write_table(table, row_group_size=len(rows))
 
     def close(self) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
         if self._writer is None:  # no rows: still a valid, empty file
             pq.write_table(pa.Table.from_pylist([], schema=self.schema or pa.schema([])),
                            self.path)
@@ -144,21 +150,24 @@ def write_batches(sink: Sink, rows: Iterable[dict[str, Any]], batch: int = BATCH
 
 # -- the rows of each format --------------------------------------------------------------
 
-_ARROW = {"int": pa.int64(), "float": pa.float64(), "array": pa.list_(pa.int64())}
-
-
 def counter_fields(names: tuple[str, ...] = SCALARS + ARRAYS) -> list[tuple[str, pa.DataType]]:
     """Parquet columns of these counters, typed as configs/counters.py defines them."""
+    import pyarrow as pa
+
+    arrow = {"int": pa.int64(), "float": pa.float64(), "array": pa.list_(pa.int64())}
     kind = counter_kinds()
-    return [(c, _ARROW[kind[c]]) for c in names]
+    return [(c, arrow[kind[c]]) for c in names]
 
 
-RESULT_SCHEMA = pa.schema(
-    [("index", pa.int64()), ("custom_id", pa.string()), ("status", pa.string()),
-     ("output", pa.string()), ("finish_reason", pa.string()), ("error", pa.string()),
-     ("prompt_tokens", pa.int64()), ("worker", pa.string())]
-    + counter_fields() + [("acceptance_rate", pa.float64())]
-)
+def result_schema() -> pa.Schema:
+    """The Parquet export's columns: the item's outcome, every counter, the acceptance rate."""
+    import pyarrow as pa
+
+    return pa.schema(
+        [("index", pa.int64()), ("custom_id", pa.string()), ("status", pa.string()),
+         ("output", pa.string()), ("finish_reason", pa.string()), ("error", pa.string()),
+         ("prompt_tokens", pa.int64()), ("worker", pa.string())]
+        + counter_fields() + [("acceptance_rate", pa.float64())])
 
 
 def jsonl_rows(job: Job) -> Iterator[dict[str, Any]]:
@@ -168,7 +177,8 @@ def jsonl_rows(job: Job) -> Iterator[dict[str, Any]]:
 
 
 def flat_rows(job: Job) -> Iterator[dict[str, Any]]:
-    """One flat row per item (RESULT_SCHEMA): counters as columns, acceptance rate derived."""
+    """One flat row per item (result_schema()): counters as columns, acceptance rate
+    derived."""
     for item in job.results(batch=BATCH):
         c = item.counters
         proposed = c.get("proposed")
@@ -233,7 +243,7 @@ def export(job: Job, output: str | os.PathLike, fmt: str = "jsonl") -> int:
     if check_output(output, fmt) != "-":
         Path(output).parent.mkdir(parents=True, exist_ok=True)
     if fmt == "parquet":
-        rows, sink = flat_rows(job), ParquetSink(output, RESULT_SCHEMA)
+        rows, sink = flat_rows(job), ParquetSink(output, result_schema())
     else:
         rows = openai_rows(job) if fmt == "openai" else jsonl_rows(job)
         sink = JsonlSink(output)

@@ -6,8 +6,6 @@ import logging
 from functools import lru_cache
 from pathlib import Path
 
-from alembic import command
-from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
@@ -59,6 +57,9 @@ def session_factory(url: str) -> sessionmaker[Session]:
 
 def migrate(url: str, revision: str = "head") -> None:
     """Bring the database's schema to ``revision`` with Alembic (creates every table)."""
+    from alembic import command  # here: commands that never migrate start faster
+    from alembic.config import Config
+
     cfg = Config(str(ALEMBIC_INI))
     cfg.set_main_option("script_location", str(ALEMBIC_INI.parent / "migrations"))
     cfg.attributes["url"] = url

@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 from sqlalchemy import update
 
-from specq.api.formats import RESULT_SCHEMA, export
+from specq.api.formats import export, result_schema
 from specq.configs.presets import get_preset
 from specq.db import repository as repo
 from specq.db.models import Item
@@ -113,7 +113,7 @@ def test_openai_batch_round_trip(client, tmp_path):
 
     assert export(job, tmp_path / "r.parquet", "parquet") == 6
     table = pq.read_table(tmp_path / "r.parquet")
-    assert table.schema.equals(RESULT_SCHEMA) and table.num_rows == 6
+    assert table.schema.equals(result_schema()) and table.num_rows == 6
     assert table.column("custom_id").to_pylist() == ids
 
 
