@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from specq.worker.engine.batch import KVRows
-from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.speculative import SpeculativeEngine, Step
 
 KINDS = ("oom", "error", "device")
 
@@ -92,12 +92,12 @@ def install(plan: FaultPlan) -> Callable[[], None]:
     armed: dict[int, str] = {}  # id(target model) -> fault kind for its next pass
     step, forward = SpeculativeEngine.step, KVRows.forward
 
-    def faulty_step(self: SpeculativeEngine) -> None:
+    def faulty_step(self: SpeculativeEngine) -> Step:
         kind = plan.next_fault(self)
         if kind:
             armed[id(self.target)] = kind
         try:
-            step(self)
+            return step(self)
         finally:
             armed.pop(id(self.target), None)
 

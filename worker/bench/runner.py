@@ -2,7 +2,7 @@
 
 Every runner takes prompt token ids and returns a Run: wall seconds, the generated ids
 of each prompt (up to and including EOS), and for specq the results and every step the
-engine's draft-length policy observed (g, proposals, acceptances, draft and verify time).
+engine made (g, proposals, acceptances, draft and verify time), seen through its on_step.
 """
 
 from __future__ import annotations
@@ -19,25 +19,13 @@ from specq.configs.generation import Request
 from specq.worker.engine.batch import left_pad
 from specq.worker.engine.drafters import Drafter, NoDraft
 from specq.worker.engine.result import Result
-from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.speculative import SpeculativeEngine, Step
 
 log = logging.getLogger(__name__)
 
 HF, ASSISTED, NONE, FIXED, ADAPTIVE = "hf", "hf-assisted", "specq-none", "specq-fixed", \
     "specq-adaptive"
 METHODS = {"hf": HF, "assisted": ASSISTED, "none": NONE, "fixed": FIXED, "adaptive": ADAPTIVE}
-
-
-@dataclass
-class Step:
-    """One engine step as the policy saw it."""
-
-    g: int
-    num_draft: list[int]  # per row
-    accepted: list[int]  # per row
-    t_draft: float  # seconds drafting (all g tokens)
-    t_verify: float  # seconds of the target pass
-    verify_tokens: int  # tokens per row in that pass
 
 
 @dataclass
@@ -113,21 +101,6 @@ def run_assisted(t: Target, prompts: list[list[int]], max_new: int, draft: str,
     return Run(ASSISTED, 1, time.perf_counter() - t0, outputs, draft=draft)
 
 
-def _recording(engine: SpeculativeEngine) -> list[Step]:
-    """Record every step the engine's policy observes (the policy's own estimates are
-    decayed means, weighted to the last steps; the bench wants the whole run)."""
-    steps: list[Step] = []
-    observe = engine.policy.observe
-
-    def observe_and_record(g, num_draft, num_accepted, t_draft, t_verify, verify_tokens):
-        steps.append(Step(g, list(num_draft), list(num_accepted), t_draft, t_verify,
-                          verify_tokens))
-        observe(g, num_draft, num_accepted, t_draft, t_verify, verify_tokens)
-
-    engine.policy.observe = observe_and_record
-    return steps
-
-
 def run_specq(t: Target, prompts: list[list[int]], batch_size: int, max_new: int, *,
               make_drafter: Callable[[], Drafter] = NoDraft, draft: str | None = None,
               g: int | None = 0, max_g: int = 8) -> Run:
@@ -147,7 +120,10 @@ def run_specq(t: Target, prompts: list[list[int]], batch_size: int, max_new: int
     eng.generate([r.model_copy(update={"max_new_tokens": 4}) for r in requests[:batch_size]])
     eng.calibrate()
     eng.prefill_seconds = 0.0
-    steps = _recording(eng)
+    # every step of the timed run: the policy's own estimates are decayed means, weighted
+    # to the latest steps, and the bench wants the whole run
+    steps: list[Step] = []
+    eng.on_step = steps.append
     _sync(t.model.device)
     t0 = time.perf_counter()
     results = eng.generate(requests)

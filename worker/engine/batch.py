@@ -28,6 +28,9 @@ class KVRows:
         self._new_api = "cache" in params
         self._takes_cache_position = "cache_position" in params
         self._takes_logits_to_keep = "logits_to_keep" in params
+        # compact() counts the waste (a sync) only from length _recheck_at on; it counted
+        # it last at length _counted_at
+        self._recheck_at = self._counted_at = 0
 
     @property
     def device(self) -> torch.device:
@@ -77,11 +80,14 @@ class KVRows:
 
         keep_len: [B] int64
         """
+        if start < self._counted_at:  # columns older than the last count: count again
+            self._recheck_at = 0
         cols = torch.arange(self.length - start, device=self.device)[None, :]  # [1, T]
         self.mask[:, start:] &= cols < keep_len[:, None]
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows, in this order. rows: [B'] int64"""
+        self._recheck_at = 0
         if self.cache is None:
             return
         if rows.numel() == 0:
@@ -94,6 +100,7 @@ class KVRows:
 
     def extend(self, other: KVRows) -> None:
         """Append other's rows after ours; the shorter side is padded on the left."""
+        self._recheck_at = 0
         if other.cache is None:
             return
         if self.cache is None:
@@ -109,6 +116,7 @@ class KVRows:
 
     def add_rows(self, n: int) -> None:
         """Append n rows with no real column yet (their tokens come later, by replace)."""
+        self._recheck_at = 0
         for layer in self.cache.layers:
             B, H, L, D = layer.keys.shape
             layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(n, H, L, D)])
@@ -117,6 +125,7 @@ class KVRows:
 
     def replace(self, rows: torch.Tensor, other: KVRows) -> None:
         """Put other's rows in place of ``rows``, which hold no real column yet."""
+        self._recheck_at = 0
         L = max(self.length, other.length)
         self._pad_left(L - self.length)
         other._pad_left(L - other.length)
@@ -143,10 +152,16 @@ class KVRows:
         """Move each row's real columns to the right end, in order, and drop the rest.
 
         Unless forced, only once at least 64 columns and half the cache would be freed,
-        so the copy happens now and then, not every step.
+        so the copy happens now and then, not every step. Counting the waste reads the
+        mask on the host, a sync with the device: while the rows stay the same, waste
+        grows no faster than the length, so it is counted again only once the length
+        has grown enough for it to reach the bar.
         """
-        waste = self.waste()
-        if waste == 0 or (not force and waste < max(64, self.length // 2)):
+        if self.mask is None or (not force and self.length < self._recheck_at):
+            return
+        waste, bar, self._counted_at = self.waste(), max(64, self.length // 2), self.length
+        if waste == 0 or (not force and waste < bar):
+            self._recheck_at = self.length + bar - waste
             return
         L = self.length
         keep = int(self.mask.sum(1).max())
@@ -158,6 +173,7 @@ class KVRows:
             layer.keys = layer.keys.gather(2, gather)
             layer.values = layer.values.gather(2, gather)
         self.mask = self.mask.gather(1, idx)
+        self._recheck_at = 0
 
 
 class Row:

@@ -21,13 +21,14 @@ from specq.worker.engine.sampling import DRAFT, keyed_uniform, logits_to_probs, 
 @dataclass
 class Proposal:
     token_ids: torch.Tensor  # [B, g] int64
-    num_draft: torch.Tensor  # [B] int64, proposals per row (<= g)
+    num_draft: torch.Tensor  # [B] int64 on the host, proposals per row (<= g): the engine
+    # reads the verify pass's width from it without waiting for the device
     probs: torch.Tensor | None  # [B, g, V] draft probabilities, None for point masses
 
 
 @dataclass
 class DraftInputs:
-    """What a drafter may read of the batch."""
+    """What a drafter may read of the batch (the tensors on the host)."""
 
     tokens: list[list[int]]  # per row: prompt + generated so far
     seeds: torch.Tensor  # [B] int64
@@ -48,8 +49,9 @@ class Drafter(Protocol):
 
     def propose(self, batch: DraftInputs, g: int) -> Proposal: ...
 
-    def update(self, num_accepted: torch.Tensor, final_tokens: torch.Tensor) -> None:
-        """After a verify pass (g may have been 0): accepted counts and the target's token."""
+    def update(self, accepted: list[int], tokens: list[list[int]]) -> None:
+        """After a verify pass (g may have been 0), per row: the drafts accepted, and the
+        tokens emitted (those drafts, then the target's recovered or bonus token)."""
 
     def compact(self) -> None: ...
 
@@ -62,7 +64,7 @@ class _Stateless:
 
     def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None: ...
     def select(self, rows: torch.Tensor) -> None: ...
-    def update(self, num_accepted: torch.Tensor, final_tokens: torch.Tensor) -> None: ...
+    def update(self, accepted: list[int], tokens: list[list[int]]) -> None: ...
     def compact(self) -> None: ...
     def reset(self) -> None: ...
 
@@ -130,7 +132,7 @@ class DraftModel:
         self.kv = KVRows(self.model)
         self.pending: list[list[int]] = []
         self.fresh: list[bool] = []  # row not prefilled yet: its whole prompt is pending
-        self._last: tuple[int, int, list[torch.Tensor]] | None = None  # start, P, drafts
+        self._last: tuple[int, int, int] | None = None  # start, P, g of the latest proposal
 
     def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None:
         """Rows wait, prompt pending, until a proposal needs them."""
@@ -176,7 +178,7 @@ class DraftModel:
         if not batch.greedy:
             pos = torch.tensor([len(t) for t in batch.tokens], device=dev)[:, None]
             u = keyed_uniform(batch.seeds.to(dev), pos + torch.arange(g, device=dev), DRAFT)
-            params = (batch.temperature.to(dev), batch.top_k.to(dev), batch.top_p.to(dev))
+            params = (batch.temperature, batch.top_k, batch.top_p)
         drafts, probs = [], []
         for j in range(g):
             if batch.greedy:
@@ -189,11 +191,11 @@ class DraftModel:
             if j < g - 1:
                 one = torch.ones(B, 1, dtype=torch.bool, device=dev)
                 logits = self._fit(self.kv.forward(x[:, None], one))
-        self._last = (start, P, drafts)
+        self._last = (start, P, g)
         token_ids = torch.stack(drafts, 1)  # [B, g]
         return Proposal(
             token_ids,
-            torch.full((B,), g, dtype=torch.long, device=dev),
+            torch.full((B,), g, dtype=torch.long),
             torch.stack(probs, 1) if probs else None,
         )
 
@@ -207,19 +209,15 @@ class DraftModel:
         pad = logits.new_full((*logits.shape[:-1], V - logits.shape[-1]), float("-inf"))
         return torch.cat([logits, pad], -1)
 
-    def update(self, num_accepted: torch.Tensor, final_tokens: torch.Tensor) -> None:
-        finals = final_tokens.tolist()
+    def update(self, accepted: list[int], tokens: list[list[int]]) -> None:
         if self._last is None:  # a step without drafting: the target's token waits
-            for row, t in zip(self.pending, finals):
-                row.append(t)
+            for row, toks in zip(self.pending, tokens):
+                row.append(toks[-1])
             return
-        start, P, drafts = self._last
-        g = len(drafts)
+        start, P, g = self._last
         # fed this step: pending (P columns), then x_1 .. x_{g-1}; keep x_j iff j <= accepted
-        self.kv.keep(start + P, num_accepted.to(self.kv.device).clamp(max=g - 1))
-        last_draft = drafts[-1].tolist()
-        self.pending = [
-            [last_draft[b], t] if k == g else [t]
-            for b, (k, t) in enumerate(zip(num_accepted.tolist(), finals))
-        ]
+        keep = torch.tensor([min(k, g - 1) for k in accepted], device=self.kv.device)
+        self.kv.keep(start + P, keep)
+        # all g accepted: x_g was never fed, so it waits with the bonus token
+        self.pending = [toks[-2:] if k == g else toks[-1:] for k, toks in zip(accepted, tokens)]
         self._last = None

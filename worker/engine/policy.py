@@ -8,12 +8,34 @@ over n tokens per row (on a CPU, or at large batches, clearly more than t_verify
 Predicted speedup over plain decoding: E(g) * t_verify(1) / (g * t_draft + t_verify(g + 1)).
 With c = t_draft / t_verify(1) and t_verify flat this is Thm 3.8's
 (1 - a^(g+1)) / ((1 - a)(g c + 1)).
+
+The policy holds two estimates: a cost table (the hardware's: seconds of a target pass
+over n tokens per row and of a draft token, per batch size) and an acceptance estimate
+(the data's: alpha and f). Each step it takes the g that maximises the predicted speedup.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+# Each constant exists for one reason.
+COST_DECAY = 0.9  # weight of a cost sample against the next one: costs follow the machine's load
+ACCEPTANCE_DECAY = 0.98  # slower: acceptance belongs to the pair and the data, not to the load
+TRUSTED = 1.5  # a cost's weight once measured twice: one sample may be a first call or a stall
+STALL_CLIP = 3.0  # a sample counts at most this many times a trusted mean: a stall (another
+# process, a page fault) must not switch speculation off for good
+PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 2.0  # a weak prior, soon outweighed: one unlucky first step
+# must not switch speculation off, and where even alpha 1/2 cannot pay, nothing is drafted
+PROBE_BUDGET = 0.02  # while g = 0 wins, probes at g = default (the only way to see acceptance
+# again) may cost this share of the decoding time...
+PROBE_GAP = 32  # ...and come at least this many steps apart, however cheap: a draft that
+# became useful again is found within this many steps
+PLAIN_REFRESH = 32  # while drafting, a plain step at least this often: every g is judged
+# against the plain pass's cost, and a stale one (a calibration on a busy machine) misjudges all
+HISTORY = 1024  # g of the latest steps kept, for benchmarks and logs (a worker runs for days)
 
 
 def expected_tokens(alpha: float, g: int, propose_rate: float = 1.0) -> float:
@@ -34,13 +56,13 @@ def measured_speedup(alpha: float, g: int, t_draft: float, t_verify_1: float,
 
 class _Decayed:
     """An exponentially decayed mean; with ``clip``, a sample is first capped at clip times
-    the mean so far, so one stall (another process, a page fault) cannot swing it."""
+    the mean so far, once that mean is trusted."""
 
     def __init__(self, decay: float, clip: float | None = None) -> None:
         self.decay, self.clip, self.weight, self.total = decay, clip, 0.0, 0.0
 
     def add(self, value: float, weight: float = 1.0) -> None:
-        if self.clip is not None and self.weight >= 2:
+        if self.clip is not None and self.weight >= TRUSTED:
             value = min(value, self.clip * self.total / self.weight)
         self.weight = self.weight * self.decay + weight
         self.total = self.total * self.decay + value * weight
@@ -50,137 +72,154 @@ class _Decayed:
         return self.total / self.weight if self.weight > 0 else None
 
 
-PRIOR_ALPHA = 0.5  # the prior's per-token acceptance, before any draft is judged
+class CostTable:
+    """Seconds of a target pass over n tokens per row, and of a draft token, per batch size.
+
+    The hardware's: kept for the engine's life. A batch size without its own measurements
+    borrows those of the nearest one on a log scale.
+    """
+
+    def __init__(self) -> None:
+        self.verify: dict[int, dict[int, _Decayed]] = {}  # batch -> tokens per row -> s
+        self.draft: dict[int, _Decayed] = {}  # batch -> seconds per draft token
+
+    def add(self, batch: int, t_verify: dict[int, list[float]],
+            t_draft: Iterable[float] = ()) -> None:
+        for n, times in t_verify.items():
+            for t in times:
+                self.verify.setdefault(batch, {}).setdefault(
+                    n, _Decayed(COST_DECAY, STALL_CLIP)).add(t)
+        for t in t_draft:
+            self.draft.setdefault(batch, _Decayed(COST_DECAY, STALL_CLIP)).add(t)
+
+    def ready(self, batch: int) -> bool:
+        """A plain pass, a wide pass and a draft step are measured at this batch size."""
+        widths = self.verify.get(batch, {})
+        return 1 in widths and max(widths) > 1 and batch in self.draft
+
+    def stand_in(self, batch: int) -> int | None:
+        """The batch size whose costs stand for ``batch``: itself once ready, else the
+        nearest ready one, else the nearest with any measurement."""
+        candidates = [b for b in self.verify if self.ready(b)] or list(self.verify)
+        if batch in candidates:
+            return batch
+        return min(candidates, key=lambda b: abs(math.log(b / batch)), default=None)
+
+    def draft_seconds(self, batch: int) -> float | None:
+        b = self.stand_in(batch)
+        return self.draft[b].mean if b in self.draft else None
+
+    def verify_seconds(self, n: int, batch: int) -> float | None:
+        """A target pass over n tokens per row at this batch size (or its stand-in's).
+
+        Trusted widths (a plain pass, n = 1, at once; others once measured twice) are
+        taken as measured, and others interpolated between the nearest two (past either
+        end, the end two's slope goes on, never downwards): on a CPU the cost is far from
+        one line, 1 -> 2 tokens costing more than 2 -> 5. With fewer than two trusted
+        widths, every width measured stands in. Never below a plain pass.
+        """
+        b = self.stand_in(batch)
+        table = self.verify.get(b, {}) if b is not None else {}
+        if not table:
+            return None
+        points = sorted((k, d.mean) for k, d in table.items() if k == 1 or d.weight >= TRUSTED)
+        if len(points) < 2:
+            points = sorted((k, d.mean) for k, d in table.items())
+        if n in dict(points):
+            return dict(points)[n]
+        fit = points[0][1]
+        if len(points) >= 2:
+            i = next((j for j, (k, _) in enumerate(points) if k > n), len(points))
+            i = min(max(i, 1), len(points) - 1)  # the widths either side, else the end two
+            (n0, t0), (n1, t1) = points[i - 1], points[i]
+            fit = t0 + max(0.0, (t1 - t0) / (n1 - n0)) * (n - n0)
+        return max(fit, table[1].mean) if 1 in table else fit
+
+
+class Acceptance:
+    """alpha, the per-token acceptance probability, as accepted / (accepted + rejections)
+    (a rejection: a row that did not accept all it proposed), and f, the share of rows
+    that propose at all (prompt lookup finds nothing to copy in some); both decayed, and
+    starting from the prior."""
+
+    def __init__(self) -> None:
+        self._accepted = _Decayed(ACCEPTANCE_DECAY)
+        self._trials = _Decayed(ACCEPTANCE_DECAY)
+        self._proposing = _Decayed(ACCEPTANCE_DECAY)
+        self._accepted.add(PRIOR_ALPHA * PRIOR_TRIALS)
+        self._trials.add(PRIOR_TRIALS)
+        self._proposing.add(1.0)
+
+    def add(self, num_draft: list[int], num_accepted: list[int]) -> None:
+        """Judged proposals, per row."""
+        if not num_draft:
+            return
+        proposing = [(n, k) for n, k in zip(num_draft, num_accepted) if n > 0]
+        self._proposing.add(len(proposing) / len(num_draft))
+        if proposing:
+            accepted = sum(k for _, k in proposing)
+            self._accepted.add(accepted)
+            self._trials.add(accepted + sum(1 for n, k in proposing if k < n))
+
+    @property
+    def alpha(self) -> float:
+        return min(self._accepted.total / self._trials.total, 0.999)
+
+    @property
+    def propose_rate(self) -> float:
+        return self._proposing.mean
 
 
 @dataclass
 class DraftLengthPolicy:
-    """Estimates acceptance and costs as the engine runs and picks g to maximise speedup.
+    """Picks g each step from the cost table and the acceptance estimate.
 
-    ``adaptive=False`` pins g to ``default``. Costs (a target pass over n tokens per row, a
-    draft step) are the hardware's: they are kept per batch size for the engine's life, a
-    batch size without its own measurements borrowing those of the nearest one, and
-    ``SpeculativeEngine.calibrate`` can measure them before the first request. Acceptance
-    is the data's: ``forget_data`` drops it. While g = 0 wins, acceptance cannot be
-    observed, so the policy probes with g = default every ``probe_every`` steps (the
-    interval doubles each time the probe loses, up to ``max_probe_every``, and resets when
-    it wins; an expensive probe, e.g. at a large batch or with a large draft model, is
-    spaced further so probes cost at most ``probe_budget`` of the decoding time), unless
-    ``idle_acceptance``: a free drafter's proposals are then scored while g = 0. While
-    drafting, a plain step comes at least every ``refresh_plain`` steps: a stale plain
-    cost (a calibration on a busy machine) would misjudge every g. Timings
-    are clipped at 3x their running mean: a stall must not switch speculation off for good.
+    ``adaptive=False`` pins g to ``default``. Costs can be measured before the first
+    request (calibration.py). While g = 0 wins, drafting steps no longer show acceptance,
+    so the policy probes at g = default now and then (PROBE_BUDGET, PROBE_GAP), unless
+    ``idle_acceptance``: a free drafter's proposals are then scored while g = 0 (shadow.py).
     """
 
     default: int = 4
     max_g: int = 8
     adaptive: bool = True
-    decay: float = 0.9
-    probe_every: int = 16
-    max_probe_every: int = 64
-    probe_budget: float = 0.02  # probes may cost at most this share of plain decoding time
-    idle_acceptance: bool = False  # acceptance is observed while g = 0 too: never probe
-    refresh_plain: int = 32  # while drafting, a plain pass at least this often (steps)
-    steps: int = 0
-    history: list[int] = field(default_factory=list)  # g of each step
+    idle_acceptance: bool = False
 
     def __post_init__(self) -> None:
         self.max_g = max(self.max_g, self.default)
-        self._batch = 1
-        self._plain_at: dict[int, int] = {}  # batch size -> step of its latest plain pass
-        # batch size -> tokens per row -> seconds per target pass
-        self._t_verify: dict[int, dict[int, _Decayed]] = {}
-        self._t_draft: dict[int, _Decayed] = {}  # batch size -> seconds per draft token step
+        self.costs = CostTable()
+        self._batch = 1  # batch size of the latest step
         self.forget_data()
 
     def forget_data(self) -> None:
         """Drop acceptance, steps and history (they describe the data seen); keep costs."""
-        # acceptance is a property of the pair and the data: it is tracked more slowly than
-        # timings, and while g = 0 only probes update it
-        slow = self.decay ** 0.2
-        self._accepted = _Decayed(slow)  # alpha's MLE: accepted / (accepted + rejections)
-        self._trials = _Decayed(slow)
-        self._proposing = _Decayed(slow)  # share of rows that proposed
-        # a weak prior (alpha 1/2, every row proposing) that the first steps soon outweigh:
-        # one unlucky first observation must not switch speculation off
-        self._accepted.add(PRIOR_ALPHA * 2.0)
-        self._trials.add(2.0)
-        self._proposing.add(1.0)
-        self._drafts_seen = 0  # draft tokens judged: the warm-up lasts until a few
-        self._since_probe = 0
-        self._probe_interval = self.probe_every
+        self.acceptance = Acceptance()
         self.steps = 0
-        self.history = []
-        self._plain_at = {}
+        self.history: deque[int] = deque(maxlen=HISTORY)  # g of each step
+        self._plain_at: dict[int, int] = {}  # batch size -> step of its latest plain pass
+        self._drafted_at = 0  # step of the latest drafting step
 
     # -- estimates ----------------------------------------------------------------
 
     @property
-    def alpha(self) -> float | None:
-        a, t = self._accepted.mean, self._trials.mean
-        return None if a is None or not t else min(a / t, 0.999)
+    def alpha(self) -> float:
+        return self.acceptance.alpha
 
     @property
     def propose_rate(self) -> float:
-        return self._proposing.mean if self._proposing.mean is not None else 1.0
+        return self.acceptance.propose_rate
 
     @property
     def t_draft(self) -> float | None:
-        b = self._costs_batch(self._batch)
-        return None if b is None or b not in self._t_draft else self._t_draft[b].mean
-
-    def _costs_batch(self, batch: int) -> int | None:
-        """The batch size whose measurements stand for ``batch``: itself once it has a
-        plain and a wide target pass (and a draft step), else the nearest such one on a log
-        scale, else the nearest with any measurement."""
-        def ready(b: int) -> bool:
-            widths = self._t_verify.get(b, {})
-            return 1 in widths and any(n > 1 for n in widths) and b in self._t_draft
-
-        candidates = [b for b in self._t_verify if ready(b)] or list(self._t_verify)
-        if batch in candidates:
-            return batch
-        return min(candidates, key=lambda b: abs(math.log(b / batch)), default=None)
+        return self.costs.draft_seconds(self._batch)
 
     def t_verify(self, n: int, batch: int | None = None) -> float | None:
-        """Seconds for a target pass over n tokens per row at this batch size (by default
-        the last step's), from its own measurements or the nearest batch size's.
+        """Seconds of a target pass over n tokens per row at this batch size (by default
+        the latest step's)."""
+        return self.costs.verify_seconds(n, batch or self._batch)
 
-        A width measured at least twice (and a plain step, n = 1) is taken as measured,
-        and others are interpolated between the nearest such widths (past the widest, the
-        slope of the last two goes on): on a CPU the cost is far from a line, 1 -> 2 tokens
-        costing more than 2 -> 5. With fewer than two such widths, a weighted least-squares
-        line through every width seen stands in, so a single odd sample (a first call, a
-        stall) cannot make a g look expensive or cheap.
-        """
-        b = self._costs_batch(batch or self._batch)
-        table = self._t_verify.get(b, {}) if b is not None else {}
-        if not table:
-            return None
-        plain = table[1].mean if 1 in table else None
-        solid = sorted((k, d.mean) for k, d in table.items() if k == 1 or d.weight >= 1.5)
-        if n in dict(solid):
-            return dict(solid)[n]
-        if len(solid) >= 2:
-            i = next((j for j, (k, _) in enumerate(solid) if k > n), len(solid))
-            i = min(max(i, 1), len(solid) - 1)  # the widths either side, else the end two
-            (n0, t0), (n1, t1) = solid[i - 1], solid[i]
-            fit = t0 + max(0.0, (t1 - t0) / (n1 - n0)) * (n - n0)
-        else:
-            pts = [(k, d.mean, d.weight) for k, d in table.items()]
-            w = sum(p[2] for p in pts)
-            n_bar = sum(k * wk for k, _, wk in pts) / w
-            t_bar = sum(t * wk for _, t, wk in pts) / w
-            var = sum(wk * (k - n_bar) ** 2 for k, _, wk in pts)
-            slope = max(0.0, sum(wk * (k - n_bar) * (t - t_bar) for k, t, wk in pts) / var) \
-                if var > 0 else 0.0
-            fit = t_bar + slope * (n - n_bar)
-        return max(fit, plain) if plain is not None else fit
-
-    def predicted(self, g: int, alpha: float | None = None,
-                  propose_rate: float | None = None) -> float | None:
-        """Predicted speedup of g over plain decoding, from the current estimates (or the
-        acceptance given).
+    def predicted(self, g: int) -> float | None:
+        """Predicted speedup of g over plain decoding.
 
         A drafter that proposes for only some rows (prompt lookup) makes a wide verify
         pass only when at least one of the batch's rows proposes: with share f of rows
@@ -189,77 +228,50 @@ class DraftLengthPolicy:
         """
         if g == 0:
             return 1.0
-        a = self.alpha if alpha is None else alpha
-        f = self.propose_rate if propose_rate is None else propose_rate
+        a, f = self.alpha, self.propose_rate
         td, t1, tg = self.t_draft, self.t_verify(1), self.t_verify(g + 1)
-        if None in (a, td, t1, tg):
+        if td is None or t1 is None or tg is None:
             return None
         wide = 1.0 - (1.0 - f) ** self._batch
-        t_step = wide * tg + (1.0 - wide) * t1
-        return measured_speedup(a, g, td, t1, t_step, f)
+        return measured_speedup(a, g, td, t1, wide * tg + (1.0 - wide) * t1, f)
 
     # -- the choice -----------------------------------------------------------------
 
     def choose(self, pinned: bool = False, batch: int | None = None) -> int:
-        """g for the next step of a batch of this size (by default the last step's);
+        """g for the next step of a batch of this size (by default the latest step's);
         ``pinned`` (e.g. seeded sampling in the batch) forces default."""
         if batch:
             self._batch = batch
         if not self.adaptive or pinned or self.default == 0:
             return self.default
-        if not self._t_verify:
+        b = self.costs.stand_in(self._batch)
+        if b is None:
             return 0  # no cost known at all: measure a plain step
-        if self.t_draft is None or all(n == 1 for n in self._t_verify[
-                self._costs_batch(self._batch)]):
-            return self.default  # measure the draft and a wide verify pass
+        if self.t_draft is None or max(self.costs.verify[b]) == 1:
+            return self.default  # measure a draft step and a wide pass
         scores = {g: self.predicted(g) or 0.0 for g in range(self.max_g + 1)}
         best = max(scores, key=scores.get)
-        if best == 0 and self._warming_up():
-            return self.default
-        if best == 0 and self.idle_acceptance:
-            return 0  # acceptance is observed while idle: no probe needed
         if best == 0:
-            self._since_probe += 1
-            if self._since_probe >= max(self._probe_interval, self._probe_spacing()):
-                self._since_probe = 0
-                self._probe_interval = min(2 * self._probe_interval, self.max_probe_every)
-                # probe at the preset's g: it measures acceptance over several positions
-                return self.default
-        else:
-            self._probe_interval = self.probe_every
-        if best and self.steps - self._plain_at.get(self._batch, 0) >= self.refresh_plain:
-            return 0  # re-measure the plain pass every speedup is measured against
+            return self.default if self._probe_due() else 0
+        if self.steps - self._plain_at.get(self._batch, 0) >= PLAIN_REFRESH:
+            return 0
         return best
 
-    def _warming_up(self) -> bool:
-        """The first few draft tokens are judged before acceptance decides, but only when
-        the prior (alpha 1/2, every row proposing) says speculation pays at these costs: a
-        few unlucky first tokens must not stop a good draft, and a batch where drafting
-        cannot pay must not pay for a warm-up."""
-        if self._drafts_seen >= 4 or self.steps >= 4:
-            return False
-        return any((self.predicted(g, PRIOR_ALPHA, 1.0) or 0.0) > 1.0
-                   for g in range(1, self.max_g + 1))
-
-    def _probe_spacing(self) -> float:
-        """Steps between probes that keep their extra cost within ``probe_budget``: a probe
-        at g = default costs g draft steps and a wide verify pass instead of a plain step."""
+    def _probe_due(self) -> bool:
+        """While g = 0 wins: a probe at g = default once its extra cost (g draft steps and a
+        wide pass instead of a plain step) fits in PROBE_BUDGET of the time since the last
+        drafting step, and at least PROBE_GAP steps after it."""
+        if self.idle_acceptance:
+            return False  # acceptance is observed while idle: no probe needed
         t1, tg, td = self.t_verify(1), self.t_verify(self.default + 1), self.t_draft
-        if not t1 or tg is None or td is None:
-            return 0.0
-        extra = (self.default * td + tg) / t1 - 1.0  # in plain steps
-        return max(0.0, extra) / self.probe_budget
+        extra = (self.default * td + tg) / t1 - 1.0 if t1 and tg and td is not None else 0.0
+        return self.steps - self._drafted_at >= max(PROBE_GAP, extra / PROBE_BUDGET)
 
     def record_costs(self, batch: int, t_verify: dict[int, list[float]],
-                     t_draft: list[float] = ()) -> None:
+                     t_draft: Iterable[float] = ()) -> None:
         """Add measured costs at a batch size: target pass seconds by tokens per row, and
         seconds per draft token step."""
-        for n, times in t_verify.items():
-            for t in times:
-                self._t_verify.setdefault(batch, {}).setdefault(
-                    n, _Decayed(self.decay, clip=3.0)).add(t)
-        for t in t_draft:
-            self._t_draft.setdefault(batch, _Decayed(self.decay, clip=3.0)).add(t)
+        self.costs.add(batch, t_verify, t_draft)
 
     def observe(self, g: int, num_draft: list[int], num_accepted: list[int],
                 t_draft: float, t_verify: float, verify_tokens: int) -> None:
@@ -270,33 +282,23 @@ class DraftLengthPolicy:
         self._batch = len(num_draft)
         if verify_tokens == 1:
             self._plain_at[self._batch] = self.steps
-        self.record_costs(self._batch, {verify_tokens: [t_verify]},
-                          [t_draft / g] if g else [])
+        self.costs.add(self._batch, {verify_tokens: [t_verify]}, [t_draft / g] if g else [])
         if g:
-            self.observe_acceptance(num_draft, num_accepted)
+            self._drafted_at = self.steps
+            self.acceptance.add(num_draft, num_accepted)
 
     def observe_acceptance(self, num_draft: list[int], num_accepted: list[int]) -> None:
-        """Record judged proposals, per row: from a drafting step, or a free drafter's
-        scored while g = 0 (shadow.py)."""
-        if not num_draft:
-            return
-        proposing = [(n, k) for n, k in zip(num_draft, num_accepted) if n > 0]
-        self._drafts_seen += sum(n for n, _ in proposing)
-        self._proposing.add(len(proposing) / len(num_draft))
-        if proposing:
-            accepted = sum(k for _, k in proposing)
-            rejections = sum(1 for n, k in proposing if k < n)
-            self._accepted.add(accepted)
-            self._trials.add(accepted + rejections)
+        """Record proposals judged while g = 0: a free drafter's, scored (shadow.py)."""
+        self.acceptance.add(num_draft, num_accepted)
 
     def snapshot(self) -> dict:
         """The current estimates, for benchmarks and logs."""
         return {
             "alpha": self.alpha,
             "propose_rate": self.propose_rate,
-            "t_draft": {b: d.mean for b, d in sorted(self._t_draft.items())},
+            "t_draft": {b: d.mean for b, d in sorted(self.costs.draft.items())},
             "t_verify": {b: {n: d.mean for n, d in sorted(t.items())}
-                         for b, t in sorted(self._t_verify.items())},
+                         for b, t in sorted(self.costs.verify.items())},
             "steps": self.steps,
             "g_history": list(self.history),
         }

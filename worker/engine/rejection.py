@@ -51,7 +51,7 @@ def rejection_sample(
 
     p_k = target_probs[rows, num_accepted].float()  # [B, V]
     rejected = num_accepted < num_draft  # [B]
-    if g > 0 and bool(rejected.any()):
+    if g > 0:  # for every row (those that accepted all keep p_k): asking which is a sync
         k = num_accepted.clamp(max=g - 1)
         if draft_probs is None:
             q_k = torch.zeros_like(p_k).scatter_(-1, x[rows, k][:, None], 1.0)

@@ -45,7 +45,8 @@ def logits_to_probs(
 ) -> torch.Tensor:
     """Per-row temperature, then top-k, then top-p (HF's order); temperature 0 is greedy.
 
-    logits: [B, T, V]; temperature, top_p: [B] float; top_k: [B] int (0 = off)
+    logits: [B, T, V]; temperature, top_p: [B] float; top_k: [B] int (0 = off), best on
+    the host: which filters apply is read from them there, without waiting for the device
     returns probs [B, T, V] float32; a greedy row is one-hot at its argmax.
     """
     B, T, V = logits.shape
@@ -53,11 +54,14 @@ def logits_to_probs(
     greedy = temperature <= 0  # [B]
     if bool(greedy.all()):
         return _one_hot_argmax(logits)
-    t = torch.where(greedy, torch.ones_like(temperature), temperature).to(logits.dtype)
-    scaled = logits / t[:, None, None]
+    t = torch.where(greedy, torch.ones_like(temperature), temperature)
     filt_k = (top_k > 0) & (top_k < V)
     filt_p = top_p < 1.0
-    if bool(filt_k.any() | filt_p.any()):
+    any_greedy, any_filter = bool(greedy.any()), bool(filt_k.any() | filt_p.any())
+    greedy, t, filt_k, filt_p, top_k, top_p = (
+        x.to(logits.device) for x in (greedy, t, filt_k, filt_p, top_k, top_p))
+    scaled = logits / t.to(logits.dtype)[:, None, None]
+    if any_filter:
         sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [B, T, V]
         rank = torch.arange(V, device=logits.device)
         drop = filt_k[:, None, None] & (rank >= top_k[:, None, None])
@@ -69,7 +73,7 @@ def logits_to_probs(
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
     probs = scaled.softmax(-1)
-    if bool(greedy.any()):
+    if any_greedy:
         probs = torch.where(greedy[:, None, None], _one_hot_argmax(logits), probs)
     return probs
 

@@ -6,13 +6,13 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from statistics import median
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specq.configs.generation import Request, RequestError, check_length, context_length
-from specq.worker.engine import shadow
+from specq.worker.engine import calibration, shadow
 from specq.worker.engine.batch import KVRows, Row, left_pad
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from specq.worker.engine.policy import DraftLengthPolicy
@@ -22,11 +22,6 @@ from specq.worker.engine.sampling import ACCEPT, SAMPLE, keyed_uniform, logits_t
 
 log = logging.getLogger(__name__)
 _NO_DRAFT = NoDraft()  # the proposal of a step that does not draft
-# calibration's synthetic prompt: ordinary text, so that prompt lookup finds n-grams to copy
-_CALIBRATION_TEXT = (
-    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins "
-    "with a single step. "
-)
 
 
 def model_context(model: PreTrainedModel) -> int:
@@ -54,12 +49,28 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, request: Request, context:
     return ids
 
 
+@dataclass
+class Step:
+    """What one step did, per row of the batch (in batch order)."""
+
+    g: int  # draft length asked of the drafter; 0: a plain step
+    num_draft: list[int]  # per row: draft tokens proposed (<= g)
+    accepted: list[int]  # per row: of them accepted
+    t_draft: float  # seconds drafting (all g tokens)
+    t_verify: float  # seconds of the target pass
+    verify_tokens: int  # tokens per row in that pass: the widest proposal + 1
+    # per row: the accepted drafts, then the recovered or bonus token
+    tokens: list[list[int]] = field(default_factory=list)
+    t_step: float = 0.0  # seconds of the whole step, drafting through the cache fix-up
+
+
 class SpeculativeEngine:
     """Generates for many requests at once with a target model and a drafter.
 
     Greedy output equals the target's own greedy decoding; sampled output follows the
     target's distribution (rejection.py). At most ``max_batch_size`` requests run at
     once; a finished row is refilled from the waiting requests at the next step.
+    ``on_step``, when set, sees every Step after the engine applied it.
     """
 
     def __init__(
@@ -72,11 +83,13 @@ class SpeculativeEngine:
         draft_length: int = 4,
         adaptive: bool = True,
         max_draft_length: int = 8,
+        on_step: Callable[[Step], None] | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter or NoDraft()
         self.max_batch_size = max_batch_size
+        self.on_step = on_step
         default = 0 if self.drafter.name == "none" else draft_length
         # a drafter that costs nothing is scored while the engine does not draft (shadow.py)
         self.shadowing = adaptive and default > 0 and getattr(self.drafter, "free", False)
@@ -117,71 +130,14 @@ class SpeculativeEngine:
                 self._admit(waiting, done)
                 self._retire(done)  # max_new_tokens = 1, or EOS first
             if self.rows:
-                self.step()
+                self._apply(self.step())
                 self._retire(done)
         return [results[i] for i in sorted(results)]
 
-    @torch.inference_mode()
     def calibrate(self, batch_sizes: Iterable[int] | None = None, prompt_tokens: int = 128,
                   repeats: int = 3) -> None:
-        """Measure what a step costs before the first request, so the adaptive policy
-        chooses g from measured costs at once: a target pass over 1, 2, g + 1 and
-        max_g + 1 tokens per row, and a draft step, at each batch size (by default 1, 4,
-        16, ... below max_batch_size, and that), on a synthetic prompt. Acceptance is not
-        learnt here: it depends on the data. Each cost is the median of ``repeats`` timed
-        runs, so one stall cannot skew it. A no-op for an engine that does not adapt g.
-        """
-        policy = self.policy
-        if not policy.adaptive:
-            return
-        t0 = time.perf_counter()
-        if batch_sizes is None:
-            batch_sizes = {4**i for i in range(8) if 4**i < self.max_batch_size}
-            batch_sizes = sorted(batch_sizes | {self.max_batch_size})
-        widths = sorted({1, 2, policy.default + 1, policy.max_g + 1})
-        L = min(prompt_tokens, self.context - (repeats + 1) * sum(widths) - 1)
-        if L < widths[-1]:
-            log.warning("context of %d tokens too short to calibrate in", self.context)
-            return
-        text = self.tokenizer(_CALIBRATION_TEXT, add_special_tokens=False).input_ids or [1, 2, 3]
-        prompt = (text * (L // len(text) + 1))[:L]
-        dev = self.target.device
-        for B in batch_sizes:
-            kv = KVRows(self.target)
-            ids, valid = left_pad([prompt] * B, self.pad_id, dev)  # [B, L]
-            kv.forward(ids, valid, last_only=True)
-            times: dict[int, list[float]] = {n: [] for n in widths}
-            for rep in range(repeats + 1):  # round 0 warms each shape up, untimed
-                for n in widths:
-                    start, t = kv.length, _clock(dev)
-                    kv.forward(ids[:, :n], valid[:, :n])
-                    if rep:
-                        times[n].append(_clock(dev) - t)
-                    kv.keep(start, torch.zeros(B, dtype=torch.long, device=dev))
-            drafts = self._draft_step_times(B, prompt, repeats)
-            policy.record_costs(B, {n: [median(t)] * repeats for n, t in times.items()},
-                                [median(drafts)] * repeats)
-        policy.forget_data()
-        log.info("calibrated at batch sizes %s in %.1f s: %s", list(batch_sizes),
-                 time.perf_counter() - t0, policy.snapshot()["t_verify"])
-
-    def _draft_step_times(self, B: int, prompt: list[int], repeats: int) -> list[float]:
-        """Seconds per draft token of g = default proposals for B rows of this prompt."""
-        g = self.policy.default
-        rows = [list(prompt) for _ in range(B)]
-        self.drafter.admit(rows, [prompt[0]] * B)
-        zeros = torch.zeros(B, dtype=torch.long)
-        inputs = DraftInputs([r + [prompt[0]] for r in rows], zeros, zeros.float(), zeros,
-                             torch.ones(B), greedy=True)
-        out = []
-        for rep in range(repeats + 1):
-            t0 = _clock(self.target.device)
-            self.drafter.propose(inputs, g)
-            if rep:
-                out.append((_clock(self.target.device) - t0) / g)
-            self.drafter.update(zeros, torch.full((B,), prompt[0], dtype=torch.long))
-        self.drafter.select(torch.zeros(0, dtype=torch.long))
-        return out
+        """Measure step costs before the first request (calibration.py)."""
+        calibration.calibrate(self, batch_sizes, prompt_tokens, repeats)
 
     def reset(self) -> None:
         """Drop every row and both caches' contents: the state a failed generation left
@@ -218,10 +174,10 @@ class SpeculativeEngine:
         prompts = [r.tokens for r in rows]
         kv = KVRows(self.target)
         logits = kv.forward(*left_pad(prompts, self.pad_id, self.target.device), last_only=True)
-        params = self._params(rows)
+        seeds, *params = self._params(rows)
         pos = torch.tensor([[len(p)] for p in prompts], device=logits.device)
-        u = keyed_uniform(params[0].to(logits.device), pos, SAMPLE)[:, 0]
-        first = sample(logits_to_probs(logits, *[p.to(logits.device) for p in params[1:]])[:, 0], u)
+        u = keyed_uniform(seeds.to(logits.device), pos, SAMPLE)[:, 0]
+        first = sample(logits_to_probs(logits, *params)[:, 0], u)
         first_list = first.tolist()
         self.drafter.admit([list(p) for p in prompts], first_list)
         self.kv.extend(kv)
@@ -253,7 +209,7 @@ class SpeculativeEngine:
 
     @staticmethod
     def _params(rows: list[Row]) -> tuple[torch.Tensor, ...]:
-        """Per-row seeds [B] int64, temperature [B], top_k [B], top_p [B]."""
+        """Per-row seeds [B] int64, temperature [B], top_k [B], top_p [B], on the host."""
         reqs = [r.request for r in rows]
         return (
             torch.tensor([r.seed for r in rows], dtype=torch.long),
@@ -264,67 +220,128 @@ class SpeculativeEngine:
 
     # -- the step ---------------------------------------------------------------------
 
-    def step(self) -> None:
-        """Draft g tokens -> one target pass -> accept or reject -> fix caches -> emit."""
+    def step(self) -> Step:
+        """Draft g tokens -> one target pass -> accept or reject -> fix up the caches.
+
+        Returns what the step did; ``_apply`` hands it to the rows. The host waits for the
+        device once, to read the step's tokens and accepted counts (and, now and then, when
+        a cache counts its waste: batch.py). Timings wait for nothing (StepClock).
+        """
         B, dev = len(self.rows), self.target.device
-        seeds, temperature, top_k, top_p = (p.to(dev) for p in self._params(self.rows))
-        # a seeded sampled row must see the same g whatever its neighbours: no adapting then
-        g = self.policy.choose(pinned=any(r.request.seed is not None and r.request.temperature > 0
-                                          for r in self.rows), batch=B)
-        inputs = DraftInputs([r.tokens for r in self.rows], seeds, temperature, top_k, top_p,
-                             greedy=bool((temperature <= 0).all()))
-        if self.shadowing and g:
-            shadow.drop(self.rows)
-        elif self.shadowing:  # while g = 0 the free drafter's proposals are scored instead
-            shadow.hold(self.drafter, self.rows, self.policy.default)
-        t0 = _clock(dev)
+        params = self._params(self.rows)  # seeds, temperature, top_k, top_p
+        inputs = DraftInputs([r.tokens for r in self.rows], *params,
+                             greedy=bool((params[1] <= 0).all()))
+        g = self._choose_g()
+        clock = StepClock(dev)
         prop = self.drafter.propose(inputs, g) if g else _NO_DRAFT.propose(inputs, 0)
-        draft_ids, num_draft = prop.token_ids.to(dev), prop.num_draft.to(dev)
-        t1 = _clock(dev)
-        n = int(num_draft.max()) if g else 0  # prompt lookup may find less than g anywhere
-        draft_ids, probs = draft_ids[:, :n], None if prop.probs is None else prop.probs[:, :n]
+        n = int(prop.num_draft.max()) if g else 0  # prompt lookup may find less than g anywhere
+        draft_ids = prop.token_ids[:, :n].to(dev)  # [B, n]
+        draft_probs = None if prop.probs is None else prop.probs[:, :n]  # [B, n, V]
+        num_draft = prop.num_draft.to(dev)  # [B]
+        clock.mark()
 
         ids = torch.cat([self.last[:, None].to(dev), draft_ids], 1)  # [B, n + 1]
         valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev),
                            torch.arange(n, device=dev)[None] < num_draft[:, None]], 1)
         start = self.kv.length
         logits = self.kv.forward(ids, valid)  # [B, n + 1, V]
-        t_verify = _clock(dev) - t1
-        if inputs.greedy:
-            out, accepted = greedy_accept(draft_ids, num_draft, logits.argmax(-1))
-        else:
-            target_probs = logits_to_probs(logits, temperature, top_k, top_p)
-            pos = torch.tensor([len(r.tokens) for r in self.rows], device=dev)[:, None]
-            pos = pos + torch.arange(n + 1, device=dev)  # [B, n + 1] position of each slot
-            out, accepted = rejection_sample(
-                draft_ids, num_draft, probs, target_probs,
-                keyed_uniform(seeds, pos[:, :n], ACCEPT), keyed_uniform(seeds, pos, SAMPLE),
-            )
+        clock.mark()
+        out, accepted = self._accept(logits, draft_ids, num_draft, draft_probs, params,
+                                     inputs.greedy)  # [B, n + 1], [B]
         self.kv.keep(start, accepted + 1)  # the last token and the accepted drafts stay
-        final = out.gather(1, accepted[:, None])[:, 0]  # [B] recovered or bonus token
-        self.drafter.update(accepted, final)
-        self.last = final
+        self.last = out.gather(1, accepted[:, None])[:, 0]  # [B] recovered or bonus token
+
+        host = torch.cat([accepted[:, None], out], 1).tolist()  # the step's one sync
+        accepted_l = [row[0] for row in host]
+        tokens = [row[1 : k + 2] for row, k in zip(host, accepted_l)]
+        self.drafter.update(accepted_l, tokens)
         self.kv.compact()  # both compact only when enough rejected columns piled up
         self.drafter.compact()
-        t2 = time.perf_counter()
+        t_draft, t_verify = clock.phases()
+        return Step(g, prop.num_draft.tolist(), accepted_l, t_draft, t_verify, n + 1, tokens,
+                    clock.elapsed())
 
-        num_draft_l, accepted_l = num_draft.tolist(), accepted.tolist()
-        self.policy.observe(g, num_draft_l, accepted_l, t1 - t0, t_verify, n + 1)
+    def _choose_g(self) -> int:
+        """The policy's g for this step; while it is 0, a free drafter's proposals are held,
+        to be scored against the tokens the target emits (shadow.py)."""
+        # a seeded sampled row must see the same g whatever its neighbours: no adapting then
+        pinned = any(r.request.seed is not None and r.request.temperature > 0 for r in self.rows)
+        g = self.policy.choose(pinned=pinned, batch=len(self.rows))
+        if self.shadowing and g:
+            shadow.drop(self.rows)
+        elif self.shadowing:
+            shadow.hold(self.drafter, self.rows, self.policy.default)
+        return g
+
+    def _accept(self, logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: torch.Tensor,
+                draft_probs: torch.Tensor | None, params: tuple[torch.Tensor, ...],
+                greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Accept or reject each row's draft (rejection.py): (out [B, n + 1], accepted [B]).
+
+        logits: [B, n + 1, V]; draft_ids: [B, n]; num_draft: [B]; draft_probs: [B, n, V]
+        """
+        if greedy:
+            return greedy_accept(draft_ids, num_draft, logits.argmax(-1))
+        seeds, temperature, top_k, top_p = params
+        dev = logits.device
+        target_probs = logits_to_probs(logits, temperature, top_k, top_p)  # [B, n + 1, V]
+        pos = torch.tensor([len(r.tokens) for r in self.rows], device=dev)[:, None]
+        pos = pos + torch.arange(logits.shape[1], device=dev)  # [B, n + 1] each slot's position
+        seeds = seeds.to(dev)
+        return rejection_sample(draft_ids, num_draft, draft_probs, target_probs,
+                                keyed_uniform(seeds, pos[:, :-1], ACCEPT),
+                                keyed_uniform(seeds, pos, SAMPLE))
+
+    def _apply(self, step: Step) -> None:
+        """Hand a step's tokens to the rows and count it: the rows' counters, the policy,
+        the free drafter's held proposals, and ``on_step``."""
+        B = len(self.rows)
         emitted = []
-        for row, toks, n_draft, k in zip(self.rows, out.tolist(), num_draft_l, accepted_l):
-            kept = row.emit(toks[: k + 1])
+        for row, toks, n_draft, k in zip(self.rows, step.tokens, step.num_draft, step.accepted):
+            kept = row.emit(toks)
             emitted.append(toks[:kept])
             c = row.result.counters
-            c.observe_step(n_draft, min(k, kept), g)
+            c.observe_step(n_draft, min(k, kept), step.g)
             c.target_passes += 1
-            c.draft_time += (t1 - t0) / B
-            c.verify_time += (t2 - t1) / B
-        if self.shadowing and not g:
+            c.draft_time += step.t_draft / B
+            c.verify_time += (step.t_step - step.t_draft) / B
+        self.policy.observe(step.g, step.num_draft, step.accepted, step.t_draft, step.t_verify,
+                            step.verify_tokens)
+        if self.shadowing and not step.g:
             self.policy.observe_acceptance(*shadow.score(self.rows, emitted))
+        if self.on_step:
+            self.on_step(step)
 
 
-def _clock(device: torch.device) -> float:
-    """perf_counter once the device has finished its queued work."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+class StepClock:
+    """Times a step's phases without making the host wait for the device.
+
+    On a CPU, perf_counter marks. On CUDA, a perf_counter after torch.cuda.synchronize
+    would be one more sync per mark: the marks are CUDA events on the device's timeline
+    instead, read by ``phases`` once the step's one sync has passed them.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.start = time.perf_counter()
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.marks: list = []
+        self.mark()
+
+    def mark(self) -> None:
+        if self.stream is None:
+            self.marks.append(time.perf_counter())
+            return
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        self.marks.append(event)
+
+    def phases(self) -> list[float]:
+        """Seconds between consecutive marks (on CUDA: after a sync past the last one)."""
+        pairs = zip(self.marks, self.marks[1:])
+        if self.stream is None:
+            return [b - a for a, b in pairs]
+        return [a.elapsed_time(b) / 1e3 for a, b in pairs]
+
+    def elapsed(self) -> float:
+        """Wall seconds since the clock started."""
+        return time.perf_counter() - self.start

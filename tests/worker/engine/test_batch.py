@@ -67,3 +67,33 @@ def test_a_draft_model_costs_nothing_while_the_engine_does_not_draft(tiny_models
     finally:
         draft.kv.model.forward = forward
     assert not calls  # no row is prefilled in the draft until a proposal needs it
+
+
+def test_compaction_counts_the_waste_only_when_it_could_pass_the_bar(tiny_models):
+    """Counting the waste is a sync with the device: the cache counts it again only once
+    its length could have let the waste reach the bar, and compacts at the very steps it
+    would if it counted every time."""
+    model = tiny_models["target"]
+    lazy, eager = KVRows(model), KVRows(model)
+    counts, compactions = [], 0
+    waste = KVRows.waste
+    lazy.waste = lambda: counts.append(1) or waste(lazy)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for kv in (lazy, eager):
+            kv.forward(*left_pad([[10, 11, 12], [20, 21]], 0, "cpu"))
+        for step in range(120):
+            ids = torch.randint(3, 200, (2, 4), generator=gen)
+            keep = torch.randint(1, 3, (2,), generator=gen)  # 1 or 2 of 4 columns
+            for kv in (lazy, eager):
+                start = kv.length
+                kv.forward(ids, torch.ones(2, 4, dtype=torch.bool))
+                kv.keep(start, keep)
+            eager._recheck_at = 0  # counts every step
+            length = lazy.length
+            lazy.compact()
+            eager.compact()
+            compactions += lazy.length < length
+            assert torch.equal(lazy.mask, eager.mask), step
+    print(f"{compactions} compactions, waste counted {len(counts)} times in 120 steps")
+    assert compactions >= 2 and len(counts) < 120 / 4, (compactions, len(counts))

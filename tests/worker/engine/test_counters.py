@@ -36,3 +36,25 @@ def test_counters_are_consistent(drafter, temperature, tiny_models, tiny_tokeniz
             assert c.mean_acceptance_length == 1 + c.accepted / c.draft_steps
     if drafter != "none":
         assert sum(r.counters.proposed for r in results) > 0
+
+
+def test_the_steps_on_step_sees_add_up_to_the_counters(tiny_models, tiny_tokenizer,
+                                                       make_requests):
+    steps = []
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer,
+                               DraftModel(tiny_models["near"]), max_batch_size=4,
+                               draft_length=3, adaptive=False, on_step=steps.append)
+    results = engine.generate(make_requests(12, seed=2, max_new=24))
+    counters = [r.counters for r in results]
+    assert sum(len(s.num_draft) for s in steps) == sum(c.target_passes - 1 for c in counters)
+    assert sum(sum(s.num_draft) for s in steps) == sum(c.proposed for c in counters)
+    assert sum(sum(s.accepted) for s in steps) >= sum(c.accepted for c in counters)
+    assert sum(s.t_draft for s in steps) == pytest.approx(sum(c.draft_time for c in counters))
+    for s in steps:
+        assert s.g == 3 and s.verify_tokens == 4
+        assert [len(t) for t in s.tokens] == [k + 1 for k in s.accepted]
+        assert 0 < s.t_draft and 0 < s.t_verify and s.t_draft + s.t_verify <= s.t_step
+    # each request's first token comes from its prefill, the others from steps (the last
+    # step of a request may be cut short by its limit)
+    emitted = sum(len(t) for s in steps for t in s.tokens)
+    assert sum(c.new_tokens for c in counters) <= len(results) + emitted

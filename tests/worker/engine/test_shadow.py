@@ -3,7 +3,7 @@
 import pytest
 
 from specq.configs.generation import Request
-from specq.worker.engine import shadow
+from specq.worker.engine import policy, shadow
 from specq.worker.engine.batch import Row
 from specq.worker.engine.drafters import PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine
@@ -34,18 +34,18 @@ def test_a_proposal_cut_short_by_the_end_of_its_row_is_not_judged():
 
 
 def test_idle_scoring_measures_what_drafting_measures(tiny_models, tiny_tokenizer,
-                                                      make_requests, check_greedy):
+                                                      make_requests, check_greedy,
+                                                      monkeypatch):
     """Greedy rows: the same lookup proposals judged by the target's own tokens while the
     engine does not draft give the acceptance that drafting steps measure."""
     requests = make_requests(16, seed=11, max_new=48)
+    monkeypatch.setattr(policy, "ACCEPTANCE_DECAY", 1.0)  # no decay: the run's whole MLE
 
     def alpha(idle: bool) -> float:
         engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
                                    max_batch_size=4, draft_length=3, adaptive=idle)
         if idle:  # costs at which drafting never pays: the engine stays at g = 0
             engine.policy.record_costs(4, {1: [0.1] * 2, 2: [10.0] * 2}, [1.0] * 2)
-        engine.policy.decay = 1.0  # no decay: the run's whole MLE
-        engine.policy.forget_data()
         check_greedy(requests, engine.generate(requests))
         if idle:
             assert set(engine.policy.history) == {0}
