@@ -213,7 +213,9 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("jobs", help="the latest jobs")
     s.add_argument("--limit", type=_count(), default=20)
-    s.add_argument("--schedule", help="only the runs of this beat schedule, with metrics")
+    s.add_argument("--schedule", help="only the runs of this beat schedule")
+    s.add_argument("--json", action="store_true",
+                   help="one JSON object per job: state, drafting and figures (job_metrics)")
     s.set_defaults(func=cmd_jobs)
 
     synth = sub.add_parser("synth", help="dataset synthesis from a spec (configs/synth/*.yaml)")
@@ -233,6 +235,7 @@ def parser() -> argparse.ArgumentParser:
     s = ssub.add_parser("runs", help="the runs of one beat schedule and their metrics")
     s.add_argument("schedule")
     s.add_argument("--limit", type=_count(), default=20)
+    s.add_argument("--json", action="store_true", help="JSON, as specq jobs --json")
     s.set_defaults(func=cmd_jobs)
 
     s = sub.add_parser("beat", help="Celery beat for configs/schedules.yaml (one, anywhere)")
@@ -423,27 +426,34 @@ def cmd_results(args: argparse.Namespace) -> int:
 
 
 def cmd_jobs(args: argparse.Namespace) -> int:
-    client = Client()
-    if getattr(args, "schedule", None):
-        return _schedule_runs(client, args.schedule, args.limit)
-    print(f"{'id':>6}  {'status':<11} {'pair':<16} {'done':>15}  created")
-    for s in client.jobs(limit=args.limit):
-        created = s.created_at.strftime("%Y-%m-%d %H:%M:%S") if s.created_at else ""
-        print(f"{s.id:>6}  {s.status:<11} {s.pair:<16} {f'{s.done}/{s.total}':>15}  {created}")
+    """The latest jobs (or one schedule's runs) with their figures, from the view
+    job_metrics in one query."""
+    jobs = Client().jobs(limit=args.limit, schedule=getattr(args, "schedule", None))
+    if getattr(args, "json", False):
+        print(json.dumps([_summary(j.as_dict()) for j in jobs], indent=2))
+        return 0
+    print(f"{'id':>6}  {'status':<11} {'pair':<16} {'drafting':<24} {'done':>11}  "
+          f"{'accept':>6}  {'len':>5}  {'g':>4}  {'tok/s':>7}  {'speedup':>7}  created")
+    for j in jobs:
+        print(f"{j.id:>6}  {j.status:<11} {j.pair:<16} {_drafting(j):<24} "
+              f"{f'{j.done}/{j.total}':>11}  {_fmt(j.acceptance_rate, '.3f'):>6}  "
+              f"{_fmt(j.mean_acceptance_length, '.2f'):>5}  {_fmt(j.mean_draft_length, '.1f'):>4}  "
+              f"{_fmt(j.tokens_per_second, '.1f'):>7}  {_fmt(j.estimated_speedup, '.2f'):>7}  "
+              f"{j.created_at.strftime('%Y-%m-%d %H:%M:%S') if j.created_at else ''}")
     return 0
 
 
-def _schedule_runs(client: Client, schedule: str, limit: int) -> int:
-    """The runs of one beat schedule, newest first, with their acceptance metrics."""
-    print(f"{'id':>6}  {'status':<11} {'done':>11}  {'accept':>6}  {'tok/s':>7}  created")
-    for s in client.jobs(limit=limit, schedule=schedule):
-        m = client.job(s.id).metrics()
-        rate = f"{m.acceptance_rate:.3f}" if m.acceptance_rate is not None else "-"
-        tps = f"{m.tokens_per_second:.1f}" if m.tokens_per_second else "-"
-        created = s.created_at.strftime("%Y-%m-%d %H:%M:%S") if s.created_at else ""
-        print(f"{s.id:>6}  {s.status:<11} {f'{s.done}/{s.total}':>11}  {rate:>6}  {tps:>7}  "
-              f"{created}")
-    return 0
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _drafting(j: Any) -> str:
+    """'model/adaptive:5', 'prompt_lookup/fixed:4', 'none', or '-' where not recorded."""
+    if j.drafter is None:
+        return "-"
+    if j.draft_mode is None:
+        return j.drafter
+    return f"{j.drafter}/{j.draft_mode}:{j.draft_length}"
 
 
 def cmd_synth_run(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
 from functools import cached_property
 from typing import Any, TypeVar
@@ -83,6 +83,46 @@ class JobState:
         d = asdict(self)
         for k in ("created_at", "finished_at"):
             d[k] = d[k].isoformat() if d[k] else None
+        return d
+
+
+@dataclass
+class JobSummary(JobState):
+    """A job as `specq jobs` lists it: its state, how its pair drafts, and its figures, all
+    read from the view job_metrics (db/views.py; figures defined in SQL, None where the view
+    says NULL). The figures are those of JobMetrics, tested equal on both databases."""
+
+    started_at: datetime | None = None
+    drafter: str | None = None
+    draft_model: str | None = None
+    draft_length: int | None = None
+    draft_mode: str | None = None
+    spec: str | None = None
+    schedule: str | None = None
+    new_tokens: int = 0
+    wall_time: float | None = None
+    acceptance_rate: float | None = None
+    mean_acceptance_length: float | None = None
+    mean_draft_length: float | None = None
+    tokens_per_pass: float | None = None
+    tokens_per_second: float | None = None
+    engine_tokens_per_second: float | None = None
+    estimated_speedup: float | None = None
+
+    @classmethod
+    def from_row(cls, row: Any) -> JobSummary:
+        """From a job_metrics row (a mapping of its columns)."""
+        names = {f.name for f in fields(cls)} - {"id", "note"}
+        values = {k: row[k] for k in names}
+        for name in ("acceptance_rate", "mean_acceptance_length", "mean_draft_length",
+                     "tokens_per_pass", "tokens_per_second", "engine_tokens_per_second",
+                     "estimated_speedup", "wall_time"):
+            values[name] = None if values[name] is None else float(values[name])
+        return cls(id=row["job_id"], **values)
+
+    def as_dict(self) -> dict[str, Any]:
+        d = super().as_dict()
+        d["started_at"] = self.started_at.isoformat() if self.started_at else None
         return d
 
 
@@ -209,7 +249,7 @@ class Client:
         with self.sessions.begin() as s:
             job = repo.create_job(s, pair=preset.name, params=defaults, chunk_size=chunk_size,
                                   source=name, queue=queue_name(preset.name, self.settings),
-                                  origin=origin)
+                                  origin=origin, drafting=preset.drafting())
             rows = (dict(normalise(raw), index=i) for i, (_, raw) in enumerate(entries))
             stored = repo.insert_items(s, job_id=job.id, rows=rows)
             if stored != total:
@@ -277,11 +317,13 @@ class Client:
                 raise KeyError(f"job {job_id}: not found")
         return Job(self, job_id)
 
-    def jobs(self, limit: int = 50, schedule: str | None = None) -> list[JobState]:
-        """The latest jobs, newest first (only one beat schedule's runs if ``schedule``)."""
+    def jobs(self, limit: int = 50, schedule: str | None = None) -> list[JobSummary]:
+        """The latest jobs, newest first (only one beat schedule's runs if ``schedule``),
+        with how each drafts and its figures: one query of the view job_metrics."""
         with self.sessions() as s:
-            ids = [j.id for j in repo.list_jobs(s, limit=limit, schedule=schedule)]
-        return [Job(self, i).status(check_workers=False) for i in ids]
+            ids = repo.latest_job_ids(s, limit=limit, schedule=schedule)
+            rows = repo.job_figures(s, job_ids=ids)
+        return [JobSummary.from_row(r) for r in rows]
 
     def workers_for(self, pair: str) -> list[str] | None:
         """Hostnames of the workers consuming ``pair``'s queue; None if the broker is down."""
@@ -398,22 +440,23 @@ class Job:
                 )
 
     def metrics(self) -> JobMetrics:
+        """The job's counters and counts, read from the views (db/views.py: job_metrics,
+        job_acceptance_by_position, job_steps_by_draft_length)."""
         with self.client.sessions() as s:
-            job = repo.get_job(s, job_id=self.id)
-            if job is None:
+            rows = repo.job_figures(s, job_ids=[self.id])
+            if not rows:
                 raise KeyError(f"job {self.id}: not found")
-            counts = repo.status_counts(s, job_id=self.id)
-            sums = repo.counter_sums(s, job_id=self.id)
-            arrays = {c: repo.array_sums(s, job_id=self.id, column=c) for c in ARRAYS}
+            arrays = {"accepted_by_position": repo.accepted_by_position(s, job_id=self.id),
+                      "steps_by_draft_length": repo.steps_by_draft_length(s, job_id=self.id)}
             timeline = repo.draft_length_timeline(s, job_id=self.id)
-        first, last = sums.pop("first_started"), sums.pop("last_finished")
+        row = rows[0]
         kind = counter_kinds()
         return JobMetrics(
-            job_id=self.id, status=job.status, total=job.total,
-            completed=counts[ItemStatus.completed.value], failed=counts[ItemStatus.failed.value],
-            cancelled=counts[ItemStatus.cancelled.value], pending=counts[ItemStatus.pending.value],
-            **{k: (float(v) if kind[k] == "float" else int(v)) for k, v in sums.items()},
-            **arrays, wall_time=repo.elapsed(first, last),
+            job_id=self.id, status=row["status"], total=row["total"],
+            **{s.value: row[s.value] for s in ItemStatus},
+            **{k: (float(row[k]) if kind[k] == "float" else int(row[k])) for k in SCALARS},
+            **arrays,
+            wall_time=None if row["wall_time"] is None else float(row["wall_time"]),
             draft_length_over_time=_mean_g_by_tenths(timeline),
         )
 

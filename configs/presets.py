@@ -31,6 +31,17 @@ class ModelSource(BaseModel):
             raise ValueError("package needs gguf_file")
         return self
 
+    @property
+    def label(self) -> str:
+        """The model in one string, as jobs record their draft model: the path or hub id
+        (@revision), package/gguf_file, or tiny:KIND."""
+        if self.tiny:
+            return f"tiny:{self.tiny}"
+        name = f"{self.package}/{self.gguf_file}" if self.package else str(self.path)
+        if self.gguf_file and not self.package:
+            name = f"{name}/{self.gguf_file}"
+        return f"{name}@{self.revision}" if self.revision else name
+
 
 class PairPreset(BaseModel):
     """A target, its drafter, and the defaults a worker serving it uses."""
@@ -53,6 +64,19 @@ class PairPreset(BaseModel):
         if self.drafter == "model" and self.draft is None:
             raise ValueError("drafter 'model' needs a draft source")
         return self
+
+    def drafting(self) -> dict[str, str | int | None]:
+        """How the pair drafts, as a job records it (the jobs columns drafter, draft_model,
+        draft_length, draft_mode): the draft model only for drafter 'model'; no draft length
+        or mode for drafter 'none'; draft_mode 'adaptive' (g chosen each step, starting at
+        draft_length) or 'fixed' (g = draft_length)."""
+        drafts = self.drafter != "none"
+        return {
+            "drafter": self.drafter,
+            "draft_model": self.draft.label if self.drafter == "model" and self.draft else None,
+            "draft_length": self.draft_length if drafts else None,
+            "draft_mode": ("adaptive" if self.adaptive else "fixed") if drafts else None,
+        }
 
 
 class UnknownPair(KeyError):

@@ -87,6 +87,13 @@ class Job(Base):
     schedule: Mapped[str | None] = mapped_column(String(200), index=True)
     synthesis: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     output_path: Mapped[str | None] = mapped_column(Text)
+    # How its pair drafts, from the preset at submission (PairPreset.drafting): drafter
+    # model | prompt_lookup | none, the draft model (drafter model only), the draft length
+    # g and whether g adapts ('adaptive') or is pinned ('fixed'); NULL where not known.
+    drafter: Mapped[str | None] = mapped_column(String(32))
+    draft_model: Mapped[str | None] = mapped_column(String(300))
+    draft_length: Mapped[int | None] = mapped_column(Integer)
+    draft_mode: Mapped[str | None] = mapped_column(String(16))
     error: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -3,7 +3,8 @@
 Outcomes are written without the job's lock (each item is written once, whoever else
 writes); deciding that a job has ended (settle_job) takes the job's row lock first
 (lock_job), so that two workers finishing the last chunks of a job at once cannot both
-miss its completion.
+miss its completion. A job's metrics are read from the SQL views (db/views.py), where every
+figure is defined.
 """
 
 from __future__ import annotations
@@ -12,28 +13,27 @@ from collections.abc import Iterable, Iterator
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, select, text, update
+from sqlalchemy import RowMapping, bindparam, func, insert, select, update
 from sqlalchemy.orm import Session
 
-from specq.configs.counters import ARRAYS, SCALARS
+from specq.db import views
 from specq.db.models import Item, ItemStatus, Job, JobStatus, utcnow
 from specq.db.outcomes import COLUMNS as OUTCOME_COLUMNS
 from specq.db.outcomes import Outcome
 
 PENDING = ItemStatus.pending.value
-COUNTER_COLUMNS = SCALARS  # summed over a job's items
-ARRAY_COUNTERS = ARRAYS  # summed element-wise
 
 
 def create_job(
     session: Session, *, pair: str, params: dict[str, Any], chunk_size: int, source: str | None,
     queue: str | None = None, origin: dict[str, Any] | None = None,
+    drafting: dict[str, Any] | None = None,
 ) -> Job:
     """``queue``: where its chunks are sent (None: nowhere, the caller runs them);
-    ``origin``: a synthesis run's spec, schedule
-    and synthesis (resolved spec) columns."""
+    ``origin``: a synthesis run's spec, schedule and synthesis (resolved spec) columns;
+    ``drafting``: how its pair drafts (configs/presets.py: PairPreset.drafting)."""
     job = Job(pair=pair, params=params, chunk_size=chunk_size, source=source, queue=queue,
-              status=JobStatus.validating.value, total=0, **(origin or {}))
+              status=JobStatus.validating.value, total=0, **(origin or {}), **(drafting or {}))
     session.add(job)
     session.flush()
     return job
@@ -283,39 +283,27 @@ def iter_items(session: Session, *, job_id: int, batch: int = 1000) -> Iterator[
     yield from session.scalars(stmt)
 
 
-def counter_sums(session: Session, *, job_id: int) -> dict[str, Any]:
-    """Sums of the item counters, and the first start and last finish, in SQL."""
-    sums = [func.coalesce(func.sum(getattr(Item, c)), 0).label(c) for c in COUNTER_COLUMNS]
-    row = session.execute(
-        select(*sums, func.min(Item.started_at).label("first_started"),
-               func.max(Item.finished_at).label("last_finished"))
-        .where(Item.job_id == job_id, Item.draft_steps.is_not(None))
-    ).one()
-    return dict(row._mapping)
+def job_figures(session: Session, *, job_ids: list[int]) -> list[RowMapping]:
+    """The job_metrics rows (db/views.py) of these jobs, newest first, in one query."""
+    if not job_ids:
+        return []
+    view = views.job_metrics
+    stmt = select(view).where(view.c.job_id.in_(job_ids)).order_by(view.c.job_id.desc())
+    return list(session.execute(stmt).mappings())
 
 
-_ARRAY_SUMS = {
-    "sqlite": """
-        SELECT CAST(p.key AS INTEGER) AS pos, SUM(p.value) AS n
-        FROM items, json_each(items.{col}) AS p
-        WHERE items.job_id = :job_id AND json_type(items.{col}) = 'array'
-        GROUP BY pos ORDER BY pos""",
-    "postgresql": """
-        SELECT p.ord - 1 AS pos, SUM(p.value::int) AS n
-        FROM items,
-             json_array_elements_text(items.{col}) WITH ORDINALITY AS p(value, ord)
-        WHERE items.job_id = :job_id AND json_typeof(items.{col}) = 'array'
-        GROUP BY pos ORDER BY pos""",
-}
+def latest_job_ids(session: Session, *, limit: int = 50, schedule: str | None = None) -> list[int]:
+    """Ids of the latest jobs, newest first; only those one beat schedule fired if
+    ``schedule``."""
+    stmt = select(Job.id).order_by(Job.id.desc()).limit(limit)
+    if schedule is not None:
+        stmt = stmt.where(Job.schedule == schedule)
+    return list(session.scalars(stmt))
 
 
-def array_sums(session: Session, *, job_id: int, column: str) -> list[int]:
-    """Element-wise sums of a JSON array counter over the job's items, in SQL."""
-    if column not in ARRAY_COUNTERS:
-        raise ValueError(f"{column!r} is not one of {ARRAY_COUNTERS}")
-    dialect = session.get_bind().dialect.name
-    sql = _ARRAY_SUMS[dialect].format(col=column)
-    rows = session.execute(text(sql), {"job_id": job_id}).all()
+def _by_element(session: Session, stmt: Any) -> list[int]:
+    """[(pos, n)] rows, pos from 0 → a list with n at pos (0 where no row says)."""
+    rows = session.execute(stmt).all()
     out = [0] * (max((pos for pos, _ in rows), default=-1) + 1)
     for pos, n in rows:
         out[pos] = int(n)
@@ -323,18 +311,30 @@ def array_sums(session: Session, *, job_id: int, column: str) -> list[int]:
 
 
 def accepted_by_position(session: Session, *, job_id: int) -> list[int]:
-    """Draft tokens accepted at each draft slot, summed over the job's items in SQL."""
-    return array_sums(session, job_id=job_id, column="accepted_by_position")
+    """Draft tokens accepted at each draft slot ([0]: the first), summed over the job's
+    items (the view job_acceptance_by_position)."""
+    view = views.job_acceptance_by_position
+    return _by_element(session, select(view.c.draft_position - 1, view.c.accepted)
+                       .where(view.c.job_id == job_id))
+
+
+def steps_by_draft_length(session: Session, *, job_id: int) -> list[int]:
+    """[g]: engine steps the job's items ran at draft length g (the view
+    job_steps_by_draft_length)."""
+    view = views.job_steps_by_draft_length
+    return _by_element(session, select(view.c.draft_length, view.c.steps)
+                       .where(view.c.job_id == job_id))
 
 
 def draft_length_timeline(session: Session, *, job_id: int) -> list[tuple[Any, list[int]]]:
-    """(finished_at, steps_by_draft_length) of the job's written items, oldest first."""
+    """(finished_at, steps_by_draft_length) of the job's written items, oldest first (an
+    item written without counters holds JSON null there, not SQL NULL: skipped too)."""
     stmt = (
         select(Item.finished_at, Item.steps_by_draft_length)
         .where(Item.job_id == job_id, Item.steps_by_draft_length.is_not(None))
         .order_by(Item.finished_at, Item.index)
     )
-    return [(t, list(steps)) for t, steps in session.execute(stmt)]
+    return [(t, list(steps)) for t, steps in session.execute(stmt) if steps is not None]
 
 
 def elapsed(first: datetime | None, last: datetime | None) -> float | None:

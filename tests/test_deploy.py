@@ -39,7 +39,7 @@ README = (ROOT / "README.md").read_text()
 OURS = [name for name, s in SERVICES.items() if s.get("image") == "specq:latest"]
 # What a user puts in .env (hex, as the README says), and what compose must demand.
 SECRETS = {"REDIS_PASSWORD": "5f0c1d2e3a4b", "POSTGRES_PASSWORD": "9a8b7c6d5e4f",
-           "FLOWER_BASIC_AUTH": "admin:0123abcd"}
+           "FLOWER_BASIC_AUTH": "admin:0123abcd", "READONLY_PASSWORD": "3c4d5e6f7a8b"}
 NOT_ROOT = ("root", "0")
 
 _REFERENCE = re.compile(r"\$(?:(\$)|\{(\w+)(?:(:?)([-?])([^}]*))?\}|(\w+))")
@@ -117,6 +117,29 @@ def test_services_and_persistence():
     assert beats == ["beat"] and "replicas" not in SERVICES["beat"].get("deploy", {})
     assert "FLOWER_BASIC_AUTH" in SERVICES["flower"]["environment"]
     assert ":?" in SERVICES["flower"]["environment"]["FLOWER_BASIC_AUTH"]  # required, no default
+
+
+def test_readonly_role_is_made_after_every_migration():
+    """The one-shot `readonly` runs db/readonly.sql with psql (tests/db/test_readonly.py runs
+    this very command on PostgreSQL) as the owner of the tables, once migrate is done."""
+    service = SERVICES["readonly"]
+    assert service["image"] == SERVICES["postgres"]["image"]  # its psql
+    assert service["restart"] == "no"
+    assert service["depends_on"] == {"migrate": {"condition": "service_completed_successfully"}}
+    (mount,) = service["configs"]
+    assert (ROOT / COMPOSE["configs"][mount["source"]]["file"]).resolve() == (
+        ROOT / "db" / "readonly.sql")
+    command = service["command"]
+    assert command[0] == "psql" and command[command.index("-f") + 1] == mount["target"]
+    assert "ON_ERROR_STOP=1" in command
+    env, server = container_env("readonly", SECRETS), container_env("postgres", SECRETS)
+    assert env["PGHOST"] == "postgres"
+    assert (env["PGUSER"], env["PGDATABASE"], env["PGPASSWORD"]) == (
+        server["POSTGRES_USER"], server["POSTGRES_DB"], server["POSTGRES_PASSWORD"])
+    migrate_url = urlsplit(container_env("migrate", SECRETS)["SPECQ_DATABASE_URL"])
+    assert migrate_url.username == env["PGUSER"]  # it owns what the migrations create
+    assert env["READONLY_PASSWORD"] == SECRETS["READONLY_PASSWORD"]
+    assert service["environment"]["READONLY_PASSWORD"].startswith("${READONLY_PASSWORD:?")
 
 
 def test_one_worker_per_gpu():

@@ -102,8 +102,9 @@ def test_metrics_are_sql_sums_of_item_counters(sessions):
         repo.lock_job(s, job_id=job_id)
         repo.write_outcomes(s, job_id=job_id, outcomes=outcomes)
     with sessions() as s:
-        sums = repo.counter_sums(s, job_id=job_id)
+        (sums,) = repo.job_figures(s, job_ids=[job_id])
         assert repo.accepted_by_position(s, job_id=job_id) == [6, 3, 1]
+        assert repo.steps_by_draft_length(s, job_id=job_id) == [3, 6]
         assert sums["accepted"] == 10 and sums["draft_steps"] == 6 and sums["proposed"] == 24
         assert sums["new_tokens"] == 15 and sums["draft_time"] == pytest.approx(1.5)
         assert s.scalar(select(func.count()).select_from(Item)) >= 3
