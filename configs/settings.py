@@ -68,6 +68,9 @@ class Settings(BaseSettings):
     max_chunk_runs: int = Field(
         20, ge=1, le=100000, description="leases a chunk may take (workers killed or crashed "
         "while running it) before its pending items fail")
+    torch_threads: int = Field(
+        0, ge=0, le=4096, description="CPU threads of a worker's torch; 0: its share of the "
+        "host's cores (usable cores / specq workers on the host), 2 on a GPU")
     broker_timeout: float = Field(
         5.0, gt=0, le=600, description="seconds any broker call may take (connect, send, read)")
     # Scheduled synthesis (api/beat.py).

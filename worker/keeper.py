@@ -204,12 +204,11 @@ class ChunkKeeper:
                 return repo.write_outcomes(s, job_id=self.job_id, outcomes=[failed])
 
     def _release(self) -> None:
-        with self.sessions.begin() as s:
+        with self.sessions.begin() as s:  # the chunk's outcomes are committed by now
             done = chunks.release(s, job_id=self.job_id, start=self.start_index, end=self.end,
                                   owner=self.owner)
             self.report.done = done
             if done:  # this chunk's last items may have been the job's last
-                repo.lock_job(s, job_id=self.job_id)
                 self.report.job_status = repo.settle_job(s, job_id=self.job_id).value
             else:
                 self.report.job_status = repo.get_job(s, job_id=self.job_id).status

@@ -64,7 +64,6 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
     with sessions.begin() as s:
         for jid in repo.unsettled_jobs(s):
             if job_id is None or jid == job_id:
-                repo.lock_job(s, job_id=jid)
                 report.settled[jid] = repo.settle_job(s, job_id=jid).value
     with sessions() as s:
         stmt = (select(Job.queue).where(Job.status.in_(UNFINISHED), Job.queue.is_not(None))

@@ -30,6 +30,7 @@ from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
 from specq.db.outcomes import Outcome
 from specq.db.session import session_factory
+from specq.worker import threads
 from specq.worker.app import app
 from specq.worker.attempts import ChunkItem, Stopped, generate_with_retries
 from specq.worker.backoff import Backoff, retry_db
@@ -37,7 +38,7 @@ from specq.worker.constants import GENERATE_TASK, WORKER_PAIR_ENV
 from specq.worker.device import DeviceLost
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.keeper import ChunkKeeper
-from specq.worker.pairs import Pair, load_pair
+from specq.worker.pairs import Pair, load_pair, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +94,7 @@ def _load_at_start(**_: Any) -> None:
         return
     _started.set()
     t0 = time.perf_counter()
+    threads.apply(settings.torch_threads, resolve_device(settings.device).type)
     pair = worker_pair()
     engine = worker_engine()
     engine.generate([Request(prompt="Hello", max_new_tokens=2)])

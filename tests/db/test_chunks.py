@@ -104,3 +104,31 @@ def test_failures_count_attempts_and_retry_keeps_them(sessions):
 def _done(i):
     return Outcome(i, ItemStatus.completed, output="o", token_ids=[1],
                    finish_reason="length", prompt_tokens=1, counters=Counters(), worker="w")
+
+
+def test_two_workers_writing_a_jobs_last_items_at_once_end_it(db_url, sessions):
+    """No lock: each settles after its writes committed, and the later one sees both."""
+    import threading
+
+    for _ in range(15):
+        job_id = _job(sessions, n=2, chunk_size=1)
+        with sessions.begin() as s:
+            repo.start_job(s, job_id=job_id)
+        barrier = threading.Barrier(2)
+        threads = [threading.Thread(target=_finish, args=(sessions, job_id, i, barrier))
+                   for i in (0, 1)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        with sessions() as s:
+            assert repo.get_job(s, job_id=job_id).status == JobStatus.completed.value
+
+
+def _finish(sessions, job_id: int, index: int, barrier) -> None:
+    """A worker's last write of a job, then its settling, in two transactions."""
+    barrier.wait()
+    with sessions.begin() as s:
+        repo.write_outcomes(s, job_id=job_id, outcomes=[_done(index)])
+    with sessions.begin() as s:
+        repo.settle_job(s, job_id=job_id)

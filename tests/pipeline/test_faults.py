@@ -216,7 +216,7 @@ def test_kill_9_mid_chunk_another_worker_resumes_it_within_a_minute(fleet):
     back; items the killed worker wrote stay as they were, written once."""
     c = fleet.start("c", LOOKUP)
     a = fleet.workers["a"]
-    job = fleet.client.submit(prompts(160, "kill"), pair=LOOKUP, max_new_tokens=24,
+    job = fleet.client.submit(prompts(320, "kill"), pair=LOOKUP, max_new_tokens=24,
                               chunk_size=16)
 
     def a_holds_a_chunk():
@@ -230,7 +230,7 @@ def test_kill_9_mid_chunk_another_worker_resumes_it_within_a_minute(fleet):
     a.kill()
     resumed = wait_for(lambda: _resumed(fleet, job.id, start, a.name), 60,
                        "the killed worker's chunk was not resumed", fleet)
-    exactly_once(fleet, job, 160)
+    exactly_once(fleet, job, 320)
     with fleet.client.sessions() as s:
         by = s.scalars(select(Item.worker).where(Item.job_id == job.id)).all()
     assert {w.split("@")[0] for w in by} <= {a.name, c.name}
