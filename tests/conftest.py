@@ -4,6 +4,8 @@ database of this test session on the real server."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -16,19 +18,28 @@ from specq.worker.tiny import build_tiny_pair
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 
-@pytest.fixture(scope="session")
-def pg_url():
-    """A fresh PostgreSQL database for this test session, dropped at its end."""
+@contextmanager
+def fresh_pg_database() -> Iterator[str]:
+    """The URL of a new, empty PostgreSQL database on the real server, dropped after."""
     name = f"specq_test_{uuid.uuid4().hex[:12]}"
     admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    yield url
-    get_engine(url).dispose()
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    try:
+        yield url
+    finally:
+        get_engine(url).dispose()
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+@pytest.fixture(scope="session")
+def pg_url():
+    """A fresh PostgreSQL database for this test session, dropped at its end."""
+    with fresh_pg_database() as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

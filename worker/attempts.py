@@ -21,7 +21,7 @@ import logging
 import re
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
@@ -60,7 +60,6 @@ class Tally:
 
     failed: int = 0  # items failed for good by this run
     faults: int = 0  # engine exceptions met
-    errors: list[str] = field(default_factory=list)
 
 
 def generate_with_retries(

@@ -46,7 +46,6 @@ class _Failures:
 @dataclass
 class KeeperReport:
     written: int = 0  # outcomes this run stored
-    refused: int = 0  # outcomes the database refused (stored as failed, with why)
     unwritten: int = 0  # already written by another run of the chunk
     failures: int = 0  # engine failures recorded (attempts)
     done: bool = False  # no pending item left in the chunk at the end
@@ -199,7 +198,6 @@ class ChunkKeeper:
                                      f"{type(orig).__name__}: {orig}", worker=outcome.worker,
                                      started_at=outcome.started_at,
                                      finished_at=outcome.finished_at)
-            self.report.refused += 1
             with self.sessions.begin() as s:
                 return repo.write_outcomes(s, job_id=self.job_id, outcomes=[failed])
 

@@ -10,7 +10,7 @@ import re
 import uuid
 
 import pytest
-from sqlalchemy import create_engine, inspect, select, text
+from sqlalchemy import inspect, select, text
 
 from specq.api import cli
 from specq.api.client import Client, JobMetrics
@@ -20,7 +20,7 @@ from specq.configs.settings import Settings, get_settings
 from specq.db import repository as repo
 from specq.db import views
 from specq.db.session import get_engine, migrate
-from tests.conftest import PG_ADMIN
+from tests.conftest import fresh_pg_database
 from tests.db.conftest import item_python_metrics, known_jobs, python_metrics
 
 FIGURES = views.FIGURES  # the derived columns; each is the JobMetrics property of its name
@@ -273,16 +273,8 @@ def fresh_url(request, tmp_path):
     if request.param == "sqlite":
         yield f"sqlite:///{tmp_path / 'fresh.db'}"
         return
-    name = f"specq_test_{uuid.uuid4().hex[:12]}"
-    admin = create_engine(PG_ADMIN, isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}"'))
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    yield url
-    get_engine(url).dispose()
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-    admin.dispose()
+    with fresh_pg_database() as url:
+        yield url
 
 
 def test_migration_backfills_old_jobs_and_goes_down_and_up(fresh_url):
