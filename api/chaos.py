@@ -30,7 +30,7 @@ from sqlalchemy.engine import make_url
 
 from specq.api.client import Client
 from specq.api.proxy import Proxy
-from specq.configs.settings import Settings, get_settings
+from specq.configs.settings import Settings, get_settings, subprocess_env
 from specq.db import chunks
 from specq.db.models import Chunk, Item, ItemStatus
 
@@ -56,7 +56,6 @@ class Worker:
     """A worker subprocess with its own faults file."""
 
     def __init__(self, settings: Settings, pair: str, out: Path) -> None:
-        from specq.api.pipeline_bench import worker_env
 
         self.name = f"chaos-{uuid.uuid4().hex[:6]}"
         self.log = out / f"{self.name}.log"
@@ -65,7 +64,7 @@ class Worker:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specq.worker.bench.faults", str(self.faults), "--pair", pair,
              "-n", f"{self.name}@%h", "--loglevel", "warning"],
-            env=worker_env(settings), stdout=self.log.open("w"), stderr=subprocess.STDOUT)
+            env=subprocess_env(settings), stdout=self.log.open("w"), stderr=subprocess.STDOUT)
 
 
 def run_chaos(args: argparse.Namespace) -> dict:

@@ -23,6 +23,7 @@ from specq.api.formats import FORMATS, OutputError, check_output
 from specq.api.inputs import InputError, check_count, check_job_id, describe, show
 from specq.configs.presets import PresetError
 from specq.configs.settings import describe_settings, get_settings
+from specq.worker.constants import PRIORITIES
 
 SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
 
@@ -35,6 +36,8 @@ HEAVY = {
                        "the job path's overhead over the engine alone"),
     "bench-chaos": ("specq.api.chaos", "one job through kills, a broker flush, outages and "
                     "engine faults: lost, duplicated, wrongly failed"),
+    "bench-fleet": ("specq.api.fleet_bench", "the control plane at scale: a big job, many "
+                    "workers, a stand-in engine; rates, waits, memory, a small job behind it"),
 }
 
 
@@ -164,6 +167,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("file")
     s.add_argument("--pair", required=True)
     _job_flags(s)
+    s.add_argument("--priority", choices=list(PRIORITIES), default="normal",
+                   help="the job's waiting chunks go before those of lower-priority jobs on "
+                        "the pair's queue; jobs of one priority take turns")
     s.add_argument("--wait", action="store_true", help="wait with a progress bar")
     s.set_defaults(func=cmd_submit)
 
@@ -286,7 +292,8 @@ def _print_state(state) -> None:
 
 def cmd_submit(args: argparse.Namespace) -> int:
     client = Client()
-    job = client.submit(args.file, pair=args.pair, chunk_size=args.chunk_size, **_sampling(args))
+    job = client.submit(args.file, pair=args.pair, chunk_size=args.chunk_size,
+                        priority=args.priority, **_sampling(args))
     state = job.status(check_workers=job.enqueue_error is None)
     print(f"job {job.id}: {state.total} items on pair {state.pair}, {state.status}")
     if job.enqueue_error:

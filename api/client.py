@@ -31,7 +31,7 @@ from specq.api.inputs import (
     check_count,
     check_job_id,
     describe,
-    normalise,
+    item_row,
     open_source,
     parse_entries,
 )
@@ -43,12 +43,11 @@ from specq.configs.presets import PairPreset, UnknownPair, get_preset
 from specq.configs.settings import Settings, get_settings
 from specq.db import chunks
 from specq.db import repository as repo
-from specq.db.chunks import ChunkRef
 from specq.db.models import ItemStatus, JobStatus
 from specq.db.session import migrate, session_factory
 from specq.worker import dispatch
 from specq.worker.app import make_app
-from specq.worker.constants import INSPECT_TIMEOUT, queue_name
+from specq.worker.constants import INSPECT_TIMEOUT, PRIORITIES, queue_name
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -223,6 +222,7 @@ class Client:
         chunk_size: int | None = None,
         enqueue: bool = True,
         origin: dict[str, Any] | None = None,
+        priority: str = "normal",
         **sampling: Any,
     ) -> Job:
         """Validate the whole spec, store the job and its items, then send its chunks.
@@ -230,10 +230,15 @@ class Client:
         ``source``: a JSONL file (str or path), or an iterable of prompts (strings, chat
         message lists, or dicts shaped like JSONL lines). ``sampling``: the job's default
         SamplingParams, which a line's own parameters override. ``origin``: the job columns
-        of a synthesis run (spec, schedule, synthesis). Raises InputError naming
-        every problem found (up to MAX_PROBLEMS) before anything is stored.
+        of a synthesis run (spec, schedule, synthesis). ``priority``: high, normal or low;
+        a job's waiting chunks go before those of jobs of lower priority on the same
+        queue (jobs of one priority take turns). Raises InputError naming every problem
+        found (up to MAX_PROBLEMS) before anything is stored.
         """
         t0 = time.perf_counter()
+        if priority not in PRIORITIES:
+            raise InputError([f"priority: {priority!r} is not one of "
+                              f"{', '.join(PRIORITIES)}"])
         preset = self._preset(pair)
         try:
             defaults = SamplingParams(**sampling).model_dump()
@@ -249,8 +254,9 @@ class Client:
         with self.sessions.begin() as s:
             job = repo.create_job(s, pair=preset.name, params=defaults, chunk_size=chunk_size,
                                   source=name, queue=queue_name(preset.name, self.settings),
-                                  origin=origin, drafting=preset.drafting())
-            rows = (dict(normalise(raw), index=i) for i, (_, raw) in enumerate(entries))
+                                  origin=origin, drafting=preset.drafting(),
+                                  priority=priority)
+            rows = (dict(item_row(raw), index=i) for i, (_, raw) in enumerate(entries))
             stored = repo.insert_items(s, job_id=job.id, rows=rows)
             if stored != total:
                 raise InputError([f"{name}: changed while it was submitted"])
@@ -349,7 +355,8 @@ class Job:
         return f"Job({self.id})"
 
     def enqueue(self) -> bool:
-        """Send one task per chunk to the pair's queue: references only, never prompts.
+        """Send the job's first chunks (SPECQ_DISPATCH_WINDOW of them) to the pair's
+        queue: references only, never prompts. Each chunk a worker starts sends the next.
 
         Returns False, with a warning, when the broker cannot be reached (every call is
         bounded by broker_timeout): the job stays stored and queued, and the reconciler
@@ -357,13 +364,14 @@ class Job:
         broker is back.
         """
         settings = self.client.settings
-        with self.client.sessions() as s:
-            job = repo.get_job(s, job_id=self.id)
-        refs = [ChunkRef(job.id, start, end, job.queue) for start, end in job.chunks()]
+        with self.client.sessions.begin() as s:
+            refs = chunks.take_unsent(s, job_id=self.id, n=settings.dispatch_window)
         try:
             sent = _bounded(lambda: dispatch.send(self.client.celery, refs, settings),
                             seconds=settings.broker_timeout * 3 + len(refs) / 1000)
         except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
+            with self.client.sessions.begin() as s:
+                chunks.unsend(s, refs=refs)
             self.enqueue_error = (
                 f"the broker at {maybe_sanitize_url(settings.broker_url)} cannot be reached "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
@@ -371,9 +379,7 @@ class Job:
                 f"(by a worker's or the beat's reconciler, or `specq reconcile {self.id}`)")
             log.warning("job %d: %s", self.id, self.enqueue_error)
             return False
-        with self.client.sessions.begin() as s:
-            chunks.mark_job_sent(s, job_id=self.id)
-        log.info("job %d: %d chunks sent to queue %s", job.id, sent, job.queue)
+        log.info("job %d: its first %d chunks sent", self.id, sent)
         return True
 
     def status(self, check_workers: bool = True) -> JobState:
@@ -429,14 +435,17 @@ class Job:
             bar.close()
 
     def results(self, batch: int = 1000) -> Iterator[ItemResult]:
-        """Every item in index order, streamed from the database."""
+        """Every item in index order, streamed from the database (only the columns read)."""
+        names = SCALARS + ARRAYS
+        columns = ("index", "custom_id", "status", "output", "finish_reason", "error",
+                   "prompt_tokens", "worker", *names)
         with self.client.sessions() as s:
-            for it in repo.iter_items(s, job_id=self.id, batch=batch):
-                counters = {c: getattr(it, c) for c in SCALARS + ARRAYS}
+            for (index, custom_id, status, output, finish_reason, error, prompt_tokens, worker,
+                 *counters) in repo.iter_items(s, job_id=self.id, batch=batch, columns=columns):
                 yield ItemResult(
-                    index=it.index, custom_id=it.custom_id, status=it.status,
-                    output=it.output, finish_reason=it.finish_reason, error=it.error,
-                    prompt_tokens=it.prompt_tokens, counters=counters, worker=it.worker,
+                    index=index, custom_id=custom_id, status=status, output=output,
+                    finish_reason=finish_reason, error=error, prompt_tokens=prompt_tokens,
+                    counters=dict(zip(names, counters)), worker=worker,
                 )
 
     def metrics(self) -> JobMetrics:
@@ -485,7 +494,7 @@ class Job:
 
 
 def _mean_g_by_tenths(timeline: list[tuple[Any, list[int]]]) -> list[float]:
-    """Mean draft length of the steps of each tenth of the items, in finishing order."""
+    """Mean draft length of the steps of each tenth of the job's chunks, in finishing order."""
     n = len(timeline)
     out = []
     for k in range(min(10, n)):

@@ -12,15 +12,16 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import fields
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
 
-from specq.api.client import Job
+from specq.api.client import ItemResult, Job
 from specq.configs.counters import ARRAYS, SCALARS, acceptance_rate
 from specq.configs.counters import kinds as counter_kinds
 from specq.db import repository as repo
-from specq.db.models import Item, ItemStatus
+from specq.db.models import ItemStatus
 
 if TYPE_CHECKING:  # pyarrow is imported where Parquet is written: the CLI starts faster
     import pyarrow as pa
@@ -77,7 +78,7 @@ class JsonlSink:
                               else open(self.path, "w", encoding="utf-8"))  # noqa: SIM115
 
     def write(self, rows: list[dict[str, Any]]) -> None:
-        self._out.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        self._out.writelines(_ENCODE(r) + "\n" for r in rows)
 
     def close(self) -> None:
         if self._out is sys.stdout:
@@ -122,6 +123,7 @@ class ParquetSink:
 
 
 Sink = JsonlSink | ParquetSink
+_ENCODE = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(r, ensure_ascii=False)
 
 
 def open_sink(path: str | os.PathLike, fmt: str, schema: pa.Schema | None = None) -> Sink:
@@ -170,10 +172,14 @@ def result_schema() -> pa.Schema:
         + counter_fields() + [("acceptance_rate", pa.float64())])
 
 
+RESULT_FIELDS = tuple(f.name for f in fields(ItemResult))
+
+
 def jsonl_rows(job: Job) -> Iterator[dict[str, Any]]:
-    """The stored outcome of each item, as `specq run` writes it."""
+    """The stored outcome of each item, as `specq run` writes it: ItemResult.as_dict(),
+    without its deep copy (each item's values are its own already)."""
     for item in job.results(batch=BATCH):
-        yield item.as_dict()
+        yield {name: getattr(item, name) for name in RESULT_FIELDS}
 
 
 def flat_rows(job: Job) -> Iterator[dict[str, Any]]:
@@ -196,41 +202,50 @@ def openai_rows(job: Job) -> Iterator[dict[str, Any]]:
     chat.completion or text_completion object with usage) or error, for every item."""
     with job.client.sessions() as s:
         model = repo.get_job(s, job_id=job.id).pair
-        for item in repo.iter_items(s, job_id=job.id, batch=BATCH):
-            yield openai_line(item, job.id, model)
+        for row in repo.iter_items(s, job_id=job.id, batch=BATCH, columns=OPENAI_COLUMNS):
+            yield openai_line(dict(zip(OPENAI_COLUMNS, row)), job.id, model)
 
 
-def openai_line(item: Item, job_id: int, model: str) -> dict[str, Any]:
-    request_id = f"specq-{job_id}-{item.index}"
+# what an output line reads of an item (messages: whether it is a chat completion)
+OPENAI_COLUMNS = ("index", "custom_id", "status", "error", "finished_at", "new_tokens",
+                  "prompt_tokens", "finish_reason", "messages", "output")
+
+
+def openai_line(item: Mapping[str, Any], job_id: int, model: str) -> dict[str, Any]:
+    """The output line of one item (its OPENAI_COLUMNS)."""
+    index, status = item["index"], item["status"]
+    request_id = f"specq-{job_id}-{index}"
     line: dict[str, Any] = {
-        "id": f"batch_req_{job_id}_{item.index}",
-        "custom_id": item.custom_id if item.custom_id is not None else f"request-{item.index}",
+        "id": f"batch_req_{job_id}_{index}",
+        "custom_id": item["custom_id"] if item["custom_id"] is not None else f"request-{index}",
         "response": None,
         "error": None,
     }
-    if item.status != ItemStatus.completed.value:
+    if status != ItemStatus.completed.value:
         code = {ItemStatus.failed.value: "generation_failed",
-                ItemStatus.cancelled.value: "batch_cancelled"}.get(item.status, "not_finished")
-        message = item.error or f"the item is {item.status}"
+                ItemStatus.cancelled.value: "batch_cancelled"}.get(status, "not_finished")
+        message = item["error"] or f"the item is {status}"
         line["error"] = {"code": code, "message": message}
         return line
-    created = int(item.finished_at.timestamp()) if item.finished_at else 0
-    completion = item.new_tokens or 0
-    usage = {"prompt_tokens": item.prompt_tokens or 0, "completion_tokens": completion,
-             "total_tokens": (item.prompt_tokens or 0) + completion}
-    finish = item.finish_reason or "stop"
-    if item.messages is not None:
+    created = int(item["finished_at"].timestamp()) if item["finished_at"] else 0
+    prompt_tokens = item["prompt_tokens"] or 0
+    completion = item["new_tokens"] or 0
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+             "total_tokens": prompt_tokens + completion}
+    finish = item["finish_reason"] or "stop"
+    output = item["output"] or ""
+    if item["messages"] is not None:
         body = {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created,
                 "model": model,
                 "choices": [{"index": 0, "finish_reason": finish, "logprobs": None,
-                             "message": {"role": "assistant", "content": item.output or "",
+                             "message": {"role": "assistant", "content": output,
                                          "refusal": None}}],
                 "usage": usage}
     else:
         body = {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created,
                 "model": model,
                 "choices": [{"index": 0, "finish_reason": finish, "logprobs": None,
-                             "text": item.output or ""}],
+                             "text": output}],
                 "usage": usage}
     line["response"] = {"status_code": 200, "request_id": request_id, "body": body}
     return line

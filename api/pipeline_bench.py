@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -27,14 +26,14 @@ from pathlib import Path
 
 from specq.api.client import Client
 from specq.api.tokenizer import prompt_tokenizer
+from specq.configs.argtypes import positive_int
 from specq.configs.counters import Counters
 from specq.configs.generation import Request
 from specq.configs.presets import get_preset
-from specq.configs.settings import Settings, get_settings
+from specq.configs.settings import Settings, get_settings, subprocess_env
 from specq.db import repository as repo
 from specq.db.models import ItemStatus
 from specq.db.outcomes import Outcome
-from specq.worker.bench import positive_int
 from specq.worker.bench.prompts import load_prompts
 from specq.worker.pairs import load_pair
 
@@ -53,22 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-dir", default="bench-out")
 
 
-def worker_env(settings: Settings) -> dict[str, str]:
-    """This process's settings as the SPECQ_ variables a worker subprocess reads."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECQ_")}
-    for name, value in settings.model_dump().items():
-        if value is not None:
-            env[f"SPECQ_{name.upper()}"] = str(value)
-    return env
-
-
 def start_worker(settings: Settings, pair: str, client: Client, log_path: Path,
                  timeout: float = 300) -> subprocess.Popen:
     """`specq worker --pair PAIR`, returned once it consumes the pair's queue."""
     log_file = log_path.open("w")
     proc = subprocess.Popen(
         [sys.executable, "-m", "specq.api.cli", "worker", "--pair", pair, "--loglevel", "warning"],
-        env=worker_env(settings), stdout=log_file, stderr=subprocess.STDOUT,
+        env=subprocess_env(settings), stdout=log_file, stderr=subprocess.STDOUT,
     )
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -97,10 +87,13 @@ def submission_rate(client: Client, pair: str, n: int, path: Path) -> float:
             line = {"custom_id": f"s{i}", "messages": [
                 {"role": "user", "content": f"Rewrite formally: hey, order {i} is late again"}]}
             f.write(json.dumps(line) + "\n")
-    client.submit(str(path), pair=pair, enqueue=False, max_new_tokens=8)  # warm: tokenizer
+    warm = client.submit(str(path), pair=pair, enqueue=False, max_new_tokens=8)  # tokenizer
     t0 = time.perf_counter()
-    client.submit(str(path), pair=pair, enqueue=False, max_new_tokens=8)
-    return n / (time.perf_counter() - t0)
+    job = client.submit(str(path), pair=pair, enqueue=False, max_new_tokens=8)
+    rate = n / (time.perf_counter() - t0)
+    for stored in (warm, job):  # stored only to be timed: no worker is to run them (a
+        stored.cancel()  # queued job is sent by the reconciler, as if its producer died)
+    return rate
 
 
 def write_rate(client: Client, pair: str, n: int) -> float:

@@ -117,6 +117,7 @@ class SynthSpec(BaseModel):
     seed: int = Field(0, ge=0, lt=2**63, strict=True)
     output: OutputSpec
     chunk_size: int | None = Field(None, ge=1, le=INT32_MAX, strict=True)
+    priority: Literal["high", "normal", "low"] = "normal"  # worker/constants.py: PRIORITIES
     limits: RenderLimits = Field(default_factory=RenderLimits)
 
     @model_validator(mode="before")
@@ -340,7 +341,7 @@ def submit(client: Client, spec: SynthSpec, *, schedule: str | None = None) -> J
     """Submit the spec as an ordinary job that records its spec and schedule."""
     origin = {"spec": spec.name, "schedule": schedule, "synthesis": spec.model_dump()}
     job = client.submit(list(requests(spec)), pair=spec.pair, chunk_size=spec.chunk_size,
-                        origin=origin, **spec.sampling)
+                        origin=origin, priority=spec.priority, **spec.sampling)
     log.info("synthesis %s%s: job %d submitted", spec.name,
              f" (schedule {schedule})" if schedule else "", job.id)
     return job

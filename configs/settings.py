@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from functools import lru_cache
 from pathlib import Path
@@ -42,6 +43,10 @@ class Settings(BaseSettings):
         description="seconds before an unacknowledged chunk is redelivered; "
         "must exceed the longest chunk"
     )
+    dispatch_window: int = Field(
+        4, ge=1, le=100000, description="chunk messages of one job kept waiting on the "
+        "broker; each chunk a worker starts sends the job's next one, so jobs on a queue "
+        "take turns and a small job starts within a few chunks of a huge one")
     worker_pair: str | None = Field(None, min_length=1, max_length=200,
                                     description="the pair a worker serves (specq worker)")
     # Faults (worker/keeper.py, worker/reconciler.py; README "Failures and recovery").
@@ -196,3 +201,13 @@ def describe_settings(exc: ValidationError) -> list[str]:
             f", got {str(value)[:60]!r}"
         out.append(f"SPECQ_{name.upper()}: {msg}{shown}")
     return out
+
+
+def subprocess_env(settings: Settings) -> dict[str, str]:
+    """This process's environment with ``settings`` as the SPECQ_ variables a subprocess
+    (a worker started by a bench) reads."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECQ_")}
+    for name, value in settings.model_dump().items():
+        if value is not None:
+            env[f"SPECQ_{name.upper()}"] = str(value)
+    return env

@@ -5,18 +5,27 @@ The database is the truth about what is left to do; the broker only carries refe
 A worker runs a chunk under a lease it renews by heartbeat; the reconciler re-sends a
 chunk that is not done, whose lease (if any) has run out, and whose last message was
 sent more than a grace period ago and is no longer on the broker (worker/reconciler.py).
+
+A job's chunks are not all sent at once: a few wait on the broker (take_unsent marks the
+next ones sent), and each chunk a worker starts sends the next (worker/tasks.py). The
+broker's queue then holds a few messages per job, in turns, instead of a huge job's whole
+backlog in front of every job submitted after it.
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
 
 from sqlalchemy import and_, bindparam, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
+from specq.configs.counters import ARRAYS, SCALARS
 from specq.db.clock import db_now
-from specq.db.models import Chunk, Item, ItemStatus, Job, JobStatus
+from specq.db.models import Chunk, Item, ItemStatus, Job, JobStatus, utcnow
 
 PENDING = ItemStatus.pending.value
 UNFINISHED = tuple(s.value for s in JobStatus if not s.finished and s != JobStatus.validating)
@@ -31,13 +40,13 @@ class ChunkRef:
     end: int
     queue: str
     started: bool = False  # a worker took it before (and died, or gave up on it)
+    priority: str = "normal"  # its job's: high | normal | low
 
 
 def insert_chunks(session: Session, *, job_id: int, total: int, chunk_size: int,
                   batch: int = 5000) -> int:
-    """The job's chunks, [0, size), [size, 2 size), ...; stamped as sent now (the producer
-    sends them next: if it dies first, the reconciler sends them after its grace)."""
-    stmt = insert(Chunk.__table__).values(sent_at=db_now())
+    """The job's chunks, [0, size), [size, 2 size), ..., none sent yet (take_unsent)."""
+    stmt = insert(Chunk.__table__)
     starts = range(0, total, chunk_size)
     for i in range(0, len(starts), batch):
         session.execute(stmt, [
@@ -59,7 +68,11 @@ def claim(session: Session, *, job_id: int, start: int, owner: str, ttl: float) 
         update(Chunk.__table__)
         .where(c.job_id == job_id, c.start == start,
                or_(c.lease_owner.is_(None), c.lease_until < db_now(), c.lease_owner == owner))
-        .values(lease_owner=owner, lease_until=db_now() + ttl, runs=c.runs + 1)
+        # a chunk run with no message (the embedded mode runs them in-process) counts as
+        # sent: no message is sent for it later
+        .values(lease_owner=owner, lease_until=db_now() + ttl, runs=c.runs + 1,
+                leased_at=func.coalesce(c.leased_at, db_now()),
+                sent_at=func.coalesce(c.sent_at, db_now()))
     ).rowcount
     if not taken:
         return None
@@ -103,20 +116,91 @@ def pending_count(session: Session, *, job_id: int, start: int, end: int) -> int
 
 
 def unclaimed(session: Session, *, grace: float, job_id: int | None = None) -> list[ChunkRef]:
-    """Chunks of unfinished jobs that are not done, that no live lease holds, and whose
-    last message was sent more than ``grace`` seconds ago: the candidates for re-sending."""
+    """Chunks of unfinished jobs that were sent, are not done, that no live lease holds,
+    and whose last message was sent more than ``grace`` seconds ago: the candidates for
+    re-sending."""
     c = Chunk.__table__.c
     stmt = (
-        select(c.job_id, c.start, c.end, Job.queue, c.runs > 0)
+        select(c.job_id, c.start, c.end, Job.queue, c.runs > 0, Job.priority)
         .join(Job, Job.id == c.job_id)
         .where(Job.status.in_(UNFINISHED), Job.queue.is_not(None), c.done.is_(False),
                or_(c.lease_owner.is_(None), c.lease_until < db_now()),
-               or_(c.sent_at.is_(None), c.sent_at < db_now() - grace))
+               c.sent_at.is_not(None), c.sent_at < db_now() - grace)
         .order_by(c.job_id, c.start)
     )
     if job_id is not None:
         stmt = stmt.where(c.job_id == job_id)
     return [ChunkRef(*row) for row in session.execute(stmt)]
+
+
+def take_unsent(session: Session, *, job_id: int, n: int) -> list[ChunkRef]:
+    """Mark the job's next ``n`` unsent chunks (in item order) sent now and return them,
+    for the caller to send once this transaction commits (if it dies first, the
+    reconciler sends them after its grace). Concurrent callers take different chunks."""
+    if n <= 0:
+        return []
+    c = Chunk.__table__.c
+    job = session.execute(select(Job.queue, Job.priority).where(Job.id == job_id)).first()
+    if job is None or job.queue is None:
+        return []
+    # two statements: PostgreSQL may run an IN (... LIMIT n) subquery more than once
+    starts = list(session.scalars(
+        select(c.start).where(c.job_id == job_id, c.sent_at.is_(None), c.done.is_(False))
+        .order_by(c.start).limit(n).with_for_update(skip_locked=True)))
+    if not starts:
+        return []
+    rows = session.execute(
+        update(Chunk.__table__)
+        .where(c.job_id == job_id, c.start.in_(starts))
+        .values(sent_at=db_now(), sends=c.sends + 1)
+        .returning(c.start, c.end)
+    ).all()
+    return [ChunkRef(job_id, start, end, job.queue, priority=job.priority)
+            for start, end in sorted(rows)]
+
+
+def unsend(session: Session, *, refs: Iterable[ChunkRef]) -> None:
+    """Undo take_unsent for chunks whose messages could not be sent."""
+    c = Chunk.__table__.c
+    rows = [{"b_job": r.job_id, "b_start": r.start} for r in refs]
+    if rows:
+        session.execute(
+            update(Chunk.__table__)
+            .where(c.job_id == bindparam("b_job"), c.start == bindparam("b_start"))
+            .values(sent_at=None, sends=c.sends - 1),
+            rows,
+        )
+
+
+def unsent_jobs(session: Session, *, job_id: int | None = None) -> list[int]:
+    """Unfinished jobs with a queue that have chunks no message was sent for yet."""
+    c = Chunk.__table__.c
+    stmt = (select(Job.id).where(Job.status.in_(UNFINISHED), Job.queue.is_not(None))
+            .where(select(c.start).where(c.job_id == Job.id, c.sent_at.is_(None),
+                                         c.done.is_(False)).exists())
+            .order_by(Job.id))
+    if job_id is not None:
+        stmt = stmt.where(Job.id == job_id)
+    return list(session.scalars(stmt))
+
+
+def cancel_unsent(session: Session, *, job_id: int) -> int:
+    """A cancelled job's chunks that were never sent: their pending items are cancelled
+    and they are done (no worker will run them). Returns the items cancelled."""
+    c, items = Chunk.__table__.c, Item.__table__.c
+    size = session.scalar(select(Job.chunk_size).where(Job.id == job_id))
+    unsent = select(c.start).where(c.job_id == job_id, c.sent_at.is_(None), c.done.is_(False))
+    n = session.execute(
+        update(Item.__table__)
+        .where(items.job_id == job_id, items.status == PENDING,
+               (items.index - items.index % size).in_(unsent))
+        .values(status=ItemStatus.cancelled.value, finished_at=utcnow())
+    ).rowcount
+    session.execute(update(Chunk.__table__)
+                    .where(c.job_id == job_id, c.sent_at.is_(None), c.done.is_(False))
+                    .values(done=True))
+    recount(session, job_id=job_id)
+    return n
 
 
 def mark_sent(session: Session, *, refs: Iterable[ChunkRef]) -> None:
@@ -132,13 +216,6 @@ def mark_sent(session: Session, *, refs: Iterable[ChunkRef]) -> None:
         )
 
 
-def mark_job_sent(session: Session, *, job_id: int) -> None:
-    """Stamp every chunk of a job as sent now (after the producer sent them all)."""
-    c = Chunk.__table__.c
-    session.execute(update(Chunk.__table__).where(c.job_id == job_id)
-                    .values(sent_at=db_now(), sends=c.sends + 1))
-
-
 def reopen(session: Session, *, job_id: int, indices: Iterable[int]) -> list[ChunkRef]:
     """Mark the chunks holding these item indices not done (items went back to pending);
     they count as sent now. Returns them."""
@@ -151,8 +228,8 @@ def reopen(session: Session, *, job_id: int, indices: Iterable[int]) -> list[Chu
         session.execute(update(Chunk.__table__)
                         .where(c.job_id == job_id, c.start.in_(part))
                         .values(done=False, sent_at=db_now()))
-        refs += [ChunkRef(job_id, s, min(s + job.chunk_size, job.total), job.queue)
-                 for s in part]
+        refs += [ChunkRef(job_id, s, min(s + job.chunk_size, job.total), job.queue,
+                          priority=job.priority) for s in part]
     return refs
 
 
@@ -164,3 +241,133 @@ def live_leases(session: Session, *, job_id: int | None = None) -> list[tuple[in
     if job_id is not None:
         stmt = stmt.where(c.job_id == job_id)
     return [tuple(r) for r in session.execute(stmt)]
+
+
+# -- the sums of the chunks' item counters (what a job's metrics read) -------------------
+
+
+def add_sums(session: Session, *, job_id: int, outcomes: Iterable[Any]) -> None:
+    """Add the counters of outcomes (db/outcomes.py) just written to their chunks' sums.
+    Call in the transaction that wrote them; each outcome must be written once."""
+    outcomes = list(outcomes)
+    if not outcomes:
+        return
+    lo, hi = min(o.index for o in outcomes), max(o.index for o in outcomes)
+    c = Chunk.__table__.c
+    first = select(func.max(c.start)).where(c.job_id == job_id, c.start <= lo)
+    rows = session.scalars(
+        select(Chunk).where(Chunk.job_id == job_id, Chunk.start >= first.scalar_subquery(),
+                            Chunk.start <= hi)
+        .order_by(Chunk.start).with_for_update()
+    ).all()
+    starts = [c.start for c in rows]
+    sums: dict[int, _Sums] = {}
+    for o in outcomes:
+        k = bisect_right(starts, o.index) - 1
+        if k >= 0 and o.index < rows[k].end:
+            sums.setdefault(k, _Sums()).add(ItemStatus(o.status).value, o.counters,
+                                            o.started_at, o.finished_at)
+    for k, more in sums.items():
+        more.into(rows[k])
+
+
+def recount(session: Session, *, job_id: int, start: int | None = None) -> None:
+    """Count the items of the job's chunks (or of the one at ``start``) by status again
+    (after items were cancelled: db/repository.py: cancel_pending)."""
+    c, i = Chunk.__table__.c, Item.__table__.c
+
+    def count(status: ItemStatus) -> Any:
+        return (select(func.count()).where(i.job_id == c.job_id, i.index >= c.start,
+                                           i.index < c.end, i.status == status.value)
+                .scalar_subquery())
+
+    stmt = update(Chunk.__table__).where(c.job_id == job_id).values(
+        completed=count(ItemStatus.completed), failed=count(ItemStatus.failed),
+        cancelled=count(ItemStatus.cancelled))
+    if start is not None:
+        stmt = stmt.where(c.start == start)
+    session.execute(stmt)
+
+
+def resum(session: Session, *, job_id: int, starts: Iterable[int]) -> None:
+    """Compute these chunks' sums again from their items (after items changed other than
+    by a write: `specq retry`)."""
+    counters = [getattr(Item, name) for name in SCALARS + ARRAYS]
+    starts = list(starts)
+    for start in starts:
+        recount(session, job_id=job_id, start=start)
+    for chunk in session.scalars(select(Chunk).where(Chunk.job_id == job_id,
+                                                      Chunk.start.in_(starts))):
+        for name in SCALARS + ARRAYS:
+            setattr(chunk, name, None)
+        chunk.first_started = chunk.last_finished = None
+        rows = session.execute(
+            select(Item.started_at, Item.finished_at, *counters)
+            .where(Item.job_id == job_id, Item.index >= chunk.start, Item.index < chunk.end,
+                   Item.draft_steps.is_not(None))
+        )
+        more = _Sums()
+        for started, finished, *values in rows:
+            more.add(None, dict(zip(SCALARS + ARRAYS, values)), started, finished)
+        more.into(chunk)
+
+
+class _Sums:
+    """Items' counts by status and counter sums, gathered in plain Python, then added to
+    a chunk's row at once."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.scalars: dict[str, float] = dict.fromkeys(SCALARS, 0)
+        self.arrays: dict[str, list[int]] = {name: [] for name in ARRAYS}
+        self.counted = False  # an item with counters was added
+        self.first: datetime | None = None
+        self.last: datetime | None = None
+
+    def add(self, status: str | None, counters: Any, started: datetime | None,
+            finished: datetime | None) -> None:
+        """One item: its status (None: not counted) and its counters (a Counters, a dict of
+        them, or None: it never reached the engine)."""
+        if status is not None:
+            self.counts[status] = self.counts.get(status, 0) + 1
+        if counters is None:
+            return
+        get = counters.get if isinstance(counters, dict) else counters.__getattribute__
+        for name in SCALARS:
+            self.scalars[name] += get(name) or 0
+        for name in ARRAYS:
+            _add_into(self.arrays[name], get(name) or [])
+        self.counted = True
+        self.first = _extreme(min, self.first, started)
+        self.last = _extreme(max, self.last, finished)
+
+    def into(self, chunk: Chunk) -> None:
+        for status, n in self.counts.items():
+            setattr(chunk, status, (getattr(chunk, status) or 0) + n)
+        if not self.counted:
+            return
+        for name, value in self.scalars.items():
+            setattr(chunk, name, (getattr(chunk, name) or 0) + value)
+        for name, more in self.arrays.items():
+            total = list(getattr(chunk, name) or [])
+            _add_into(total, more)
+            setattr(chunk, name, total)
+        chunk.first_started = _extreme(min, chunk.first_started, self.first)
+        chunk.last_finished = _extreme(max, chunk.last_finished, self.last)
+
+
+def _add_into(total: list[int], more: list[int]) -> None:
+    """total += more, element-wise, total grown to fit."""
+    total += [0] * (len(more) - len(total))
+    for i, n in enumerate(more):
+        total[i] += n
+
+
+def _extreme(pick: Any, a: datetime | None, b: datetime | None) -> datetime | None:
+    """min or max of two stored times, either None (SQLite hands them back without a zone)."""
+    if a is None or b is None:
+        return a if b is None else b
+    if (a.tzinfo is None) != (b.tzinfo is None):
+        naive = pick(a.replace(tzinfo=None), b.replace(tzinfo=None))
+        return a if naive == a.replace(tzinfo=None) else b
+    return pick(a, b)

@@ -18,6 +18,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -80,6 +81,8 @@ class Job(Base):
     total: Mapped[int] = mapped_column(Integer, default=0)  # number of items
     chunk_size: Mapped[int] = mapped_column(Integer)
     queue: Mapped[str | None] = mapped_column(String(300))  # the broker queue of its chunks
+    # high | normal | low: its chunks' message priority on the queue (worker/constants.py)
+    priority: Mapped[str] = mapped_column(String(8), default="normal")
     source: Mapped[str | None] = mapped_column(Text)  # the submitted file, if any
     # Synthesis runs (api/synthesis.py): the spec that produced the job, the beat schedule
     # that fired it (None for a run by hand), the resolved spec, and where its data set went.
@@ -111,7 +114,12 @@ class Item(Base):
     __tablename__ = "items"
     __table_args__ = (
         UniqueConstraint("job_id", "custom_id"),
-        Index("ix_items_job_id_status", "job_id", "status"),
+        # (job_id, status, index): a job's items of one status in index order. With the
+        # primary key (job_id, index), every index the planner may pick for a hot query
+        # (a chunk's pending items, the write-once UPDATE, counts by status) narrows to
+        # the rows it needs, whatever the table's statistics say (a bulk insert leaves
+        # them stale; tests/db/test_plans.py).
+        Index("ix_items_job_id_status_index", "job_id", "status", "index"),
     )
 
     job_id: Mapped[int] = mapped_column(
@@ -138,26 +146,27 @@ class Item(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
-# The counter columns, one per field of configs/counters.py: Counters (rates are derived
-# from them, never stored): INTEGER, FLOAT, or a JSON array per draft position or length.
-_COUNTER_TYPES = {"int": Integer, "float": Float, "array": JSON}
-for _name, _kind in counter_kinds().items():
-    setattr(Item, _name, mapped_column(_name, _COUNTER_TYPES[_kind], nullable=True))
-
-
 class Chunk(Base):
     """One task's range of a job's items [start, end), and who is running it.
 
     A worker running the chunk holds its lease (``lease_owner`` until ``lease_until``,
     seconds since the epoch on the database's clock) and renews it by heartbeat. ``done``:
     no item of the range was pending when its last run ended. ``sent_at`` (database
-    clock): when a message for it was last sent to the broker (or is about to be, at
-    submission). The reconciler re-sends a chunk that is not done, not leased, and that no
-    message on the broker holds.
+    clock): when a message for it was last sent to the broker (or is about to be); NULL
+    while it waits its turn: a job keeps only a few messages on the broker at a time
+    (worker/dispatch.py). The reconciler re-sends a chunk that was sent, is not done, not
+    leased, and that no message on the broker holds.
     """
 
     __tablename__ = "chunks"
-    __table_args__ = (Index("ix_chunks_job_id_done", "job_id", "done"),)
+    __table_args__ = (
+        # (job_id, done, start): like items', any index the planner picks narrows to the
+        # chunk asked for
+        Index("ix_chunks_job_id_done_start", "job_id", "done", "start"),
+        # the chunks no message was sent for yet, in order: dispatch takes the next ones
+        Index("ix_chunks_unsent", "job_id", "start", postgresql_where=text("sent_at IS NULL"),
+              sqlite_where=text("sent_at IS NULL")),
+    )
 
     job_id: Mapped[int] = mapped_column(
         ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
@@ -170,3 +179,23 @@ class Chunk(Base):
     sent_at: Mapped[float | None] = mapped_column(Float)
     sends: Mapped[int] = mapped_column(Integer, default=0)  # messages sent for it
     runs: Mapped[int] = mapped_column(Integer, default=0)  # leases taken on it
+    leased_at: Mapped[float | None] = mapped_column(Float)  # when its first lease was taken
+    # Its items counted by status, the sums of their counters (below, one column per
+    # counter, NULL: none yet), and the first start and last finish of those that reached
+    # the engine: what a job's metrics add up (the view job_metrics), so reading them
+    # costs a job's chunks, not its items. Kept in the transactions that change its items
+    # (db/chunks.py: add_sums, recount, resum): the chunk's own row, no job-wide hot row.
+    completed: Mapped[int] = mapped_column(Integer, default=0)  # its items by status
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    cancelled: Mapped[int] = mapped_column(Integer, default=0)
+    first_started: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_finished: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+# The counter columns, one per field of configs/counters.py: Counters, on items (each
+# item's) and on chunks (their items' sums). Rates are derived, never stored: INTEGER,
+# FLOAT, or a JSON array per draft position or length.
+_COUNTER_TYPES = {"int": Integer, "float": Float, "array": JSON}
+for _table in (Item, Chunk):
+    for _name, _kind in counter_kinds().items():
+        setattr(_table, _name, mapped_column(_name, _COUNTER_TYPES[_kind], nullable=True))

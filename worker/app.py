@@ -61,6 +61,22 @@ def worker_argv(pair: str, settings: Settings, loglevel: str = "info",
             "-n", hostname or f"{pair}@%h", "--without-gossip", "--without-mingle"]
 
 
+def run_worker(pair: str, loglevel: str = "info", hostname: str | None = None) -> None:
+    """Run a Celery worker for ``pair`` in this process (its engine patched by the caller,
+    for the benches' fault-injecting and stand-in workers)."""
+    import os
+    import sys
+
+    from celery.bin.celery import main as celery_main
+
+    from specq.worker.constants import WORKER_PAIR_ENV
+
+    os.environ[WORKER_PAIR_ENV] = pair
+    get_settings.cache_clear()
+    sys.argv = ["celery", *worker_argv(pair, get_settings(), loglevel, hostname)]
+    celery_main()
+
+
 def __getattr__(name: str) -> Celery:
     """``app``, made on first use (by `celery -A worker.app` and worker/tasks.py): importing
     this module reads no settings, so a bad SPECQ_ variable is reported by whoever reads

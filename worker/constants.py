@@ -12,9 +12,11 @@ COLLECT_TASK = "specq.collect_runs"  # writes finished synthesis runs' data sets
 RECONCILE_TASK = "specq.reconcile"  # re-sends lost chunks (worker/reconciler.py)
 # Message priorities. Redis serves lower numbers first (kombu's steps 0, 3, 6, 9: one list
 # per step, popped in that order): a chunk the reconciler sends again after its worker died
-# goes before every chunk still waiting its turn, so it resumes within seconds.
+# goes before every chunk still waiting its turn, so it resumes within seconds; the rest
+# go at their job's priority (submit --priority).
 PRIORITY_RESENT = 0
-PRIORITY_NORMAL = 6
+PRIORITIES = {"high": 3, "normal": 6, "low": 9}
+PRIORITY_NORMAL = PRIORITIES["normal"]
 
 
 def queue_name(pair: str, settings: Settings | None = None) -> str:

@@ -22,7 +22,7 @@ from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from specq.configs.settings import Settings
 from specq.db.chunks import ChunkRef
-from specq.worker.constants import GENERATE_TASK, PRIORITY_NORMAL
+from specq.worker.constants import GENERATE_TASK, PRIORITIES
 
 log = logging.getLogger(__name__)
 
@@ -32,14 +32,16 @@ _PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5,
 
 
 def send(app: Celery, refs: Iterable[ChunkRef], settings: Settings,
-         priority: int = PRIORITY_NORMAL) -> int:
-    """Publish one task message per chunk, on its job's queue; returns how many.
-    Raises the broker's error if it cannot be reached (within broker_timeout per call)."""
+         priority: int | None = None) -> int:
+    """Publish one task message per chunk, on its job's queue, at its job's priority
+    (or ``priority``); returns how many. Raises the broker's error if it cannot be
+    reached (within broker_timeout per call)."""
     n = 0
     with app.producer_or_acquire() as producer:
         for ref in refs:
             app.send_task(GENERATE_TASK, args=[ref.job_id, ref.start, ref.end],
-                          queue=ref.queue, producer=producer, priority=priority,
+                          queue=ref.queue, producer=producer,
+                          priority=PRIORITIES[ref.priority] if priority is None else priority,
                           retry=True, retry_policy=_PUBLISH_RETRY)
             n += 1
     return n

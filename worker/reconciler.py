@@ -7,7 +7,10 @@ broker, a producer killed between storing a job and sending it, a submission mad
 the broker was down, a worker killed mid-chunk (its lease runs out within
 ``lease_seconds``), and a task that gave up on a long database outage. Re-sending is
 always safe: a worker claims a chunk's lease before running it and writes each item once.
-It also ends jobs none of whose items is pending (their last writer died before it could).
+It also ends jobs none of whose items is pending (their last writer died before it could),
+and keeps every unfinished job's turn on its queue: a job with chunks not sent yet and
+fewer than ``dispatch_window`` messages on the broker gets its next chunks sent (a producer
+that died before sending any, a submission while the broker was down, a flushed broker).
 
 It runs in every worker (a thread; one run per ``reconcile_every`` seconds fleet-wide,
 under a Redis lock), in the beat process, and by hand: `specq reconcile [JOB]`.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +36,7 @@ from specq.db.chunks import UNFINISHED, ChunkRef
 from specq.db.models import Job
 from specq.db.session import session_factory
 from specq.worker import dispatch
-from specq.worker.constants import PRIORITY_NORMAL, PRIORITY_RESENT
+from specq.worker.constants import PRIORITY_RESENT
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +46,7 @@ class ReconcileReport:
     candidates: int = 0  # chunks not done, not leased, not sent recently
     on_broker: int = 0  # of those, still held by the broker
     resent: list[ChunkRef] = field(default_factory=list)
+    fed: list[ChunkRef] = field(default_factory=list)  # first sends, to fill a job's window
     settled: dict[int, str] = field(default_factory=dict)  # job id -> status it ended in
 
     def as_dict(self) -> dict[str, Any]:
@@ -49,14 +54,15 @@ class ReconcileReport:
         for r in self.resent:
             by_job[r.job_id] = by_job.get(r.job_id, 0) + 1
         return {"candidates": self.candidates, "on_broker": self.on_broker,
-                "resent": len(self.resent), "resent_by_job": by_job, "settled": self.settled}
+                "resent": len(self.resent), "resent_by_job": by_job, "fed": len(self.fed),
+                "settled": self.settled}
 
 
 def reconcile(settings: Settings, *, job_id: int | None = None,
               sessions: sessionmaker[Session] | None = None,
               app: Celery | None = None) -> ReconcileReport:
-    """One pass: settle what is finished, re-send what is lost. Raises if the database
-    or the broker cannot be reached (nothing is sent then)."""
+    """One pass: settle what is finished, re-send what is lost, fill the jobs' turns.
+    Raises if the database or the broker cannot be reached."""
     from specq.worker.app import make_app
 
     sessions = sessions or session_factory(settings.sqlalchemy_url)
@@ -84,18 +90,33 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
     report.candidates = len(candidates)
     lost = [c for c in candidates if (c.job_id, c.start) not in held]
     report.on_broker = len(candidates) - len(lost)
+    app = app or make_app(settings, tasks=False)
     if lost:
         # a chunk a worker had started (and died on) goes before every chunk waiting its
-        # turn; a lost message that no worker ever took rejoins the queue as it was
-        app = app or make_app(settings, tasks=False)
-        for started in (True, False):
-            dispatch.send(app, [c for c in lost if c.started == started], settings,
-                          priority=PRIORITY_RESENT if started else PRIORITY_NORMAL)
+        # turn; a lost message that no worker ever took rejoins the queue at its job's
+        dispatch.send(app, [c for c in lost if c.started], settings, priority=PRIORITY_RESENT)
+        dispatch.send(app, [c for c in lost if not c.started], settings)
         with sessions.begin() as s:
             chunks.mark_sent(s, refs=lost)
         report.resent = lost
         log.warning("reconciler: %d chunks re-sent (%s)", len(lost), ", ".join(
             f"job {j}: {n}" for j, n in report.as_dict()["resent_by_job"].items()))
+    waiting = Counter(j for j, _ in held) + Counter(c.job_id for c in lost)
+    with sessions() as s:
+        short = [j for j in chunks.unsent_jobs(s, job_id=job_id)
+                 if waiting[j] < settings.dispatch_window]
+    for jid in short:
+        with sessions.begin() as s:
+            refs = chunks.take_unsent(s, job_id=jid, n=settings.dispatch_window - waiting[jid])
+        try:
+            dispatch.send(app, refs, settings)
+        except Exception:
+            with sessions.begin() as s:
+                chunks.unsend(s, refs=refs)
+            raise
+        report.fed += refs
+    if report.fed:
+        log.info("reconciler: %d chunks sent to fill their jobs' turns", len(report.fed))
     return report
 
 

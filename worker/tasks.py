@@ -30,7 +30,7 @@ from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
 from specq.db.outcomes import Outcome
 from specq.db.session import session_factory
-from specq.worker import threads
+from specq.worker import dispatch, threads
 from specq.worker.app import app
 from specq.worker.attempts import ChunkItem, Stopped, generate_with_retries
 from specq.worker.backoff import Backoff, retry_db
@@ -120,6 +120,7 @@ def generate_chunk(self, job_id: int, start: int, end: int) -> dict[str, Any]:
             sessions=session_factory(settings.sqlalchemy_url), engine=worker_engine(),
             pair=worker_pair().preset.name, job_id=job_id, start=start, end=end,
             hostname=self.request.hostname or socket.gethostname(), settings=settings,
+            send_next=True,
         )
     except DeviceLost as exc:
         log.critical("the device is unusable (%s): this worker exits (status %d) for its "
@@ -144,22 +145,25 @@ def run_chunk(
     hostname: str,
     settings: Settings | None = None,
     on_item: Callable[[], None] | None = None,
+    send_next: bool = False,
 ) -> ChunkReport:
     """Claim the chunk's lease, generate its pending items (retrying engine faults) and
     write their outcomes as they finish. Database outages are waited out (db_patience).
     Raises DeviceLost when the device is gone (the outcomes finished so far are written
-    and the lease given back first)."""
+    and the lease given back first). ``send_next`` (the Celery task): the chunk's first
+    run sends its job's next chunk to the broker, taking the turn this one's message had."""
     settings = settings or get_settings()
     report = ChunkReport(job_id, start, end)
     owner = f"{hostname}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
     where = f"job {job_id}: chunk [{start}, {end})"
     backoff = Backoff.from_settings(settings)
-    opened = retry_db(lambda: _open(sessions, settings, report, pair, owner),
+    opened = retry_db(lambda: _open(sessions, settings, report, pair, owner, send_next),
                       backoff=backoff, what=where)
     if opened is None:
         log.info("%s: %s", where, report.note or report.job_status)
         return report
-    params, items = opened
+    params, items, turn = opened
+    _send_next(turn, settings, where)
     keeper = ChunkKeeper(sessions, settings, job_id, start, end, owner).start()
     tally = None
     try:
@@ -185,9 +189,12 @@ def run_chunk(
 
 
 def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkReport, pair: str,
-          owner: str) -> tuple[dict[str, Any], list[ChunkItem]] | None:
-    """In one transaction: the job's state, the chunk's lease and its pending items; None
-    when there is nothing to generate (the report says why)."""
+          owner: str, send_next: bool
+          ) -> tuple[dict[str, Any], list[ChunkItem], list[chunks.ChunkRef]] | None:
+    """In one transaction: the job's state, the chunk's lease, its pending items, and
+    (``send_next``) the job's next chunk to send when this is the chunk's first run (its
+    message took one of the job's turns on the queue: the next takes its place); None when
+    there is nothing to generate (the report says why)."""
     job_id, start, end = report.job_id, report.start, report.end
     with sessions.begin() as s:
         job = repo.get_job(s, job_id=job_id)
@@ -221,7 +228,20 @@ def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkRepo
         repo.start_job(s, job_id=job_id)
         items = [ChunkItem(it.index, it.prompt, it.messages, it.params, it.attempts,
                            it.retries) for it in rows]
-        return dict(job.params), items
+        turn = chunks.take_unsent(s, job_id=job_id, n=1) if send_next and runs == 1 else []
+        return dict(job.params), items, turn
+
+
+def _send_next(refs: list[chunks.ChunkRef], settings: Settings, where: str) -> None:
+    """Send the job's next chunk; a broker error is logged, and the reconciler sends the
+    chunk after its grace (it is marked sent, and no message holds it)."""
+    if not refs:
+        return
+    try:
+        dispatch.send(app, refs, settings)
+    except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
+        log.warning("%s: the job's next chunk was not sent (%s: %s); the reconciler sends "
+                    "it", where, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
 
 
 def _abandon(s: Session, job_id: int, rows: list, runs: int) -> None:

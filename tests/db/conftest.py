@@ -11,6 +11,7 @@ from specq.api.client import JobMetrics
 from specq.configs.counters import Counters
 from specq.configs.counters import kinds as counter_kinds
 from specq.configs.presets import PairPreset, get_preset
+from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
 from specq.db.outcomes import Outcome
@@ -87,6 +88,7 @@ def make_job(sessions, *, name: str, n: int, pair: str = "tiny", schedule: str |
                  "params": None} for i in range(n))
         job.total = repo.insert_items(s, job_id=job.id, rows=rows)
         job.status = JobStatus.queued.value
+        chunks.insert_chunks(s, job_id=job.id, total=n, chunk_size=job.chunk_size)
         job_id = job.id
     if outcomes:
         with sessions.begin() as s:

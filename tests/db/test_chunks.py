@@ -59,6 +59,10 @@ def test_a_lease_is_held_until_it_runs_out(sessions):
 def test_the_reconciler_sees_only_unleased_unfinished_chunks_sent_long_ago(sessions):
     job_id = _job(sessions, n=12, chunk_size=4)
     with sessions() as s:
+        assert chunks.unclaimed(s, grace=0, job_id=job_id) == []  # none sent
+    with sessions.begin() as s:
+        assert len(chunks.take_unsent(s, job_id=job_id, n=5)) == 3
+    with sessions() as s:
         assert chunks.unclaimed(s, grace=60, job_id=job_id) == []  # just sent
         assert [c.start for c in chunks.unclaimed(s, grace=0, job_id=job_id)] == [0, 4, 8]
     with sessions.begin() as s:
@@ -73,7 +77,40 @@ def test_the_reconciler_sees_only_unleased_unfinished_chunks_sent_long_ago(sessi
         chunks.mark_sent(s, refs=left)
     with sessions() as s:
         assert chunks.unclaimed(s, grace=60, job_id=job_id) == []
+        assert s.get(Chunk, (job_id, 8)).sends == 2  # first sent, then re-sent
+
+
+def test_a_jobs_chunks_are_sent_in_turns_in_item_order(sessions):
+    job_id = _job(sessions, n=20, chunk_size=4)  # chunks 0 4 8 12 16
+    with sessions() as s:
+        assert chunks.unsent_jobs(s, job_id=job_id) == [job_id]
+    with sessions.begin() as s:
+        first = chunks.take_unsent(s, job_id=job_id, n=2)
+    assert [(r.job_id, r.start, r.end, r.queue, r.priority) for r in first] == [
+        (job_id, 0, 4, "q.tiny", "normal"), (job_id, 4, 8, "q.tiny", "normal")]
+    with sessions.begin() as s:
+        nxt = chunks.take_unsent(s, job_id=job_id, n=1)
+        chunks.unsend(s, refs=nxt)  # its message could not be sent: it waits again
+    with sessions.begin() as s:
+        assert [r.start for r in chunks.take_unsent(s, job_id=job_id, n=2)] == [8, 12]
         assert s.get(Chunk, (job_id, 8)).sends == 1
+        chunks.mark_done(s, job_id=job_id, start=16)  # done chunks are never sent
+        assert chunks.take_unsent(s, job_id=job_id, n=2) == []
+    with sessions() as s:
+        assert chunks.unsent_jobs(s, job_id=job_id) == []
+
+
+def test_cancelling_a_running_job_cancels_the_items_of_its_unsent_chunks(sessions):
+    job_id = _job(sessions, n=10, chunk_size=4)  # chunks 0 4 8
+    with sessions.begin() as s:
+        chunks.take_unsent(s, job_id=job_id, n=1)
+        repo.start_job(s, job_id=job_id)
+        assert repo.request_cancel(s, job_id=job_id) == JobStatus.cancelling
+    with sessions() as s:
+        status = dict(s.execute(select(Item.index, Item.status).where(Item.job_id == job_id)).all())
+        assert [status[i] for i in range(10)] == ["pending"] * 4 + ["cancelled"] * 6
+        assert [s.get(Chunk, (job_id, c)).done for c in (0, 4, 8)] == [False, True, True]
+        assert chunks.unsent_jobs(s, job_id=job_id) == []
 
 
 def test_failures_count_attempts_and_retry_keeps_them(sessions):
@@ -132,3 +169,35 @@ def _finish(sessions, job_id: int, index: int, barrier) -> None:
         repo.write_outcomes(s, job_id=job_id, outcomes=[_done(index)])
     with sessions.begin() as s:
         repo.settle_job(s, job_id=job_id)
+
+
+def test_chunk_counts_follow_every_change_of_their_items(sessions):
+    """status_counts adds up the chunks' counts: after writes, failures, a retry, a chunk
+    cancelled while running and the unsent rest of a cancelled job, they equal a count of
+    the items themselves."""
+    job_id = _job(sessions, n=12, chunk_size=4)  # chunks 0 4 8
+
+    def same() -> dict:
+        with sessions() as s:
+            counted = repo.count_items(s, job_id=job_id)
+            assert repo.status_counts(s, job_id=job_id) == counted
+            return counted
+
+    with sessions.begin() as s:
+        chunks.take_unsent(s, job_id=job_id, n=2)
+        repo.start_job(s, job_id=job_id)
+        repo.write_outcomes(s, job_id=job_id, outcomes=[_done(0), _done(1), _done(4)])
+        repo.write_outcomes(s, job_id=job_id, outcomes=[
+            Outcome.failure(2, "boom", counters=Counters(new_tokens=2)),
+            Outcome.failure(3, "never ran")])
+        repo.write_outcomes(s, job_id=job_id, outcomes=[_done(1)])  # written once only
+    assert same() == {"pending": 7, "completed": 3, "failed": 2, "cancelled": 0}
+    with sessions.begin() as s:
+        assert repo.retry_failed(s, job_id=job_id) == [2, 3]
+    assert same()["failed"] == 0
+    with sessions.begin() as s:
+        chunk = s.get(Chunk, (job_id, 0))
+        assert (chunk.new_tokens, chunk.completed) == (0, 2)  # the retried item's 2 are gone
+        assert repo.request_cancel(s, job_id=job_id) == JobStatus.cancelling  # [8, 12) unsent
+        repo.cancel_pending(s, job_id=job_id, start=4, end=8)  # a worker's chunk
+    assert same() == {"pending": 2, "completed": 3, "failed": 0, "cancelled": 7}

@@ -7,6 +7,7 @@ from sqlalchemy import func, inspect, select
 from sqlalchemy.exc import IntegrityError
 
 from specq.configs.counters import Counters
+from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import Item, ItemStatus, JobStatus
 from specq.db.outcomes import Outcome
@@ -21,6 +22,7 @@ def _job(sessions, n=10, chunk_size=4):
                  "params": None} for i in range(n))
         job.total = repo.insert_items(s, job_id=job.id, rows=rows, batch=3)
         job.status = JobStatus.queued.value
+        chunks.insert_chunks(s, job_id=job.id, total=n, chunk_size=chunk_size)
         return job.id
 
 
@@ -124,6 +126,7 @@ def test_cancel_of_a_running_job_waits_for_its_chunks(sessions):
         repo.lock_job(s, job_id=job_id)
         repo.start_job(s, job_id=job_id)
         repo.write_outcomes(s, job_id=job_id, outcomes=[_outcome(0, [1]), _outcome(1, [1])])
+        chunks.claim(s, job_id=job_id, start=2, owner="w", ttl=60)  # a worker runs [2, 4)
     with sessions.begin() as s:
         assert repo.request_cancel(s, job_id=job_id) == JobStatus.cancelling
     with sessions.begin() as s:

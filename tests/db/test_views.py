@@ -224,8 +224,9 @@ def test_view_tables_are_the_views(db_url):
         assert [c["name"] for c in found.get_columns(name)] == [c.name for c in table.c], name
 
 
-def test_a_query_by_job_reads_only_that_jobs_items(db_url, sessions, jobs):
-    """The views are filtered before they aggregate: a job's row never scans every item."""
+def test_a_query_by_job_reads_only_that_jobs_chunks(db_url, sessions, jobs):
+    """The views are filtered before they aggregate: a job's row adds up its own chunks
+    (never its items: tests/db/test_plans.py reads the plans at 100,000 items)."""
     job_id = jobs["drafting"].id
     with sessions() as s:
         if s.get_bind().dialect.name == "sqlite":
@@ -233,12 +234,13 @@ def test_a_query_by_job_reads_only_that_jobs_items(db_url, sessions, jobs):
                 text("EXPLAIN QUERY PLAN SELECT * FROM job_metrics WHERE job_id = :j"),
                 {"j": job_id}))
             assert "SEARCH j USING INTEGER PRIMARY KEY" in plan, plan
-            assert "SEARCH i USING" in plan and "SCAN i" not in plan, plan
+            assert "SEARCH c USING" in plan and "SCAN c " not in plan, plan  # its chunks
         else:
             plan = "\n".join(r[0] for r in s.execute(
                 text("EXPLAIN SELECT * FROM job_metrics WHERE job_id = :j"), {"j": job_id}))
-            for column in ("id", "job_id"):  # in the scans of jobs and items
+            for column in ("id", "job_id"):  # in the scans of jobs and chunks
                 assert re.search(rf"Cond: \({column} = '?{job_id}'?", plan), plan
+            assert "Seq Scan on items" not in plan and "Seq Scan on chunks" not in plan, plan
 
 
 def test_jobs_record_how_their_pair_drafts():

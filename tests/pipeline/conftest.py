@@ -47,7 +47,8 @@ def client(settings):
 PASSED_ON = ("database_url", "broker_url", "data_dir", "queue_prefix", "visibility_timeout",
              "max_batch_size", "max_attempts", "lease_seconds", "reconcile_every",
              "reconcile_grace", "flush_every", "flush_items", "retry_backoff",
-             "retry_backoff_max", "db_patience", "broker_timeout", "chunk_size")
+             "retry_backoff_max", "db_patience", "broker_timeout", "chunk_size",
+             "dispatch_window")
 
 
 def worker_env(settings: Settings) -> dict[str, str]:
@@ -66,11 +67,13 @@ class WorkerProcess:
     """`specq worker --pair PAIR` in a subprocess, its log in a file."""
 
     def __init__(self, settings: Settings, pair: str, name: str, log_dir: Path,
-                 faults: Path | None = None) -> None:
+                 faults: Path | None = None, standin: bool = False) -> None:
         self.name = f"{name}-{uuid.uuid4().hex[:6]}"
         self.log = log_dir / f"{self.name}.log"
-        # with a faults file, the engine fails as the file says (worker/bench/faults.py)
+        # with a faults file, the engine fails as the file says (worker/bench/faults.py);
+        # a stand-in engine answers at once (worker/bench/standin.py)
         start = (["-m", "specq.worker.bench.faults", str(faults)] if faults
+                 else ["-m", "specq.worker.bench.standin", "--loglevel", "info"] if standin
                  else ["-m", "specq.api.cli", "worker"])
         self.proc = subprocess.Popen(
             [sys.executable, *start, "--pair", pair, "-n", f"{self.name}@%h"],
@@ -115,10 +118,11 @@ def start_worker(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("workers")
 
     def start(settings: Settings, pair: str = "tiny", name: str = "w",
-              faults: Path | None = None, ready: Settings | None = None) -> WorkerProcess:
+              faults: Path | None = None, ready: Settings | None = None,
+              standin: bool = False) -> WorkerProcess:
         """``ready``: the settings to ask the broker through (the worker's may go through
         a proxy the test cuts)."""
-        w = WorkerProcess(settings, pair, name, log_dir, faults)
+        w = WorkerProcess(settings, pair, name, log_dir, faults, standin)
         started.append(w)
         w.wait_ready(Client(ready or settings), pair)
         return w

@@ -70,3 +70,29 @@ def test_a_job_whose_last_writer_died_before_settling_is_ended(settings):
     assert job.status(check_workers=False).status == "in_progress"
     assert reconcile(own).settled.get(job.id) == "completed"
     assert job.status(check_workers=False).status == "completed"
+
+
+def test_a_job_keeps_its_turn_on_the_queue(settings):
+    """Only dispatch_window chunks of a job wait on the broker; the reconciler sends the
+    next ones when fewer wait (a producer that died before sending, a flushed broker)."""
+    own = settings.model_copy(update={"queue_prefix": f"rec-{uuid.uuid4().hex[:6]}",
+                                      "dispatch_window": 2, "reconcile_grace": 60.0})
+    client = Client(own)
+    queue = f"{own.queue_prefix}.tiny-lookup"
+    r = redis.Redis.from_url(own.broker_url)
+    job = client.submit([f"turn {i}" for i in range(50)], pair="tiny-lookup",
+                        max_new_tokens=4, chunk_size=10, enqueue=False)  # the producer died
+    assert _queued(r, queue) == {}
+    report = reconcile(own, job_id=job.id)
+    assert [c.start for c in report.fed] == [0, 10] and _queued(r, queue) == {6: [0, 10]}
+    assert reconcile(own, job_id=job.id).fed == []  # its turn is on the queue
+    with client.sessions.begin() as s:  # a worker took chunk 0's message (the oldest)
+        chunks.claim(s, job_id=job.id, start=0, owner="w", ttl=60)
+    r.rpop(f"{queue}{Channel.sep}6")  # and died before it could send the next
+    assert [c.start for c in reconcile(own, job_id=job.id).fed] == [20]
+    urgent = client.submit(["urgent"], pair="tiny-lookup", max_new_tokens=4,
+                           priority="high")
+    assert _queued(r, queue)[3] == [0]  # sent at once, on the high-priority list
+    r.close()
+    client.job(job.id).cancel()
+    client.job(urgent.id).cancel()

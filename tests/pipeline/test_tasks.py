@@ -5,12 +5,24 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select, update
 
+from specq.api.client import Client
 from specq.configs.presets import get_preset
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import Chunk, Item, ItemStatus, JobStatus
+from specq.db.session import migrate
 from specq.worker.pairs import load_pair
 from specq.worker.tasks import run_chunk, run_inline
+from tests.conftest import fresh_pg_database
+
+
+@pytest.fixture(scope="module")
+def client(settings):
+    """A database of this module's own: these chunks run here, in-process, and no worker's
+    reconciler (they run on the session's database) is to send them meanwhile."""
+    with fresh_pg_database() as url:
+        migrate(url)
+        yield Client(settings.model_copy(update={"database_url": url}))
 
 
 @pytest.fixture(scope="module")
@@ -52,11 +64,22 @@ def test_a_chunk_of_a_cancelling_job_is_cancelled_not_generated(client, engine):
                         max_new_tokens=4, chunk_size=2)
     run_chunk(sessions=client.sessions, engine=engine, pair="tiny", job_id=job.id, start=0, end=2,
               hostname="h")
+    with client.sessions.begin() as s:  # chunk [2, 4)'s message is on its way
+        assert [r.start for r in chunks.take_unsent(s, job_id=job.id, n=1)] == [2]
     assert job.cancel().status == JobStatus.cancelling.value
     report = run_chunk(sessions=client.sessions, engine=engine, pair="tiny", job_id=job.id,
                        start=2, end=4, hostname="h")
     assert (report.cancelled, report.written, report.job_status) == (2, 0, "cancelled")
     assert [it.status for it in job.results()] == ["completed"] * 2 + ["cancelled"] * 2
+
+
+def test_cancelling_a_running_job_ends_the_chunks_not_sent_yet_at_once(client, engine):
+    job = client.submit([f"Fix: item {i}" for i in range(6)], pair="tiny", enqueue=False,
+                        max_new_tokens=4, chunk_size=2)
+    run_chunk(sessions=client.sessions, engine=engine, pair="tiny", job_id=job.id, start=0, end=2,
+              hostname="h")
+    assert job.cancel().status == JobStatus.cancelled.value  # [2, 4) and [4, 6) never sent
+    assert [it.status for it in job.results()] == ["completed"] * 2 + ["cancelled"] * 4
 
 
 # -- every other way a chunk can end -------------------------------------------------------

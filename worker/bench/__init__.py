@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from specq.configs.argtypes import COUNT_MAX, positive_int
 from specq.configs.generation import Request
 from specq.configs.presets import get_preset
 from specq.configs.settings import Settings
@@ -54,18 +55,6 @@ from specq.worker.pairs import Pair, load_pair
 log = logging.getLogger(__name__)
 
 
-COUNT_MAX = 2**31 - 1
-
-
-def positive_int(text: str) -> int:
-    """An argparse type: an integer from 1 to COUNT_MAX."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be an integer, got {text[:40]!r}") from None
-    if not 1 <= value <= COUNT_MAX:
-        raise argparse.ArgumentTypeError(f"must be from 1 to {COUNT_MAX}, got {text[:40]!r}")
-    return value
 
 
 def _ints(text: str) -> list[int]:

@@ -19,7 +19,6 @@ this CPU-only machine: these stand in for one (a mock where the real part cannot
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -120,12 +119,9 @@ def main(argv: list[str]) -> None:
     """FAULTS_FILE --pair PAIR [-n NAME] [--loglevel L]: a worker with faults installed."""
     import argparse
 
-    from celery.bin.celery import main as celery_main
     from celery.signals import worker_ready
 
-    from specq.configs.settings import get_settings
-    from specq.worker.app import worker_argv
-    from specq.worker.constants import WORKER_PAIR_ENV
+    from specq.worker.app import run_worker
 
     p = argparse.ArgumentParser(prog="python -m worker.bench.faults")
     p.add_argument("faults_file", type=Path)
@@ -141,10 +137,7 @@ def main(argv: list[str]) -> None:
         plan.armed = True
 
     install(plan)
-    os.environ[WORKER_PAIR_ENV] = args.pair
-    get_settings.cache_clear()
-    sys.argv = ["celery", *worker_argv(args.pair, get_settings(), args.loglevel, args.hostname)]
-    celery_main()
+    run_worker(args.pair, args.loglevel, args.hostname)
 
 
 if __name__ == "__main__":
