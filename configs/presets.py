@@ -52,7 +52,7 @@ class PairPreset(BaseModel):
     description: str = ""
     target: ModelSource
     draft: ModelSource | None = None
-    drafter: Literal["model", "prompt_lookup", "none"] = "model"
+    drafter: Literal["model", "prompt_lookup", "suffix", "none"] = "model"
     draft_length: int = Field(4, ge=0, le=16)
     adaptive: bool = True  # choose g each step (0 included); false pins draft_length
     dtype: str | None = None  # overrides the settings' dtype

@@ -91,7 +91,7 @@ class Job(Base):
     synthesis: Mapped[dict[str, Any] | None] = mapped_column(JSON)
     output_path: Mapped[str | None] = mapped_column(Text)
     # How its pair drafts, from the preset at submission (PairPreset.drafting): drafter
-    # model | prompt_lookup | none, the draft model (drafter model only), the draft length
+    # model | prompt_lookup | suffix | none, the draft model (drafter model only), the draft length
     # g and whether g adapts ('adaptive') or is pinned ('fixed'); NULL where not known.
     drafter: Mapped[str | None] = mapped_column(String(32))
     draft_model: Mapped[str | None] = mapped_column(String(300))

@@ -70,8 +70,10 @@ def generate_with_retries(
     keeper: ChunkKeeper,
     settings: Settings,
     on_item: Callable[[], None] | None = None,
+    job: int | None = None,
 ) -> Tally:
-    """Generate every item once (each outcome goes to the keeper as it finishes)."""
+    """Generate every item once (each outcome goes to the keeper as it finishes).
+    ``job`` names the items' job to the engine (a suffix drafter's index is per job)."""
     tally = Tally()
     started = utcnow()
     requests: dict[int, Request] = {}
@@ -106,7 +108,7 @@ def generate_with_retries(
             try:
                 for group in filter(None, groups):
                     engine.max_batch_size = batch
-                    engine.generate([requests[i] for i in group], on_result=seen)
+                    engine.generate([requests[i] for i in group], on_result=seen, job=job)
                 break
             except Stopped:
                 raise

@@ -18,6 +18,7 @@ from specq.configs.presets import ModelSource, PairError, PairPreset, locate
 from specq.configs.settings import Settings, get_settings
 from specq.worker.engine.drafters import Drafter, DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.suffix import SuffixDrafter
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,8 @@ def load_pair(preset: PairPreset, settings: Settings | None = None) -> Pair:
         drafter = DraftModel(draft, pad_id=_pad_id(tokenizer), vocab_size=_vocab(target))
     elif preset.drafter == "prompt_lookup":
         drafter = PromptLookup()
+    elif preset.drafter == "suffix":
+        drafter = SuffixDrafter()
     else:
         drafter = NoDraft()
     return Pair(preset, target, tokenizer, drafter)

@@ -168,7 +168,7 @@ def run_chunk(
     tally = None
     try:
         tally = generate_with_retries(engine, items, params, hostname, keeper, settings,
-                                        on_item)
+                                        on_item, job=job_id)
     except Stopped:
         pass  # the lease went to another worker, or the job is being cancelled
     finally:

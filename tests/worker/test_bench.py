@@ -16,6 +16,7 @@ from specq.worker.bench.figures import alpha_mle, figures, predicted, t_verify_a
 from specq.worker.bench.greedy import NearTieCheck, compare
 from specq.worker.bench.prompts import PromptFileError, load_prompts
 from specq.worker.bench.runner import FIXED, NONE, Run, Step
+from specq.worker.bench.workloads import WORKLOADS, workload_names
 from specq.worker.drafts import DraftBuildError, shallow_draft, skip_draft
 from specq.worker.engine.drafters import DraftModel
 from specq.worker.engine.result import Result
@@ -76,6 +77,43 @@ def test_bench_runs_end_to_end(tmp_path, capsys, pair, drafts, repeat):
             assert r["c"] > 0 and r["predicted_theorem"] > 0 and r["efficiency"] > 0
             assert r["steps"] == r["g_counts"][str(r["g"])]
     assert report["greedy_mismatched_runs"] == 0
+
+
+def test_bench_workloads_table(tmp_path, capsys):
+    args = _args(tmp_path, "--pair", "tiny-suffix", "--draft", "preset,lookup", "--workload",
+                 "json,chat", "--methods", "none,fixed,adaptive", "--batch-sizes", "1,3",
+                 "--prompts", "6")
+    assert run(args) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("workload "):]
+    for name in ("json", "chat"):
+        report = json.loads((tmp_path / "out" / f"bench-{name}.json").read_text())
+        assert report["config"]["workload"] == name and report["config"]["prompts"] == 6
+        assert report["greedy_mismatched_runs"] == 0
+        assert (tmp_path / "out" / f"bench-{name}.png").exists()
+        runs = [r for r in report["runs"] if r["method"] != NONE]
+        assert {r["draft"] for r in runs} == {"preset:suffix", "lookup"}
+        for r in runs:  # (None: an adaptive run that never drafted)
+            assert r["tokens_per_step"] >= 1
+            assert r["propose_share"] is None or 0 <= r["propose_share"] < 1
+            assert r["propose_share"] is not None or r["method"] != FIXED
+        for r in report["runs"]:
+            cells = f"{name}  {r['draft'] or '-'}  {r['method']}"
+            assert any(" ".join(cells.split()) in " ".join(line.split())
+                       for line in table.splitlines())
+
+
+def test_workloads_are_distinct_prompt_sets():
+    assert workload_names("all") == list(WORKLOADS)
+    assert workload_names("json, chat") == ["json", "chat"]
+    with pytest.raises(ValueError, match="nope"):
+        workload_names("json,nope")
+    seen = set()
+    for name, make in WORKLOADS.items():
+        texts = [conv[-1].content for conv in make()]
+        assert len(texts) >= 24 and len(set(texts)) == len(texts), name
+        assert not seen & set(texts)
+        seen |= set(texts)
 
 
 def test_predicted_speedups_by_hand():

@@ -8,6 +8,9 @@ prompts and pair:
 (d) specq-fixed    the engine with a fixed draft length g, for each g asked;
 (e) specq-adaptive the engine choosing g (0 included) each step.
 
+`--workload NAME` (or `all`) runs all of it on a built-in prompt set (workloads.py) and
+ends with one table of tokens per target pass and speedups, per workload and drafter.
+
 Run with `python -m worker.bench --help`. The CLI wires it as
 `add_arguments(subparser)` and `run(args)`.
 """
@@ -33,7 +36,14 @@ from specq.configs.settings import Settings
 from specq.worker.bench.figures import figures
 from specq.worker.bench.greedy import NearTieCheck, compare
 from specq.worker.bench.prompts import load_prompts
-from specq.worker.bench.report import LEGEND, plot, table, write_json
+from specq.worker.bench.report import (
+    LEGEND,
+    WORKLOAD_LEGEND,
+    plot,
+    table,
+    workload_table,
+    write_json,
+)
 from specq.worker.bench.runner import (
     ADAPTIVE,
     ASSISTED,
@@ -47,14 +57,17 @@ from specq.worker.bench.runner import (
     run_hf,
     run_specq,
 )
+from specq.worker.bench.workloads import WORKLOADS, workload_names
 from specq.worker.drafts import shallow_draft, skip_draft
 from specq.worker.engine.drafters import Drafter, DraftModel, PromptLookup
 from specq.worker.engine.speculative import encode_prompt
+from specq.worker.engine.suffix import SuffixDrafter
 from specq.worker.pairs import Pair, load_pair
 
 log = logging.getLogger(__name__)
 
 
+DEFAULT_PROMPTS = 16  # of the built-in input-grounded prompts (prompts.py)
 
 
 def _ints(text: str) -> list[int]:
@@ -76,16 +89,29 @@ def _methods(text: str) -> list[str]:
     return names
 
 
+def _workloads(text: str) -> list[str]:
+    try:
+        return workload_names(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The bench's options, on a parser of its own or a `specq bench` subparser."""
     p.add_argument("--pair", default="smollm2-135m", help="model-pair preset")
     p.add_argument("--draft", default="preset",
                    help="comma-separated drafters to compare: preset (the preset's own), "
-                   "lookup (prompt lookup), shallow:K (the target's first K layers), "
-                   "skip:A+B (its first A and last B layers); see worker/drafts.py")
-    p.add_argument("--prompts", type=positive_int, default=16, help="number of prompts")
+                   "lookup (prompt lookup), suffix (the job-level suffix index and prompt "
+                   "lookup), shallow:K (the target's first K layers), skip:A+B (its first A "
+                   "and last B layers); see worker/drafts.py")
+    p.add_argument("--prompts", type=positive_int, default=None,
+                   help=f"number of prompts (cycled; default {DEFAULT_PROMPTS}, or all of "
+                   "a workload)")
     p.add_argument("--prompts-file", type=Path, default=None,
                    help="JSONL prompts (string, {prompt} or {messages}) instead of the built-in")
+    p.add_argument("--workload", type=_workloads, default=None,
+                   help=f"comma-separated built-in prompt sets ({', '.join(WORKLOADS)}) or "
+                   "all: the bench runs on each and ends with a table per workload and drafter")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16, 64])
     p.add_argument("--draft-lengths", type=_ints, default=list(range(1, 9)))
@@ -113,12 +139,15 @@ def _drafters(spec: str, pair: Pair, lookup_tokens: int
     for name in [x.strip() for x in spec.split(",") if x.strip()]:
         kind = name
         if name == "preset":
-            kind = {"model": "model", "prompt_lookup": "lookup"}.get(pair.preset.drafter, "none")
+            kind = {"model": "model", "prompt_lookup": "lookup", "suffix": "suffix"}.get(
+                pair.preset.drafter, "none")
             name = f"preset:{kind}"
         if kind == "none":
             log.warning("drafter %s proposes nothing: no speculative runs for it", name)
         elif kind == "lookup":
             out.append((name, PromptLookup, {"prompt_lookup_num_tokens": lookup_tokens}))
+        elif kind == "suffix":  # HF has no such assistant: no hf-assisted run for it
+            out.append((name, SuffixDrafter, None))
         elif kind == "model" or kind.startswith(("shallow:", "skip:")):
             if kind == "model":
                 model = pair.drafter.kv.model  # type: ignore[attr-defined]
@@ -147,8 +176,9 @@ def environment(pair: Pair) -> dict:
     }
 
 
-def bench(args: argparse.Namespace) -> dict:
-    """Run every configuration; returns the report (also written as JSON and PNG)."""
+def bench(args: argparse.Namespace, workload: str | None = None) -> dict:
+    """Run every configuration on the prompts (those of ``workload`` when given); returns
+    the report (also written as JSON and PNG)."""
     overrides = {k: v for k in ("device", "dtype", "data_dir")
                  if (v := getattr(args, k, None)) is not None}
     settings = Settings(**overrides)
@@ -158,8 +188,13 @@ def bench(args: argparse.Namespace) -> dict:
     engine = pair.engine()  # for its EOS ids and pad id, the same the runs use
     new = args.max_new_tokens
     target = Target(pair.target, pair.tokenizer, engine.eos_ids, engine.pad_id)
+    if workload:
+        convs = WORKLOADS[workload]()
+        convs = [convs[i % len(convs)] for i in range(args.prompts or len(convs))]
+    else:
+        convs = load_prompts(args.prompts or DEFAULT_PROMPTS, args.prompts_file)
     prompts = [encode_prompt(pair.tokenizer, Request(messages=m, max_new_tokens=new),
-                             engine.context) for m in load_prompts(args.prompts, args.prompts_file)]
+                             engine.context) for m in convs]
     drafters = _drafters(args.draft, pair, args.hf_lookup_tokens)
     methods = {METHODS[m] for m in args.methods}
     max_g = max(args.draft_lengths)
@@ -193,7 +228,7 @@ def bench(args: argparse.Namespace) -> dict:
                                                         max_g=max_g))
     if ASSISTED in methods:  # batch size is irrelevant: compare with the smallest's baselines
         for _ in range(args.repeat):
-            for name, _, assistant in drafters:
+            for name, _, assistant in filter(lambda d: d[2] is not None, drafters):
                 done((ASSISTED, min(args.batch_sizes), name),
                      run_assisted(target, prompts, new, name, assistant))
     median = {k: sorted(v, key=lambda r: r.seconds)[len(v) // 2] for k, v in tried.items()}
@@ -214,7 +249,8 @@ def bench(args: argparse.Namespace) -> dict:
     return {
         "environment": environment(pair),
         "config": {
-            "pair": args.pair, "drafts": [d[0] for d in drafters], "prompts": len(prompts),
+            "pair": args.pair, "workload": workload, "drafts": [d[0] for d in drafters],
+            "prompts": len(prompts),
             "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": new,
             "batch_sizes": args.batch_sizes, "draft_lengths": args.draft_lengths,
             "methods": sorted(methods), "hf_lookup_tokens": args.hf_lookup_tokens,
@@ -228,21 +264,30 @@ def bench(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Bench, print the table, write bench.json and bench.png under --output-dir.
-    Returns 1 when greedy outputs mismatched (not near-ties), else 0."""
-    report = bench(args)
+    """Bench, print the table, write bench.json and bench.png under --output-dir (with
+    --workload: bench-NAME.json and bench-NAME.png per workload, then the workloads'
+    table). Returns 1 when greedy outputs mismatched (not near-ties), else 0."""
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "bench.json", report)
-    plot(out / "bench.png", report["runs"])
-    env = report["environment"]
-    print(f"specq bench: {args.pair}, {report['config']['prompts']} prompts, "
-          f"{args.max_new_tokens} new tokens, {env['device']} {env['dtype']}, "
-          f"{env['cpu_count']} CPUs, torch {env['torch']}; reference: {report['reference']}")
-    print(table(report["runs"]))
+    reports = {}
+    for workload in getattr(args, "workload", None) or [None]:
+        report = reports[workload] = bench(args, workload)
+        stem = f"bench-{workload}" if workload else "bench"
+        write_json(out / f"{stem}.json", report)
+        plot(out / f"{stem}.png", report["runs"])
+        env = report["environment"]
+        print(f"specq bench: {args.pair}, {workload or 'prompts'}: "
+              f"{report['config']['prompts']} prompts, {args.max_new_tokens} new tokens, "
+              f"{env['device']} {env['dtype']}, {env['cpu_count']} CPUs, torch "
+              f"{env['torch']}; reference: {report['reference']}")
+        print(table(report["runs"]))
+        print(f"wrote {out / stem}.json and {out / stem}.png\n")
     print(LEGEND)
-    print(f"wrote {out / 'bench.json'} and {out / 'bench.png'}")
-    return 1 if report["greedy_mismatched_runs"] else 0
+    if None not in reports:
+        print()
+        print(workload_table(reports))
+        print(WORKLOAD_LEGEND)
+    return 1 if any(r["greedy_mismatched_runs"] for r in reports.values()) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

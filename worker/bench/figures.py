@@ -134,6 +134,7 @@ def figures(run: Run, hf: Run | None, none: Run | None) -> dict:
         "t_draft": t_draft, "t_step": t_step,
         "t_verify": {str(n): t for n, t in t_verify.items()},
         "c": t_draft / t_step if t_draft is not None and t_step else None,
+        "propose_share": propose_share(run.steps),
         "tokens_per_step": tokens_per_step(run.results), "step_seconds": step_seconds(run.steps),
         # rows per step while decoding: a job's last rows finishing at different times
         # thin the batch, a loss that is neither the model passes' nor the bookkeeping's
@@ -159,6 +160,14 @@ def tokens_per_step(results: list) -> float | None:
     decoding = [r.counters for r in results if r.counters.target_passes > 1]
     passes = sum(c.target_passes - 1 for c in decoding)
     return sum(c.new_tokens - 1 for c in decoding) / passes if passes else None
+
+
+def propose_share(steps: list[Step]) -> float | None:
+    """Drafting time over target-pass time, in the steps that drafted: what proposing
+    costs next to the pass that verifies it (a model-less drafter should be near 0)."""
+    drafted = [s for s in steps if s.g > 0]
+    verify = sum(s.t_verify for s in drafted)
+    return sum(s.t_draft for s in drafted) / verify if verify > 0 else None
 
 
 def step_seconds(steps: list[Step]) -> float | None:

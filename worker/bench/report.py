@@ -58,6 +58,33 @@ LEGEND = (
 )
 
 
+WORKLOAD_COLUMNS = [  # header, key, format
+    ("draft", "draft", "{}"), ("method", "method", "{}"), ("B", "batch_size", "{}"),
+    ("g", "g", "{}"), ("tok/pass", "tokens_per_step", "{:.2f}"),
+    ("xnone", "speedup_vs_none", "{:.2f}"), ("xdec", "decode_speedup_vs_none", "{:.2f}"),
+    ("xHF", "speedup_vs_hf", "{:.2f}"), ("acc", "acceptance_rate", "{:.2f}"),
+    ("propose", "propose_share", "{:.3f}"), ("greedy", "greedy", "{}"),
+]
+WORKLOAD_LEGEND = (
+    "tok/pass: tokens a row gains per target pass while decoding; propose: drafting time "
+    "over target-pass time in the steps that drafted."
+)
+
+
+def workload_table(reports: dict[str, dict]) -> str:
+    """One block of lines per workload: its specq runs, the figures that compare drafters."""
+    cols = [("workload", None, "{}"), *WORKLOAD_COLUMNS]
+    cells = [[h for h, _, _ in cols]]
+    for name, report in reports.items():
+        for r in report["runs"]:
+            if r["method"] in (NONE, FIXED, ADAPTIVE):
+                cells.append([name] + [_cell(r, k, f) for _, k, f in WORKLOAD_COLUMNS])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
 def write_json(path: Path, report: dict) -> None:
     path.write_text(json.dumps(report, indent=1, allow_nan=False))
     log.info("wrote %s", path)

@@ -25,6 +25,7 @@ log = logging.getLogger(__name__)
 
 HF, ASSISTED, NONE, FIXED, ADAPTIVE = "hf", "hf-assisted", "specq-none", "specq-fixed", \
     "specq-adaptive"
+WARM_UP, TIMED = "bench warm-up", "bench"  # the engine's job names for the two
 METHODS = {"hf": HF, "assisted": ASSISTED, "none": NONE, "fixed": FIXED, "adaptive": ADAPTIVE}
 
 
@@ -117,7 +118,9 @@ def run_specq(t: Target, prompts: list[list[int]], batch_size: int, max_new: int
                             max_draft_length=max(max_g, length))
     requests = [Request(id=i, prompt_token_ids=p, max_new_tokens=max_new)
                 for i, p in enumerate(prompts)]
-    eng.generate([r.model_copy(update={"max_new_tokens": 4}) for r in requests[:batch_size]])
+    # the warm-up is a job of its own: a suffix drafter starts the timed run knowing nothing
+    eng.generate([r.model_copy(update={"max_new_tokens": 4}) for r in requests[:batch_size]],
+                 job=WARM_UP)
     eng.calibrate()
     eng.prefill_seconds = 0.0
     # every step of the timed run: the policy's own estimates are decayed means, weighted
@@ -126,7 +129,7 @@ def run_specq(t: Target, prompts: list[list[int]], batch_size: int, max_new: int
     eng.on_step = steps.append
     _sync(t.model.device)
     t0 = time.perf_counter()
-    results = eng.generate(requests)
+    results = eng.generate(requests, job=TIMED)
     _sync(t.model.device)
     seconds = time.perf_counter() - t0
     for r in results:

@@ -24,7 +24,8 @@ STANDIN_TEXT = "ok"
 
 
 def standin_generate(self: SpeculativeEngine, requests: Iterable[Request],
-                     on_result: Callable[[Result], None] | None = None) -> list[Result]:
+                     on_result: Callable[[Result], None] | None = None,
+                     job: int | None = None) -> list[Result]:
     """Every request finished at once with one token; results in request order."""
     results = []
     for request in requests:

@@ -4,10 +4,13 @@
 - PromptLookup: copies the continuation of the latest n-gram match in the row's own
   tokens (prompt and text so far); a point-mass draft, no model.
 - NoDraft: proposes nothing; the engine then decodes with the target alone.
+- SuffixDrafter (suffix.py): the better of prompt lookup and a draft from an index over the
+  job's finished rows; the one drafter that keeps state across generations (per job).
 """
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -58,8 +61,21 @@ class Drafter(Protocol):
     def reset(self) -> None:
         """Forget every row (a generation starts, or one failed half-way)."""
 
+    def use_job(self, job: Hashable) -> None:
+        """The rows of the generation starting now belong to this job (None: unnamed)."""
 
-class _Stateless:
+    def finish(self, tokens: list[int]) -> None:
+        """A row ended normally (EOS, stop string, max tokens): its prompt + output."""
+
+
+class _JobBlind:
+    """A drafter that learns nothing from the job's finished rows."""
+
+    def use_job(self, job: Hashable) -> None: ...
+    def finish(self, tokens: list[int]) -> None: ...
+
+
+class _Stateless(_JobBlind):
     """A drafter that keeps no per-row state."""
 
     def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None: ...
@@ -111,7 +127,7 @@ class PromptLookup(_Stateless):
         return seq[:0]
 
 
-class DraftModel:
+class DraftModel(_JobBlind):
     """A draft LM with its own cache over the batch rows.
 
     Its cache holds every token of a row except `pending` ones (1 or 2 per row, or more

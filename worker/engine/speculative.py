@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -109,12 +109,15 @@ class SpeculativeEngine:
 
     @torch.inference_mode()
     def generate(
-        self, requests: Iterable[Request], on_result: Callable[[Result], None] | None = None
+        self, requests: Iterable[Request], on_result: Callable[[Result], None] | None = None,
+        *, job: Hashable = None,
     ) -> list[Result]:
         """Run every request to completion; results come back in request order.
 
         A request that cannot be served (too long for the context, ...) gets a Result
         with ``error`` set; the others go on. ``on_result`` sees each result as it ends.
+        ``job`` names the job the requests belong to: a drafter that learns from a job's
+        finished rows (suffix.py) keeps what it learnt for the job's next generation.
         """
         waiting = deque(enumerate(requests))
         results: dict[int, Result] = {}
@@ -125,6 +128,7 @@ class SpeculativeEngine:
                 on_result(res)
 
         self.reset()
+        self.drafter.use_job(job)
         while waiting or self.rows:
             if waiting and len(self.rows) < self.max_batch_size:
                 self._admit(waiting, done)
@@ -199,6 +203,7 @@ class SpeculativeEngine:
             return
         for b, row in enumerate(self.rows):
             if row.done:
+                self.drafter.finish(row.tokens)
                 done(self.order[b], row.finish())
         idx = torch.tensor(keep, dtype=torch.long)
         self.kv.select(idx.to(self.kv.device))

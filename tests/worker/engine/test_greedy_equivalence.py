@@ -6,6 +6,7 @@ import pytest
 
 from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.suffix import SuffixDrafter
 
 log = logging.getLogger(__name__)
 BATCH_SIZES = [1, 2, 7, 16]
@@ -16,10 +17,13 @@ def _drafter(name, models):
         return NoDraft()
     if name == "prompt_lookup":
         return PromptLookup()
+    if name == "suffix":
+        return SuffixDrafter()
     return DraftModel(models[name])
 
 
-@pytest.mark.parametrize("drafter", ["near", "noisy", "unrelated", "prompt_lookup", "none"])
+@pytest.mark.parametrize("drafter", ["near", "noisy", "unrelated", "prompt_lookup", "suffix",
+                                     "none"])
 def test_greedy_equals_target_generate(drafter, tiny_models, tiny_tokenizer, make_requests,
                                        check_greedy):
     requests = make_requests(24, seed=1)
@@ -40,7 +44,7 @@ def test_greedy_equals_target_generate(drafter, tiny_models, tiny_tokenizer, mak
     assert ties <= 2
     if drafter == "near":  # the drafts really were used, and mostly accepted
         assert all(accepted[bs] > 0.7 * proposed[bs] for bs in BATCH_SIZES)
-    if drafter in ("noisy", "prompt_lookup"):
+    if drafter in ("noisy", "prompt_lookup", "suffix"):
         assert all(0 < accepted[bs] < proposed[bs] for bs in BATCH_SIZES)
 
 

@@ -1,11 +1,13 @@
 """Sampled speculative output follows target-only sampling; seeds reproduce across batches."""
 
+import pytest
 import torch
 from scipy.stats import chisquare
 
 from specq.configs.generation import Request
 from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.suffix import SuffixDrafter
 
 PROMPT = [40, 41, 42, 43, 44, 45, 46, 40, 41, 42]
 
@@ -56,16 +58,20 @@ def test_sampled_speculative_tokens_follow_the_target(tiny_models, tiny_tokenize
     assert pvalue > 1e-3, pvalue
 
 
-def test_prompt_lookup_sampling_matches_plain_sampling(tiny_models, tiny_tokenizer):
-    """Point-mass drafts: same law as target-only sampling (two-sample chi-square)."""
+@pytest.mark.parametrize("make", [PromptLookup, SuffixDrafter, NoDraft])
+def test_point_mass_sampling_matches_plain_sampling(tiny_models, tiny_tokenizer, make):
+    """Point-mass drafts (prompt lookup; the suffix drafter, whose job index fills with
+    the rows sampled before): the target's law (chi-square against the exact one)."""
     params = dict(temperature=0.8, top_k=5, top_p=1.0)
     exact = _exact_second_token(tiny_models["target"], params)
-    for drafter in (PromptLookup(), NoDraft()):
-        engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, drafter,
-                                   max_batch_size=64, draft_length=4)
-        second = torch.tensor([r.token_ids[1] for r in _samples(engine, 3000, params)
-                               if len(r.token_ids) > 1])
-        assert _goodness_of_fit(second, exact) > 1e-3, drafter.name
+    drafter = make()
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, drafter,
+                               max_batch_size=64, draft_length=4)
+    results = _samples(engine, 3000, params)
+    second = torch.tensor([r.token_ids[1] for r in results if len(r.token_ids) > 1])
+    assert _goodness_of_fit(second, exact) > 1e-3, drafter.name
+    if make is SuffixDrafter:
+        assert sum(r.counters.accepted for r in results) > 0
 
 
 def test_seed_gives_the_same_text_whatever_the_batch(tiny_models, tiny_tokenizer):

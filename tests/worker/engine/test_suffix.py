@@ -1,0 +1,209 @@
+"""The job-level suffix drafter: its index (matching, scoring, eviction, the memory bound)
+and the engine carrying it from one generation of a job to the next."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specq.configs.generation import Request
+from specq.worker.engine.drafters import DraftInputs, PromptLookup
+from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.suffix import END, MAX_CANDIDATES, JobIndex, SuffixDrafter, lookup
+
+
+def _inputs(*seqs: list[int]) -> DraftInputs:
+    B = len(seqs)
+    zeros = torch.zeros(B, dtype=torch.long)
+    return DraftInputs([list(s) for s in seqs], zeros, zeros.float(), zeros, torch.ones(B),
+                       greedy=True)
+
+
+def _consistent(index: JobIndex) -> None:
+    """Every position in the table lies in what is held and ends its n-gram."""
+    for key, ends in index.table.items():
+        assert ends == sorted(ends)
+        for e in ends:
+            i = e - index.base
+            assert len(key) - 1 <= i < index.size
+            assert index.tokens[i - len(key) + 1 : i + 1] == list(key)
+    assert index.size == sum(index.lengths)
+    assert index.tokens.count(END) == len(index.lengths)
+
+
+def test_frequency_weighted_continuation():
+    index = JobIndex()
+    for seq in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 4, 5]):
+        index.add(seq)
+    # (2, 3) ends 3 times, always followed by 4 (3 of 3: 4/5), then 5 twice of 3 (3/5)
+    draft, score = index.propose([9, 2, 3], 4)
+    assert draft == [4, 5]  # then END: nothing follows
+    assert score == pytest.approx(0.8 + 0.8 * 0.6)
+    assert index.propose([9, 9, 7], 4) == ([], 0.0)  # no match anywhere
+    _consistent(index)
+
+
+def test_a_tie_goes_to_the_newest_and_a_weak_path_stops():
+    index = JobIndex()
+    index.add([1, 2, 7])
+    index.add([1, 2, 8])
+    assert index.propose([2], 1)[0] == [8]
+    index = JobIndex()
+    for last in range(20):  # twenty different continuations: each 2/22, under MIN_PATH_PROB
+        index.add([5, 6, last])
+    assert index.propose([5, 6], 3) == ([], 0.0)
+
+
+def test_longer_matches_win_ties_and_only_the_newest_candidates_count():
+    index = JobIndex()
+    for i in range(MAX_CANDIDATES + 10):  # old rows continue 1, 2 with 3; new ones with 4
+        index.add([1, 2, 3 if i < 10 else 4])
+    draft, _ = index.propose([1, 2], 1)
+    assert draft == [4]
+    ends = index.table[(1, 2)]
+    assert len(ends) == MAX_CANDIDATES + 10
+
+
+def test_own_lookup_is_prompt_lookup_where_matches_are_unique():
+    pl = PromptLookup()
+    gen = random.Random(0)
+    for _ in range(50):
+        seq = gen.sample(range(1000), 30)
+        seq += seq[gen.randrange(0, 25):][:gen.randrange(1, 5)]  # one repeat, unique tokens
+        want = pl.lookup(torch.tensor(seq), 4).tolist()
+        assert lookup(seq, 4)[0] == want
+
+
+def test_the_drafter_takes_the_better_scored_draft_per_row():
+    d = SuffixDrafter()
+    for _ in range(5):
+        d.finish([1, 2, 3, 4, 5, 6])
+    # row 0: the job index knows (3, 4) -> 5 6 five times; its own tokens: 3 4 -> 9 once
+    # row 1: nothing in the index; its own tokens repeat 7 8 -> 9
+    prop = d.propose(_inputs([3, 4, 9, 3, 4], [7, 8, 9, 7, 8]), 3)
+    assert prop.num_draft.tolist() == [2, 3]
+    assert prop.token_ids[0, :2].tolist() == [5, 6]
+    assert prop.token_ids[1].tolist() == [9, 7, 8]
+    assert prop.probs is None  # point masses
+
+
+def test_eviction_keeps_the_table_exact():
+    index = JobIndex()
+    gen = random.Random(1)
+    seqs = [[gen.randrange(6) for _ in range(gen.randrange(1, 12))] for _ in range(20)]
+    for s in seqs:
+        index.add(s)
+    for k in range(19):
+        index.evict_oldest()
+        _consistent(index)
+        fresh = JobIndex()
+        for s in seqs[k + 1 :]:
+            fresh.add(s)
+        assert [len(v) for v in index.table.values()] == [len(fresh.table[key]) for key in
+                                                          index.table]
+        assert index.table.keys() == fresh.table.keys()
+        assert index.propose(seqs[-1][:3], 4) == fresh.propose(seqs[-1][:3], 4)
+
+
+def test_memory_is_bounded_over_many_jobs():
+    """A worker serving job after job: the index never holds more than max_tokens, the
+    least recently used job goes first, and the current job keeps its newest rows."""
+    cap = 300
+    d = SuffixDrafter(max_tokens=cap)
+    gen = random.Random(2)
+    for job in range(40):
+        d.use_job(job)
+        for _ in range(gen.randrange(1, 12)):
+            d.finish([gen.randrange(50) for _ in range(gen.randrange(1, 40))])
+            assert d.size <= cap
+        for index in d.jobs.values():
+            _consistent(index)
+    assert list(d.jobs)[-1] == 39 and 0 not in d.jobs
+    d.use_job("big")
+    rows = [[7] * 30 + [i] for i in range(20)]  # 20 rows of 32 tokens: only the newest fit
+    for row in rows:
+        d.finish(row)
+    assert list(d.jobs) == ["big"] and d.size <= cap
+    assert d.index.tokens[-32:-1] == rows[-1]
+    d.finish(list(range(cap)))  # longer than the bound: not indexed, nothing evicted
+    assert d.index.tokens[-32:-1] == rows[-1]
+
+
+def _requests(n: int, offset: int = 0, max_new: int = 24) -> list[Request]:
+    """Prompts sharing a long prefix: the tiny target's outputs repeat from row to row."""
+    return [Request(id=i, prompt_token_ids=[5, 6, 7, 8, 9, 10] * 3 + [20 + (i + offset) % 7],
+                    max_new_tokens=max_new) for i in range(n)]
+
+
+def _accepted(results) -> int:
+    return sum(r.counters.accepted for r in results)
+
+
+def test_the_index_carries_across_generations_of_a_job_only(tiny_models, tiny_tokenizer,
+                                                            check_greedy):
+    drafter = SuffixDrafter()
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, drafter,
+                               max_batch_size=3, draft_length=4, adaptive=False)
+    first, second = _requests(6), _requests(6, offset=3)
+    a1 = engine.generate(first, job="a")
+    assert drafter.jobs["a"].size == sum(len(r.prompt_token_ids) + len(x.token_ids) + 1
+                                         for r, x in zip(first, a1))
+    a2 = engine.generate(second, job="a")  # the second chunk of job a
+    b1 = engine.generate(second, job="b")  # the same prompts as another job's first chunk
+    for reqs, results in ((first, a1), (second, a2), (second, b1)):
+        assert check_greedy(reqs, results) == 0
+    assert set(drafter.jobs) == {None, "a", "b"}
+    assert _accepted(a2) > _accepted(b1)  # job a's chunk drafts from its first chunk
+    fresh = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, SuffixDrafter(),
+                              max_batch_size=3, draft_length=4, adaptive=False)
+    same = fresh.generate(second, job="b")  # job b knew nothing of job a
+    assert [r.counters.accepted for r in same] == [r.counters.accepted for r in b1]
+
+
+class _Failing(SuffixDrafter):
+    """Fails on its n-th proposal, as a device fault would strike mid-generation."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.left = n
+
+    def propose(self, batch, g):
+        self.left -= 1
+        if self.left == 0:
+            raise RuntimeError("injected fault")
+        return super().propose(batch, g)
+
+
+def test_rows_of_a_failed_generation_add_nothing(tiny_models, tiny_tokenizer):
+    drafter = _Failing(12)
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, drafter,
+                               max_batch_size=3, draft_length=2, adaptive=False)
+    finished = []
+    requests = [r.model_copy(update={"max_new_tokens": 4 + 6 * i}) for i, r in
+                enumerate(_requests(6))]
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.generate(requests, on_result=finished.append, job="j")
+    assert 0 < len(finished) < len(requests)
+    by_id = {r.id: r for r in requests}
+    assert drafter.jobs["j"].size == sum(
+        len(by_id[x.id].prompt_token_ids) + len(x.token_ids) + 1 for x in finished)
+    engine.reset()  # as the worker does after a fault: rows go, the job's index stays
+    assert drafter.jobs["j"].size > 0
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+def test_greedy_with_a_warm_index_equals_the_target(bs, tiny_models, tiny_tokenizer,
+                                                    make_requests, check_greedy):
+    """Drafts from the job index (not only prompt lookup's), with refill, stay exact."""
+    drafter = SuffixDrafter()
+    for adaptive in (False, True):
+        engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, drafter,
+                                   max_batch_size=bs, draft_length=4, adaptive=adaptive)
+        engine.generate(_requests(5), job="warm")
+        requests = make_requests(8, seed=4) + _requests(5, offset=2)
+        results = engine.generate(requests, job="warm")
+        assert check_greedy(requests, results) <= 1
+        if not adaptive:  # (the adaptive engine may judge drafting not worth it here)
+            assert _accepted(results[8:]) > 0

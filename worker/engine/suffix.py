@@ -1,0 +1,219 @@
+"""A job-level suffix drafter: drafts from the job's own finished sequences.
+
+Offline jobs repeat themselves: an extraction job answers every prompt with the same
+JSON skeleton, a synthesis job renders one template many times. SuffixDecoding (Oliaro
+et al. 2024, arXiv 2411.04975) drafts from an index over the job's earlier outputs: it
+matches the end of the row's text against everything indexed, and follows the most
+frequent continuation, scoring a draft by its expected accepted length.
+
+Here the index is an n-gram table over the job's finished rows (prompt + output, one
+sequence each): for each n in NGRAMS, the n tokens ending at a position -> the positions
+they end at, oldest first. The occurrences of the row's last n tokens (the newest
+MAX_CANDIDATES) are followed token by token: the next draft token is the continuation
+most of them share (the newest on a tie), and only those that share it go on. Each token's
+probability is that share, smoothed by the rule of succession, (agree + 1) / (seen + 2),
+so one lone occurrence is not taken for a certainty; the draft's score is the sum of the
+running products, its expected number of accepted tokens. A draft stops where the product
+falls below MIN_PATH_PROB.
+
+Each row also has prompt lookup's draft (its own tokens: the longest match of up to 3
+tokens), followed and scored the same way over the row's own occurrences; the higher score
+wins, prompt lookup on a tie. A row with nothing in the job index drafts what prompt
+lookup would.
+
+The job index outlives a generation (a worker runs a job chunk by chunk) and is keyed by
+job; rows that end normally add to it, rows that fail or are dropped add nothing. Memory
+is bounded by ``max_tokens`` indexed tokens over all jobs: the least recently used jobs
+go first, then the current job's oldest sequences.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Hashable
+
+import torch
+
+from specq.worker.engine.drafters import DraftInputs, Proposal
+
+log = logging.getLogger(__name__)
+
+NGRAMS = (1, 2, 4, 8)  # match lengths tried in the job index; the best-scored draft wins
+LOOKUP_NGRAMS = (3, 2, 1)  # prompt lookup's match lengths over the row's own tokens
+MAX_CANDIDATES = 32  # newest occurrences of a match followed: bounds a proposal's cost
+MIN_PATH_PROB = 0.1  # a job-index draft stops where its running probability falls below
+MAX_TOKENS = 1 << 17  # tokens indexed over all jobs (a few hundred bytes each at most)
+END = -1  # closes each indexed sequence: no continuation runs past it
+
+
+def follow(tokens: list[int], base: int, ends: list[int], g: int,
+           min_prob: float = 0.0) -> tuple[list[int], float]:
+    """The most frequent continuation of up to g tokens after the occurrences ``ends``.
+
+    tokens[i - base] is the token at absolute position i; ends are the positions where
+    the matched tokens end, newest first (ties go to the newest). Returns (draft, score),
+    score = sum over j of prod_{i <= j} (agree_i + 1) / (seen_i + 2).
+    """
+    draft: list[int] = []
+    score, path, limit = 0.0, 1.0, len(tokens) + base
+    for _ in range(g):
+        counts: dict[int, int] = {}
+        for e in ends:
+            t = tokens[e + 1 - base] if e + 1 < limit else END
+            if t != END:
+                counts[t] = counts.get(t, 0) + 1
+        if not counts:
+            break
+        best = max(counts, key=counts.__getitem__)  # the first seen of the most frequent
+        p = (counts[best] + 1) / (len(ends) + 2)
+        if path * p < min_prob:
+            break
+        path *= p
+        score += path
+        draft.append(best)
+        ends = [e + 1 for e in ends if e + 1 < limit and tokens[e + 1 - base] == best]
+    return draft, score
+
+
+def lookup(seq: list[int], g: int) -> tuple[list[int], float]:
+    """Prompt lookup over the row's own tokens, followed and scored like the job index:
+    the occurrences of its longest matching last n tokens (n in LOOKUP_NGRAMS)."""
+    N = len(seq)
+    if N < 2:
+        return [], 0.0
+    last = seq[-1]
+    hits = [i for i in range(N - 2, -1, -1) if seq[i] == last]  # newest first
+    for n in LOOKUP_NGRAMS:
+        if N <= n:
+            continue
+        pattern = seq[-n:]
+        ends = [i for i in hits if i >= n - 1 and seq[i - n + 1 : i + 1] == pattern]
+        if ends:
+            return follow(seq, 0, ends[:MAX_CANDIDATES], g)
+    return [], 0.0
+
+
+class JobIndex:
+    """The n-gram table over one job's finished sequences, oldest evicted first."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []  # the sequences, each closed by END
+        self.base = 0  # absolute position of tokens[0]
+        self.lengths: list[int] = []  # of the sequences held, oldest first (END included)
+        self.table: dict[tuple[int, ...], list[int]] = {}  # n-gram -> end positions
+
+    @property
+    def size(self) -> int:
+        """Tokens held, END markers included."""
+        return len(self.tokens)
+
+    def add(self, seq: list[int]) -> None:
+        start = self.base + len(self.tokens)
+        self.tokens += seq
+        self.tokens.append(END)
+        self.lengths.append(len(seq) + 1)
+        for j in range(len(seq)):
+            for n in NGRAMS:
+                if n > j + 1:
+                    break
+                self.table.setdefault(tuple(seq[j - n + 1 : j + 1]), []).append(start + j)
+
+    def evict_oldest(self) -> None:
+        """Drop the oldest sequence: its positions are the oldest of every list."""
+        length = self.lengths.pop(0)
+        seq = self.tokens[: length - 1]
+        drops: dict[tuple[int, ...], int] = {}
+        for j in range(len(seq)):
+            for n in NGRAMS:
+                if n > j + 1:
+                    break
+                key = tuple(seq[j - n + 1 : j + 1])
+                drops[key] = drops.get(key, 0) + 1
+        for key, k in drops.items():
+            ends = self.table[key]
+            if k == len(ends):
+                del self.table[key]
+            else:
+                del ends[:k]
+        del self.tokens[:length]
+        self.base += length
+
+    def propose(self, seq: list[int], g: int) -> tuple[list[int], float]:
+        """The best-scored draft over the match lengths in NGRAMS."""
+        best: tuple[list[int], float] = ([], 0.0)
+        for n in NGRAMS:
+            if len(seq) < n:
+                break
+            ends = self.table.get(tuple(seq[-n:]))
+            if not ends:
+                break  # a longer match cannot occur where a shorter one does not
+            draft, score = follow(self.tokens, self.base, ends[: -MAX_CANDIDATES - 1 : -1], g,
+                                  MIN_PATH_PROB)
+            if score >= best[1] and draft:  # a tie goes to the longer match
+                best = (draft, score)
+        return best
+
+
+class SuffixDrafter:
+    """Per row, the better-scored of the job index's draft and prompt lookup's (a point
+    mass, no model). Keeps no per-row state: ``reset`` forgets nothing of the index."""
+
+    name = "suffix"
+    free = True  # costs little next to a target pass: may propose while g = 0 (shadow.py)
+
+    def __init__(self, max_tokens: int = MAX_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self.jobs: OrderedDict[Hashable, JobIndex] = OrderedDict()  # least recent first
+        self.job: Hashable = None
+        self.use_job(None)
+
+    @property
+    def index(self) -> JobIndex:
+        return self.jobs[self.job]
+
+    @property
+    def size(self) -> int:
+        """Tokens indexed over all jobs."""
+        return sum(j.size for j in self.jobs.values())
+
+    def use_job(self, job: Hashable) -> None:
+        """Rows from now on belong to this job (None: a job of no name)."""
+        self.job = job
+        if job not in self.jobs:
+            self.jobs[job] = JobIndex()
+        self.jobs.move_to_end(job)
+
+    def finish(self, tokens: list[int]) -> None:
+        """A row ended normally: index its prompt and output, then evict to the bound."""
+        if len(tokens) + 1 > self.max_tokens:
+            return  # would evict everything, itself included
+        self.index.add(tokens)
+        size = self.size
+        while size > self.max_tokens:
+            oldest = next(iter(self.jobs))
+            if oldest != self.job:
+                size -= self.jobs.pop(oldest).size
+                log.debug("suffix index: job %s evicted", oldest)
+            else:
+                before = self.index.size
+                self.index.evict_oldest()
+                size -= before - self.index.size
+
+    def propose(self, batch: DraftInputs, g: int) -> Proposal:
+        B = len(batch.tokens)
+        ids = torch.zeros(B, g, dtype=torch.long)
+        num = torch.zeros(B, dtype=torch.long)
+        for b, seq in enumerate(batch.tokens):
+            own, own_score = lookup(seq, g)
+            job, job_score = self.index.propose(seq, g)
+            draft = job if job_score > own_score else own
+            ids[b, : len(draft)] = torch.tensor(draft, dtype=torch.long)
+            num[b] = len(draft)
+        return Proposal(ids, num, None)
+
+    def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None: ...
+    def select(self, rows: torch.Tensor) -> None: ...
+    def update(self, accepted: list[int], tokens: list[list[int]]) -> None: ...
+    def compact(self) -> None: ...
+    def reset(self) -> None: ...
