@@ -160,7 +160,7 @@ class DraftModel:
             self.fresh[i] = False
 
     def select(self, rows: torch.Tensor) -> None:
-        self.kv.select(rows.to(self.kv.device))
+        self.kv.select(rows)
         keep = rows.tolist()
         self.pending = [self.pending[i] for i in keep]
         self.fresh = [self.fresh[i] for i in keep]

@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specq.configs.generation import Request, RequestError, check_length, context_length
 from specq.worker.engine import calibration, shadow
-from specq.worker.engine.batch import KVRows, Row, left_pad
+from specq.worker.engine.batch import KVRows, Row, fill_holes, left_pad
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from specq.worker.engine.policy import DraftLengthPolicy
 from specq.worker.engine.rejection import greedy_accept, rejection_sample
@@ -194,14 +194,15 @@ class SpeculativeEngine:
 
     def _retire(self, done: Callable[[int, Result], None]) -> None:
         """Hand back finished rows and drop them from the batch and both caches."""
-        keep = [b for b, r in enumerate(self.rows) if not r.done]
-        if len(keep) == len(self.rows):
+        finished = [r.done for r in self.rows]
+        if not any(finished):
             return
         for b, row in enumerate(self.rows):
             if row.done:
                 done(self.order[b], row.finish())
+        keep = fill_holes(finished)  # rows from the end take the leavers' places
         idx = torch.tensor(keep, dtype=torch.long)
-        self.kv.select(idx.to(self.kv.device))
+        self.kv.select(idx)
         self.drafter.select(idx)
         self.rows = [self.rows[b] for b in keep]
         self.order = [self.order[b] for b in keep]
