@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from specq.worker import threads
 
@@ -23,6 +25,11 @@ def test_workers_on_this_host_are_counted_from_their_command_lines():
     # a process whose command line names the worker app, as `specq worker` does
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)",
                              "specq.worker.app"])
+    cmdline = Path(f"/proc/{proc.pid}/cmdline")
+    deadline = time.monotonic() + 30
+    while b"specq.worker.app" not in cmdline.read_bytes():  # until the child has exec'd
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
     try:
         assert threads.local_workers() == before + 1
     finally:

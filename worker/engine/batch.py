@@ -6,6 +6,14 @@ appends T columns to every row; a row's rejected draft columns stay in the cache
 masked out, and later columns take their position ids from the row's count of real
 columns, so RoPE sees each row's true positions. `compact` squeezes the holes out now
 and then; no per-step copying.
+
+The keys and values live in preallocated per-layer buffers [rows, heads, capacity, dim]
+(gpt-fast's KVCache, grown by doubling): a forward writes its columns in place and the
+attention reads a view of the filled ones, where transformers' DynamicCache concatenates
+every layer's whole cache at every forward. A row's real columns may sit anywhere left
+of the columns being written (keys carry their positions from RoPE, and the causal mask
+only orders old columns before new ones), so rows join and leave without shifting
+anyone's columns.
 """
 
 from __future__ import annotations
@@ -14,15 +22,84 @@ import inspect
 import secrets
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+MIN_COLUMNS = 64  # a fresh buffer's columns; it doubles from there
+
+
+def _capacity(need: int, have: int) -> int:
+    """Columns to allocate for ``need``: at least double what there was (amortised)."""
+    return max(need, 2 * have, MIN_COLUMNS)
+
+
+class BufferLayer(CacheLayerMixin):
+    """One layer's keys and values, written in place into buffers that grow by doubling.
+
+    ``keys`` and ``values`` are the whole buffers [rows, heads, capacity, dim]; ``length``
+    columns of the first ``rows`` rows are in use. ``update`` writes the new columns at
+    ``length`` and returns views of the used part.
+    """
+
+    is_sliding = False
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__()
+        self.rows = self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        B, H, T, D = key_states.shape
+        self.keys = key_states.new_zeros(B, H, _capacity(T, 0), D)
+        self.values = value_states.new_zeros(B, H, _capacity(T, 0), value_states.shape[-1])
+        self.device = key_states.device
+        self.rows, self.is_initialized = B, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        B, L, T = self.rows, self.length, key_states.shape[2]
+        self.reserve(B, L + T)
+        self.keys[:B, :, L : L + T] = key_states
+        self.values[:B, :, L : L + T] = value_states
+        self.length = L + T
+        return self.keys[:B, :, : L + T], self.values[:B, :, : L + T]
+
+    def reserve(self, rows: int, columns: int) -> None:
+        """Make room for ``rows`` rows and ``columns`` columns, keeping what is used."""
+        R, H, C, D = self.keys.shape
+        if rows <= R and columns <= C:
+            return
+        R, C = max(rows, R), (C if columns <= C else _capacity(columns, C))
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = old.new_zeros(R, H, C, old.shape[-1])  # zeros: masked columns stay finite
+            new[: self.rows, :, : self.length] = old[: self.rows, :, : self.length]
+            setattr(self, name, new)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class BufferCache(Cache):
+    """A model's BufferLayers, one per layer, made as the forward reaches them."""
+
+    def __init__(self) -> None:
+        super().__init__(layer_class_to_replicate=BufferLayer)
 
 
 class KVRows:
-    """A model's DynamicCache over the batch rows and the mask of real columns."""
+    """A model's cache over the batch rows and the mask of real columns."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
-        self.cache: DynamicCache | None = None
+        self.cache: BufferCache | None = None
         self.mask: torch.Tensor | None = None  # [B, L] bool: column holds a real token
         params = inspect.signature(model.forward).parameters
         self._new_api = "cache" in params
@@ -31,6 +108,35 @@ class KVRows:
         # compact() counts the waste (a sync) only from length _recheck_at on; it counted
         # it last at length _counted_at
         self._recheck_at = self._counted_at = 0
+
+    @classmethod
+    @torch.inference_mode()
+    def from_prefix(cls, model: PreTrainedModel, layers: list[tuple[torch.Tensor, torch.Tensor]],
+                    lengths: list[int]) -> KVRows:
+        """Rows whose first columns hold the first lengths[b] columns of one sequence's
+        keys and values (``layers``: per layer, keys and values [1, heads, >= P, dim]):
+        a shared prompt prefix computed once, copied into each row."""
+        kv, P = cls(model), max(lengths)
+        kv.cache = BufferCache()
+        for keys, values in layers:
+            layer = BufferLayer()
+            layer.lazy_initialization(keys[:, :, :P].expand(len(lengths), -1, -1, -1),
+                                      values[:, :, :P].expand(len(lengths), -1, -1, -1))
+            layer.keys[:, :, :P] = keys[:, :, :P]
+            layer.values[:, :, :P] = values[:, :, :P]
+            layer.length = P
+            kv.cache.layers.append(layer)
+        cols = torch.arange(P, device=kv.device)[None]  # [1, P]
+        kv.mask = cols < torch.tensor(lengths, device=kv.device)[:, None]  # [B, P]
+        return kv
+
+    @torch.inference_mode()
+    def columns(self, row: int, start: int, stop: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of one row's keys and values in columns start..stop-1, per layer
+        [1, heads, stop - start, dim] (what ``from_prefix`` takes)."""
+        return [(layer.keys[row : row + 1, :, start:stop].clone(),
+                 layer.values[row : row + 1, :, start:stop].clone())
+                for layer in self.cache.layers]
 
     @property
     def device(self) -> torch.device:
@@ -54,7 +160,7 @@ class KVRows:
         """
         B, T = input_ids.shape
         if self.cache is None:
-            self.cache = DynamicCache()
+            self.cache = BufferCache()
             self.mask = torch.zeros(B, 0, dtype=torch.bool, device=self.device)
         L = self.length
         seen = self.mask.sum(1, keepdim=True)  # [B, 1] real tokens so far
@@ -85,77 +191,83 @@ class KVRows:
         cols = torch.arange(self.length - start, device=self.device)[None, :]  # [1, T]
         self.mask[:, start:] &= cols < keep_len[:, None]
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep only these rows, in this order. rows: [B'] int64"""
+    @torch.inference_mode()
+    def select(self, rows: torch.Tensor | list[int]) -> None:
+        """Keep only these rows, in this order. rows: [B'] int64 on the host
+
+        Only the rows that change place are copied, within the buffers: a caller that
+        fills the holes with rows from the end (``fill_holes``) moves few.
+        """
         self._recheck_at = 0
         if self.cache is None:
             return
+        rows = torch.as_tensor(rows, dtype=torch.long).cpu()
+        self.mask = self.mask.index_select(0, rows.to(self.device))
         if rows.numel() == 0:
-            self.cache, self.mask = None, None
-            return
+            self.mask = self.mask[:, :0]
+        moved = (rows != torch.arange(rows.numel())).nonzero()[:, 0]
+        src, dst = rows[moved].to(self.device), moved.to(self.device)
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, rows)
-            layer.values = layer.values.index_select(0, rows)
-        self.mask = self.mask.index_select(0, rows)
+            if moved.numel():
+                for buf in (layer.keys, layer.values):
+                    used = buf[:, :, : layer.length]
+                    used.index_copy_(0, dst, used.index_select(0, src))
+            layer.rows, layer.length = self.rows, self.length
 
+    @torch.inference_mode()
     def extend(self, other: KVRows) -> None:
-        """Append other's rows after ours; the shorter side is padded on the left."""
+        """Append other's rows after ours."""
         self._recheck_at = 0
         if other.cache is None:
             return
-        if self.cache is None:
+        if self.cache is None:  # nothing to copy into: take other's buffers as they are
             self.cache, self.mask = other.cache, other.mask
             return
-        L = max(self.length, other.length)
-        self._pad_left(L - self.length)
-        other._pad_left(L - other.length)
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys = torch.cat([mine.keys, theirs.keys])
-            mine.values = torch.cat([mine.values, theirs.values])
-        self.mask = torch.cat([self.mask, other.mask])
+        B = self.rows
+        self.add_rows(other.rows)
+        self.replace(torch.arange(B, B + other.rows), other)
 
+    @torch.inference_mode()
     def add_rows(self, n: int) -> None:
         """Append n rows with no real column yet (their tokens come later, by replace)."""
         self._recheck_at = 0
-        for layer in self.cache.layers:
-            B, H, L, D = layer.keys.shape
-            layer.keys = torch.cat([layer.keys, layer.keys.new_zeros(n, H, L, D)])
-            layer.values = torch.cat([layer.values, layer.values.new_zeros(n, H, L, D)])
         self.mask = torch.cat([self.mask, self.mask.new_zeros(n, self.length)])
-
-    def replace(self, rows: torch.Tensor, other: KVRows) -> None:
-        """Put other's rows in place of ``rows``, which hold no real column yet."""
-        self._recheck_at = 0
-        L = max(self.length, other.length)
-        self._pad_left(L - self.length)
-        other._pad_left(L - other.length)
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
-            mine.keys[rows] = theirs.keys
-            mine.values[rows] = theirs.values
-        self.mask[rows] = other.mask
-
-    def _pad_left(self, n: int) -> None:
-        if n <= 0:
-            return
         for layer in self.cache.layers:
-            B, H, _, D = layer.keys.shape
-            pad = layer.keys.new_zeros(B, H, n, D)
-            layer.keys = torch.cat([pad, layer.keys], dim=2)
-            layer.values = torch.cat([pad, layer.values], dim=2)
-        self.mask = torch.cat([self.mask.new_zeros(self.rows, n), self.mask], dim=1)
+            layer.reserve(self.rows, self.length)
+            layer.rows = self.rows
+
+    @torch.inference_mode()
+    def replace(self, rows: torch.Tensor, other: KVRows) -> None:
+        """Put other's rows in place of ``rows``, which hold no real column yet.
+
+        Other's columns land at the left of ours (any place left of the next forward's
+        columns is right: see the module docstring); only other's used part is copied.
+        """
+        self._recheck_at = 0
+        L, Lo = max(self.length, other.length), other.length
+        rows = torch.as_tensor(rows, dtype=torch.long).to(self.device)
+        if L > self.length:
+            self.mask = torch.cat([self.mask, self.mask.new_zeros(self.rows, L - self.length)], 1)
+        self.mask[rows] = torch.cat([other.mask, other.mask.new_zeros(other.rows, L - Lo)], 1)
+        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+            mine.reserve(self.rows, L)
+            for buf, new in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+                buf[:, :, :Lo].index_copy_(0, rows, new[: other.rows, :, :Lo])
+            mine.rows, mine.length = self.rows, L
 
     def waste(self) -> int:
         """Columns that compaction would free."""
         return 0 if self.mask is None else self.length - int(self.mask.sum(1).max())
 
+    @torch.inference_mode()
     def compact(self, force: bool = False) -> None:
-        """Move each row's real columns to the right end, in order, and drop the rest.
+        """Move each row's real columns to the left end, in order, and drop the rest.
 
         Unless forced, only once at least 64 columns and half the cache would be freed,
-        so the copy happens now and then, not every step. Counting the waste reads the
-        mask on the host, a sync with the device: while the rows stay the same, waste
-        grows no faster than the length, so it is counted again only once the length
-        has grown enough for it to reach the bar.
+        so the copy happens now and then, not every step; it gathers within the buffers.
+        Counting the waste reads the mask on the host, a sync with the device: while the
+        rows stay the same, waste grows no faster than the length, so it is counted again
+        only once the length has grown enough for it to reach the bar.
         """
         if self.mask is None or (not force and self.length < self._recheck_at):
             return
@@ -163,17 +275,26 @@ class KVRows:
         if waste == 0 or (not force and waste < bar):
             self._recheck_at = self.length + bar - waste
             return
-        L = self.length
-        keep = int(self.mask.sum(1).max())
-        # a stable sort puts masked columns first and keeps real ones in order
-        idx = self.mask.long().sort(dim=1, stable=True).indices[:, L - keep :]  # [B, keep]
+        keep = self.length - waste
+        # a stable sort puts real columns first and keeps them in order
+        idx = self.mask.long().sort(dim=1, descending=True, stable=True).indices[:, :keep]
         for layer in self.cache.layers:
-            B, H, _, D = layer.keys.shape
-            gather = idx[:, None, :, None].expand(B, H, keep, D)
-            layer.keys = layer.keys.gather(2, gather)
-            layer.values = layer.values.gather(2, gather)
+            B, L = layer.rows, layer.length
+            for buf in (layer.keys, layer.values):
+                _, H, _, D = buf.shape
+                gather = idx[:, None, :, None].expand(B, H, keep, D)  # [B, H, keep, D]
+                buf[:B, :, :keep] = buf[:B, :, :L].gather(2, gather)
+            layer.length = keep
         self.mask = self.mask.gather(1, idx)
         self._recheck_at = 0
+
+
+def fill_holes(done: list[bool]) -> list[int]:
+    """The rows to keep when rows ``done`` leave, in an order that moves few of them:
+    each leaving row's place goes to a kept row from the end of the batch."""
+    keep = [b for b, d in enumerate(done) if not d]
+    tail = [b for b in keep if b >= len(keep)]  # kept rows past the new end: they move
+    return [b if b < len(keep) and not done[b] else tail.pop() for b in range(len(keep))]
 
 
 class Row:

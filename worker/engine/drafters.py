@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specq.worker.engine.batch import KVRows, left_pad
+from specq.worker.engine.prefix import PrefixStore, prefill
 from specq.worker.engine.sampling import DRAFT, keyed_uniform, logits_to_probs, sample
 
 
@@ -138,10 +139,12 @@ class DraftModel(_JobBlind):
 
     name = "draft_model"
 
-    def __init__(self, model: PreTrainedModel, pad_id: int = 0, vocab_size: int | None = None):
+    def __init__(self, model: PreTrainedModel, pad_id: int = 0, vocab_size: int | None = None,
+                 share_prefixes: bool = True):
         self.model = model
         self.pad_id = pad_id
         self.vocab_size = vocab_size  # the target's logits width, when it differs
+        self.prefixes = PrefixStore() if share_prefixes else None  # prefix.py
         self.reset()
 
     def reset(self) -> None:
@@ -157,26 +160,24 @@ class DraftModel(_JobBlind):
         self.pending += [list(p) + [t] for p, t in zip(prompts, first_tokens)]
         self.fresh += [True] * len(prompts)
 
-    def _prefill(self, kv: KVRows, prompts: list[list[int]]) -> None:
-        kv.forward(*left_pad(prompts, self.pad_id, self.kv.device), last_only=True)
-
     def _catch_up(self) -> None:
-        """Prefill the fresh rows (all but their last pending token) in one batch."""
+        """Prefill the fresh rows (all but their last pending token) together, a shared
+        prompt prefix once (prefix.py)."""
         rows = [i for i, f in enumerate(self.fresh) if f]
         if not rows:
             return
+        new, _ = prefill(self.model, [self.pending[i][:-1] for i in rows], self.pad_id,
+                         self.prefixes)
         if self.kv.cache is None:  # no cache yet: every row is fresh
-            self._prefill(self.kv, [p[:-1] for p in self.pending])
+            self.kv.extend(new)
         else:
-            new = KVRows(self.kv.model)
-            self._prefill(new, [self.pending[i][:-1] for i in rows])
-            self.kv.replace(torch.tensor(rows, device=self.kv.device), new)
+            self.kv.replace(torch.tensor(rows), new)
         for i in rows:
             self.pending[i] = self.pending[i][-1:]
             self.fresh[i] = False
 
     def select(self, rows: torch.Tensor) -> None:
-        self.kv.select(rows.to(self.kv.device))
+        self.kv.select(rows)
         keep = rows.tolist()
         self.pending = [self.pending[i] for i in keep]
         self.fresh = [self.fresh[i] for i in keep]

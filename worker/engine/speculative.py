@@ -13,9 +13,10 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specq.configs.generation import Request, RequestError, check_length, context_length
 from specq.worker.engine import calibration, shadow
-from specq.worker.engine.batch import KVRows, Row, left_pad
+from specq.worker.engine.batch import KVRows, Row, fill_holes
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from specq.worker.engine.policy import DraftLengthPolicy
+from specq.worker.engine.prefix import PrefixStore, prefill
 from specq.worker.engine.rejection import greedy_accept, rejection_sample
 from specq.worker.engine.result import Result
 from specq.worker.engine.sampling import ACCEPT, SAMPLE, keyed_uniform, logits_to_probs, sample
@@ -70,7 +71,8 @@ class SpeculativeEngine:
     Greedy output equals the target's own greedy decoding; sampled output follows the
     target's distribution (rejection.py). At most ``max_batch_size`` requests run at
     once; a finished row is refilled from the waiting requests at the next step.
-    ``on_step``, when set, sees every Step after the engine applied it.
+    ``on_step``, when set, sees every Step after the engine applied it. With
+    ``share_prefixes`` a prompt prefix shared by rows is prefilled once (prefix.py).
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class SpeculativeEngine:
         adaptive: bool = True,
         max_draft_length: int = 8,
         on_step: Callable[[Step], None] | None = None,
+        share_prefixes: bool = True,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -104,6 +107,9 @@ class SpeculativeEngine:
         self.eos_ids = set(eos)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.prefill_seconds = 0.0  # spent prefilling prompts, over the engine's life
+        # shared prefixes' keys and values: they depend on the tokens alone, so they
+        # outlive a failed generation
+        self.prefixes = PrefixStore() if share_prefixes else None
 
     # -- the loop -------------------------------------------------------------------
 
@@ -176,8 +182,7 @@ class SpeculativeEngine:
         rows = [r for _, r in new]
         self.joining = [r.request.id for r in rows]
         prompts = [r.tokens for r in rows]
-        kv = KVRows(self.target)
-        logits = kv.forward(*left_pad(prompts, self.pad_id, self.target.device), last_only=True)
+        kv, logits = prefill(self.target, prompts, self.pad_id, self.prefixes)  # [n, 1, V]
         seeds, *params = self._params(rows)
         pos = torch.tensor([[len(p)] for p in prompts], device=logits.device)
         u = keyed_uniform(seeds.to(logits.device), pos, SAMPLE)[:, 0]
@@ -198,15 +203,16 @@ class SpeculativeEngine:
 
     def _retire(self, done: Callable[[int, Result], None]) -> None:
         """Hand back finished rows and drop them from the batch and both caches."""
-        keep = [b for b, r in enumerate(self.rows) if not r.done]
-        if len(keep) == len(self.rows):
+        finished = [r.done for r in self.rows]
+        if not any(finished):
             return
         for b, row in enumerate(self.rows):
             if row.done:
                 self.drafter.finish(row.tokens)
                 done(self.order[b], row.finish())
+        keep = fill_holes(finished)  # rows from the end take the leavers' places
         idx = torch.tensor(keep, dtype=torch.long)
-        self.kv.select(idx.to(self.kv.device))
+        self.kv.select(idx)
         self.drafter.select(idx)
         self.rows = [self.rows[b] for b in keep]
         self.order = [self.order[b] for b in keep]
