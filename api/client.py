@@ -16,10 +16,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
 from functools import cached_property
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from celery import Celery
-from kombu.utils.url import maybe_sanitize_url
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
 from tqdm import tqdm
@@ -45,9 +43,10 @@ from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
 from specq.db.session import migrate, session_factory
-from specq.worker import dispatch
-from specq.worker.app import make_app
 from specq.worker.constants import INSPECT_TIMEOUT, PRIORITIES, queue_name
+
+if TYPE_CHECKING:
+    from celery import Celery
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -210,6 +209,8 @@ class Client:
 
     @cached_property
     def celery(self) -> Celery:
+        from specq.worker.app import make_app  # the broker side, when a call needs it
+
         return make_app(self.settings, tasks=False)
 
     # -- submission -----------------------------------------------------------------
@@ -338,7 +339,7 @@ class Client:
         try:
             replies = _bounded(inspect.active_queues, INSPECT_TIMEOUT + 2) or {}
         except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
-            log.warning("broker %s: %s", maybe_sanitize_url(self.settings.broker_url), exc)
+            log.warning("broker %s: %s", _shown(self.settings.broker_url), exc)
             return None
         return sorted(h for h, qs in replies.items() if any(q.get("name") == queue for q in qs))
 
@@ -367,13 +368,15 @@ class Job:
         with self.client.sessions.begin() as s:
             refs = chunks.take_unsent(s, job_id=self.id, n=settings.dispatch_window)
         try:
+            from specq.worker import dispatch
+
             sent = _bounded(lambda: dispatch.send(self.client.celery, refs, settings),
                             seconds=settings.broker_timeout * 3 + len(refs) / 1000)
         except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
             with self.client.sessions.begin() as s:
                 chunks.unsend(s, refs=refs)
             self.enqueue_error = (
-                f"the broker at {maybe_sanitize_url(settings.broker_url)} cannot be reached "
+                f"the broker at {_shown(settings.broker_url)} cannot be reached "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                 f"job {self.id} is stored and its chunks will be sent when the broker is back "
                 f"(by a worker's or the beat's reconciler, or `specq reconcile {self.id}`)")
@@ -478,6 +481,8 @@ class Job:
             refs = chunks.reopen(s, job_id=self.id, indices=indices)
         if refs:
             try:
+                from specq.worker import dispatch
+
                 _bounded(lambda: dispatch.send(self.client.celery, refs, self.client.settings),
                          seconds=self.client.settings.broker_timeout * 3 + len(refs) / 1000)
             except Exception as exc:  # noqa: BLE001
@@ -506,6 +511,13 @@ def _mean_g_by_tenths(timeline: list[tuple[Any, list[int]]]) -> list[float]:
         total = sum(steps)
         out.append(sum(g * c for g, c in enumerate(steps)) / total if total else 0.0)
     return out
+
+
+def _shown(url: str) -> str:
+    """A broker URL without its password, fit for messages and logs."""
+    from kombu.utils.url import maybe_sanitize_url
+
+    return maybe_sanitize_url(url)
 
 
 def _bounded(call: Callable[[], T], seconds: float) -> T:
