@@ -134,10 +134,9 @@ class SpeculativeEngine:
                 self._retire(done)
         return [results[i] for i in sorted(results)]
 
-    def calibrate(self, batch_sizes: Iterable[int] | None = None, prompt_tokens: int = 128,
-                  repeats: int = 3) -> None:
+    def calibrate(self, batch_sizes: Iterable[int] | None = None) -> None:
         """Measure step costs before the first request (calibration.py)."""
-        calibration.calibrate(self, batch_sizes, prompt_tokens, repeats)
+        calibration.calibrate(self, batch_sizes)
 
     def reset(self) -> None:
         """Drop every row and both caches' contents: the state a failed generation left
