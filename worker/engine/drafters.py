@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from specq.worker.engine.batch import KVRows, left_pad
-from specq.worker.engine.sampling import DRAFT, keyed_uniform, logits_to_probs, sample
+from specq.worker.engine.sampling import keyed_race, logits_to_probs
 
 
 @dataclass
@@ -112,7 +112,8 @@ class PromptLookup(_Stateless):
 
 
 class DraftModel:
-    """A draft LM with its own cache over the batch rows.
+    """A draft LM with its own cache over the batch rows. A sampled row's drafts are raced
+    (sampling.keyed_race) with the noise the target races with at the same positions.
 
     Its cache holds every token of a row except `pending` ones (1 or 2 per row, or more
     after steps without drafting), which the next proposal feeds first. A row is
@@ -121,6 +122,7 @@ class DraftModel:
     """
 
     name = "draft_model"
+    races = True  # samples by keyed_race: the engine's target samples by it too
 
     def __init__(self, model: PreTrainedModel, pad_id: int = 0, vocab_size: int | None = None):
         self.model = model
@@ -176,17 +178,17 @@ class DraftModel:
         start, P = self.kv.length, ids.shape[1]
         logits = self._fit(self.kv.forward(ids, valid, last_only=True))  # [B, 1, V]
         if not batch.greedy:
-            pos = torch.tensor([len(t) for t in batch.tokens], device=dev)[:, None]
-            u = keyed_uniform(batch.seeds.to(dev), pos + torch.arange(g, device=dev), DRAFT)
+            pos = torch.tensor([len(t) for t in batch.tokens], device=dev)[:, None]  # [B, 1]
+            seeds = batch.seeds.to(dev)
             params = (batch.temperature, batch.top_k, batch.top_p)
         drafts, probs = [], []
         for j in range(g):
             if batch.greedy:
                 x = logits[:, 0].argmax(-1)  # [B]
             else:
-                p = logits_to_probs(logits, *params)[:, 0]  # [B, V]
-                x = sample(p, u[:, j])
-                probs.append(p)
+                p = logits_to_probs(logits, *params)  # [B, 1, V]
+                x = keyed_race(p, seeds, pos + j)[:, 0]  # [B] draft j at position len + j
+                probs.append(p[:, 0])
             drafts.append(x)
             if j < g - 1:
                 one = torch.ones(B, 1, dtype=torch.bool, device=dev)

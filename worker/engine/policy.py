@@ -257,12 +257,11 @@ class DraftLengthPolicy:
 
     # -- the choice -----------------------------------------------------------------
 
-    def choose(self, pinned: bool = False, batch: int | None = None) -> int:
-        """g for the next step of a batch of this size (by default the latest step's);
-        ``pinned`` (e.g. seeded sampling in the batch) forces default."""
+    def choose(self, batch: int | None = None) -> int:
+        """g for the next step of a batch of this size (by default the latest step's)."""
         if batch:
             self._batch = batch
-        if not self.adaptive or pinned or self.default == 0:
+        if not self.adaptive or self.default == 0:
             return self.default
         b = self.costs.stand_in(self._batch)
         if b is None:
