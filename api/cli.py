@@ -34,6 +34,8 @@ HEAVY = {
     "bench": ("specq.worker.bench", "when does speculation pay? methods side by side"),
     "bench-pipeline": ("specq.api.pipeline_bench",
                        "the job path's overhead over the engine alone"),
+    "bench-startup": ("specq.worker.startup",
+                      "a worker's start, phase by phase: import, load, warm-up, calibration"),
     "bench-chaos": ("specq.api.chaos", "one job through kills, a broker flush, outages and "
                     "engine faults: lost, duplicated, wrongly failed"),
     "bench-fleet": ("specq.api.fleet_bench", "the control plane at scale: a big job, many "

@@ -86,24 +86,43 @@ _background: list[Any] = []
 @worker_init.connect
 @worker_process_init.connect
 def _load_at_start(**_: Any) -> None:
-    """Load the pair when the worker starts, before it takes any chunk, run one short
-    generation so the first chunk does not pay the first call's set-up, measure the step
-    costs the adaptive draft length decides by, and start the reconciler thread."""
+    """Get the engine ready before the worker takes any chunk (start_up), then start the
+    reconciler thread."""
     settings = get_settings()
     if not settings.worker_pair or _started.is_set():
         return
     _started.set()
-    t0 = time.perf_counter()
-    threads.apply(settings.torch_threads, resolve_device(settings.device).type)
-    pair = worker_pair()
-    engine = worker_engine()
-    engine.generate([Request(prompt="Hello", max_new_tokens=2)])
-    engine.calibrate()
-    log.info("pair %s loaded in %.1f s", pair.preset.name, time.perf_counter() - t0)
+    phases = start_up(settings)
+    log.info("pair %s ready in %.1f s (%s)", settings.worker_pair, sum(phases.values()),
+             ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
     if settings.reconcile_every > 0:
         from specq.worker.reconciler import Background
 
         _background.append(Background(settings).start())
+
+
+def start_up(settings: Settings) -> dict[str, float]:
+    """Load the pair (settings.worker_pair), run one short generation so the first chunk
+    does not pay the first call's set-up, and measure the step costs the adaptive draft
+    length decides by. Returns the seconds of each phase: load, warm_up, calibrate
+    (`specq bench-startup` reports them)."""
+    clock = time.perf_counter()
+    phases = {}
+
+    def phase(name: str) -> None:
+        nonlocal clock
+        now = time.perf_counter()
+        phases[name], clock = now - clock, now
+
+    threads.apply(settings.torch_threads, resolve_device(settings.device).type)
+    worker_pair()
+    phase("load")
+    engine = worker_engine()
+    engine.generate([Request(prompt="Hello", max_new_tokens=2)])
+    phase("warm_up")
+    engine.calibrate()
+    phase("calibrate")
+    return phases
 
 
 @worker_shutdown.connect

@@ -8,7 +8,7 @@ import torch
 from specq.configs.generation import Request
 from specq.configs.presets import get_preset
 from specq.configs.settings import Settings
-from specq.worker.pairs import load_pair
+from specq.worker.pairs import CONVERTED, load_pair
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +26,31 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def smollm2(tmp_path_factory):
-    return load_pair(get_preset("smollm2-135m"),
-                     Settings(data_dir=tmp_path_factory.mktemp("data"), device="cpu"))
+def smollm2_settings(tmp_path_factory):
+    return Settings(data_dir=tmp_path_factory.mktemp("data"), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_settings):
+    return load_pair(get_preset("smollm2-135m"), smollm2_settings)
+
+
+def test_the_gguf_checkpoint_is_converted_once_and_loads_the_same(smollm2, smollm2_settings):
+    """The first load keeps the de-quantized checkpoint under data_dir/converted; the next
+    loads it from there (no GGUF parsing), with the same weights, tokenizer and configs."""
+    (folder,) = (smollm2_settings.data_dir / CONVERTED).iterdir()
+    assert (folder / "model.safetensors").is_file() and (folder / "tokenizer.json").is_file()
+    again = load_pair(get_preset("smollm2-135m"), smollm2_settings)
+    assert again.target.config.name_or_path == str(folder)
+    assert smollm2.target.config.name_or_path != str(folder)  # the first read the GGUF file
+    assert again.tokenizer.get_vocab() == smollm2.tokenizer.get_vocab()
+    assert again.tokenizer.chat_template == smollm2.tokenizer.chat_template
+    assert again.target.generation_config.eos_token_id == \
+        smollm2.target.generation_config.eos_token_id
+    ids = smollm2.tokenizer(PROMPTS[0], return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert torch.equal(again.target(ids).logits, smollm2.target(ids).logits)
+    assert again.engine().context == smollm2.engine().context
 
 
 def test_prompt_lookup_greedy_equals_plain_generate(smollm2):

@@ -1,9 +1,14 @@
 """Measuring what a step costs before the first request, so that the adaptive policy
 chooses g from measured costs at once.
 
-At each batch size: a target pass over 1, 2, default + 1 and max_g + 1 tokens per row, and
-a draft step, on a synthetic prompt. Acceptance is not learnt here: it depends on the data.
-Each cost is the median of ``repeats`` timed runs, so that one stall cannot skew it.
+Few measurements, cheap ones: a worker's start waits for them, and the policy refines every
+cost from the steps it then runs (policy.py: decayed means, a plain step now and then).
+At a few batch sizes (1, 16, 256, ... below max_batch_size, and that; the policy
+interpolates between them) on a short synthetic prompt: a target pass over 1, 2 and
+default + 1 tokens per row (1 -> 2 is the knee on a CPU; wider passes follow the 2 ->
+default + 1 slope until the policy measures them) and a draft step. Each is timed
+``repeats`` times and the fastest kept: the first call of a shape and a stall of a busy
+machine are slower, never faster. Acceptance is not learnt here: it depends on the data.
 """
 
 from __future__ import annotations
@@ -11,7 +16,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from statistics import median
 from typing import TYPE_CHECKING
 
 import torch
@@ -29,36 +33,55 @@ CALIBRATION_TEXT = (
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins "
     "with a single step. "
 )
+BATCH_RATIO = 16  # batch sizes measured: 1, 16, 256, ... (and the maximum); the costs in
+# between are interpolated: a step's cost is close to a line in the batch size between them
+PROMPT_TOKENS = 64  # the context the passes attend to: a short prompt's (a long one's
+# costs are learnt from its steps)
+REPEATS = 2  # timed runs of each pass, the fastest kept
+
+
+def batch_sizes(max_batch_size: int) -> list[int]:
+    """1, BATCH_RATIO, BATCH_RATIO**2, ... below max_batch_size, and max_batch_size."""
+    sizes, b = {max_batch_size}, 1
+    while b < max_batch_size:
+        sizes.add(b)
+        b *= BATCH_RATIO
+    return sorted(sizes)
+
+
+def forwards(num_batch_sizes: int, num_widths: int, repeats: int = REPEATS) -> int:
+    """Target forward passes a calibration makes: at each batch size, one prefill and
+    ``repeats`` passes at each width."""
+    return num_batch_sizes * (1 + repeats * num_widths)
 
 
 @torch.inference_mode()
-def calibrate(engine: SpeculativeEngine, batch_sizes: Iterable[int] | None = None,
-              prompt_tokens: int = 128, repeats: int = 3) -> None:
-    """Record the engine's step costs in its policy, at each batch size (by default 1, 4,
-    16, ... below max_batch_size, and that), then forget the data the runs showed. A no-op
-    for an engine that does not adapt g."""
+def calibrate(engine: SpeculativeEngine, sizes: Iterable[int] | None = None,
+              prompt_tokens: int = PROMPT_TOKENS, repeats: int = REPEATS) -> None:
+    """Record the engine's step costs in its policy at each batch size (by default
+    ``batch_sizes(max_batch_size)``), then forget the data the runs showed. A no-op for an
+    engine that does not adapt g."""
     policy = engine.policy
     if not policy.adaptive:
         return
     t0 = time.perf_counter()
-    if batch_sizes is None:
-        batch_sizes = {4**i for i in range(8) if 4**i < engine.max_batch_size}
-        batch_sizes = sorted(batch_sizes | {engine.max_batch_size})
-    widths = sorted({1, 2, policy.default + 1, policy.max_g + 1})
-    L = min(prompt_tokens, engine.context - (repeats + 1) * sum(widths) - 1)
+    sizes = batch_sizes(engine.max_batch_size) if sizes is None else sorted(set(sizes))
+    widths = sorted({1, 2, policy.default + 1})
+    L = min(prompt_tokens, engine.context - repeats * sum(widths) - 1)
     if L < widths[-1]:
         log.warning("context of %d tokens too short to calibrate in", engine.context)
         return
     text = engine.tokenizer(CALIBRATION_TEXT, add_special_tokens=False).input_ids or [1, 2, 3]
     prompt = (text * (L // len(text) + 1))[:L]
-    for B in batch_sizes:
+    for B in sizes:
         verify = _verify_times(engine, B, prompt, widths, repeats)
         drafts = _draft_step_times(engine, B, prompt, repeats)
-        policy.record_costs(B, {n: [median(t)] * repeats for n, t in verify.items()},
-                            [median(drafts)] * repeats)
+        # the fastest run, weighted as all of them: a calibrated width is trusted at once
+        policy.record_costs(B, {n: [min(t)] * repeats for n, t in verify.items()},
+                            [min(drafts)] * repeats)
     policy.forget_data()
-    log.info("calibrated at batch sizes %s in %.1f s: %s", list(batch_sizes),
-             time.perf_counter() - t0, policy.snapshot()["t_verify"])
+    log.info("calibrated at batch sizes %s in %.1f s: %s", sizes, time.perf_counter() - t0,
+             policy.snapshot()["t_verify"])
 
 
 def _verify_times(engine: SpeculativeEngine, B: int, prompt: list[int], widths: list[int],
@@ -69,12 +92,11 @@ def _verify_times(engine: SpeculativeEngine, B: int, prompt: list[int], widths: 
     ids, valid = left_pad([prompt] * B, engine.pad_id, dev)  # [B, L]
     kv.forward(ids, valid, last_only=True)
     times: dict[int, list[float]] = {n: [] for n in widths}
-    for rep in range(repeats + 1):  # round 0 warms each shape up, untimed
+    for _ in range(repeats):
         for n in widths:
             start, t = kv.length, _clock(dev)
             kv.forward(ids[:, :n], valid[:, :n])
-            if rep:
-                times[n].append(_clock(dev) - t)
+            times[n].append(_clock(dev) - t)
             kv.keep(start, torch.zeros(B, dtype=torch.long, device=dev))
     return times
 
@@ -89,11 +111,10 @@ def _draft_step_times(engine: SpeculativeEngine, B: int, prompt: list[int],
     inputs = DraftInputs([r + [prompt[0]] for r in rows], zeros, zeros.float(), zeros,
                          torch.ones(B), greedy=True)
     out = []
-    for rep in range(repeats + 1):
+    for _ in range(repeats):
         t0 = _clock(dev)
         drafter.propose(inputs, g)
-        if rep:
-            out.append((_clock(dev) - t0) / g)
+        out.append((_clock(dev) - t0) / g)
         drafter.update([0] * B, [[prompt[0]]] * B)  # every draft rejected
     drafter.select(torch.zeros(0, dtype=torch.long))
     return out

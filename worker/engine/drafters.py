@@ -19,7 +19,7 @@ from transformers import PreTrainedModel
 
 from specq.worker.engine.batch import KVRows, left_pad
 from specq.worker.engine.prefix import PrefixStore, prefill
-from specq.worker.engine.sampling import DRAFT, keyed_uniform, logits_to_probs, sample
+from specq.worker.engine.sampling import keyed_race, logits_to_probs
 
 
 @dataclass
@@ -129,7 +129,8 @@ class PromptLookup(_Stateless):
 
 
 class DraftModel(_JobBlind):
-    """A draft LM with its own cache over the batch rows.
+    """A draft LM with its own cache over the batch rows. A sampled row's drafts are raced
+    (sampling.keyed_race) with the noise the target races with at the same positions.
 
     Its cache holds every token of a row except `pending` ones (1 or 2 per row, or more
     after steps without drafting), which the next proposal feeds first. A row is
@@ -138,6 +139,7 @@ class DraftModel(_JobBlind):
     """
 
     name = "draft_model"
+    races = True  # samples by keyed_race: the engine's target samples by it too
 
     def __init__(self, model: PreTrainedModel, pad_id: int = 0, vocab_size: int | None = None,
                  share_prefixes: bool = True):
@@ -193,17 +195,17 @@ class DraftModel(_JobBlind):
         start, P = self.kv.length, ids.shape[1]
         logits = self._fit(self.kv.forward(ids, valid, last_only=True))  # [B, 1, V]
         if not batch.greedy:
-            pos = torch.tensor([len(t) for t in batch.tokens], device=dev)[:, None]
-            u = keyed_uniform(batch.seeds.to(dev), pos + torch.arange(g, device=dev), DRAFT)
+            pos = torch.tensor([len(t) for t in batch.tokens], device=dev)[:, None]  # [B, 1]
+            seeds = batch.seeds.to(dev)
             params = (batch.temperature, batch.top_k, batch.top_p)
         drafts, probs = [], []
         for j in range(g):
             if batch.greedy:
                 x = logits[:, 0].argmax(-1)  # [B]
             else:
-                p = logits_to_probs(logits, *params)[:, 0]  # [B, V]
-                x = sample(p, u[:, j])
-                probs.append(p)
+                p = logits_to_probs(logits, *params)  # [B, 1, V]
+                x = keyed_race(p, seeds, pos + j)[:, 0]  # [B] draft j at position len + j
+                probs.append(p[:, 0])
             drafts.append(x)
             if j < g - 1:
                 one = torch.ones(B, 1, dtype=torch.bool, device=dev)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 # Each constant exists for one reason.
@@ -76,7 +76,8 @@ class CostTable:
     """Seconds of a target pass over n tokens per row, and of a draft token, per batch size.
 
     The hardware's: kept for the engine's life. A batch size without its own measurements
-    borrows those of the nearest one on a log scale.
+    takes them from the line between the nearest measured ones either side, or from the
+    nearest one on a log scale.
     """
 
     def __init__(self) -> None:
@@ -106,11 +107,31 @@ class CostTable:
         return min(candidates, key=lambda b: abs(math.log(b / batch)), default=None)
 
     def draft_seconds(self, batch: int) -> float | None:
-        b = self.stand_in(batch)
-        return self.draft[b].mean if b in self.draft else None
+        return self._across(batch, lambda b: self.draft[b].mean if b in self.draft else None)
 
     def verify_seconds(self, n: int, batch: int) -> float | None:
-        """A target pass over n tokens per row at this batch size (or its stand-in's).
+        """A target pass over n tokens per row at this batch size (see _across)."""
+        return self._across(batch, lambda b: self._verify_at(n, b))
+
+    def _across(self, batch: int, cost: Callable[[int], float | None]) -> float | None:
+        """A cost at this batch size: its own once ready; else on the line between the
+        nearest ready batch sizes either side (calibration measures only a few, and a
+        step's cost is close to a line in the batch size between them); else the stand-in's.
+        """
+        ready = sorted(b for b in self.verify if self.ready(b))
+        below = [b for b in ready if b < batch][-1:]
+        above = [b for b in ready if b > batch][:1]
+        if batch in ready or not (below and above):
+            b = self.stand_in(batch)
+            return None if b is None else cost(b)
+        (b0,), (b1,) = below, above
+        t0, t1 = cost(b0), cost(b1)
+        if t0 is None or t1 is None:
+            return None
+        return t0 + (t1 - t0) * (batch - b0) / (b1 - b0)
+
+    def _verify_at(self, n: int, b: int) -> float | None:
+        """A target pass over n tokens per row at batch size b, from b's own measurements.
 
         Trusted widths (a plain pass, n = 1, at once; others once measured twice) are
         taken as measured, and others interpolated between the nearest two (past either
@@ -118,8 +139,7 @@ class CostTable:
         one line, 1 -> 2 tokens costing more than 2 -> 5. With fewer than two trusted
         widths, every width measured stands in. Never below a plain pass.
         """
-        b = self.stand_in(batch)
-        table = self.verify.get(b, {}) if b is not None else {}
+        table = self.verify.get(b, {})
         if not table:
             return None
         points = sorted((k, d.mean) for k, d in table.items() if k == 1 or d.weight >= TRUSTED)
@@ -237,12 +257,11 @@ class DraftLengthPolicy:
 
     # -- the choice -----------------------------------------------------------------
 
-    def choose(self, pinned: bool = False, batch: int | None = None) -> int:
-        """g for the next step of a batch of this size (by default the latest step's);
-        ``pinned`` (e.g. seeded sampling in the batch) forces default."""
+    def choose(self, batch: int | None = None) -> int:
+        """g for the next step of a batch of this size (by default the latest step's)."""
         if batch:
             self._batch = batch
-        if not self.adaptive or pinned or self.default == 0:
+        if not self.adaptive or self.default == 0:
             return self.default
         b = self.costs.stand_in(self._batch)
         if b is None:

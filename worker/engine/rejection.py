@@ -10,6 +10,12 @@ Glossary, per row:
 Output tokens = accepted + (recovered or bonus): 1 to n + 1 of them, so the output
 follows p exactly. A drafter without a distribution (prompt lookup) is a point mass
 q = one_hot(x); greedy rows have one-hot p, which reduces the test to x_i == argmax.
+
+accept_matching is the coupled form: the target draws its own token y_i at every slot
+first (its argmax, or a sample keyed by seed and position), and a draft token is accepted
+while x_i == y_i; the output is y_1..y_k+1, what the target alone would emit, whatever was
+drafted. For a point-mass draft this is Algorithm 1 in law and in acceptance (P(y = x) =
+p(x)); for a draft model it needs x drawn with the noise y is drawn with (keyed_race).
 """
 
 from __future__ import annotations
@@ -69,13 +75,13 @@ def rejection_sample(
     return out, num_accepted
 
 
-def greedy_accept(
+def accept_matching(
     draft_token_ids: torch.Tensor, num_draft: torch.Tensor, target_token_ids: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """rejection_sample for greedy rows, without probabilities: p is one-hot at the
-    target's argmax, so a draft token is accepted while it equals that argmax.
+    """Accept each draft token while it equals the target's own token at its slot (the
+    argmax for greedy rows: rejection_sample with one-hot p, without probabilities).
 
-    draft_token_ids: [B, g]; num_draft: [B]; target_token_ids: [B, g + 1] (argmax per slot)
+    draft_token_ids: [B, g]; num_draft: [B]; target_token_ids: [B, g + 1] (one per slot)
     returns (output_token_ids [B, g + 1], num_accepted [B]) as rejection_sample does
     """
     B, g = draft_token_ids.shape

@@ -2,7 +2,9 @@
 
 Randomness is a pure function of (request seed, token position, stream): the uniform a
 row draws for position t does not depend on the batch it shares or its slot, so a seeded
-request gives the same text at any batch size.
+request gives the same text at any batch size. Two samplers read it: inverse-CDF
+``sample`` (one uniform per position) and ``keyed_race`` (Gumbel-max, one uniform per
+position and token), which lets a draft model and the target sample with the same noise.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import torch
 
 M32 = 0xFFFFFFFF
 # Streams: which use of a position's randomness.
-DRAFT, ACCEPT, SAMPLE = 1, 2, 3
+ACCEPT, SAMPLE, RACE = 2, 3, 4
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -23,15 +25,20 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _key(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """A 32-bit hash of (seed, position, stream). seeds: [B]; positions: [B, T] -> [B, T]"""
+    s = seeds[:, None]
+    h = _mix32((positions & M32) ^ _mix32(torch.full_like(positions, stream)))
+    h = _mix32(h ^ (s & M32))
+    return _mix32(h ^ ((s >> 32) & M32))
+
+
 def keyed_uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
     """Uniforms in [0, 1), one per (seed, position).
 
     seeds: [B] int64; positions: [B, T] int64 -> [B, T] float64
     """
-    s = seeds[:, None]
-    h = _mix32((positions & M32) ^ _mix32(torch.full_like(positions, stream)))
-    h = _mix32(h ^ (s & M32))
-    h = _mix32(h ^ ((s >> 32) & M32))
+    h = _key(seeds, positions, stream)
     h2 = _mix32(h ^ 0x9E3779B9)
     # 53 random bits -> a double in [0, 1)
     return ((h << 21) | (h2 >> 11)).to(torch.float64) / float(2**53)
@@ -81,6 +88,25 @@ def logits_to_probs(
 def _one_hot_argmax(logits: torch.Tensor) -> torch.Tensor:
     probs = torch.zeros_like(logits, dtype=torch.float32)
     return probs.scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+
+
+def keyed_race(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Gumbel-max sampling with noise keyed by (seed, position, token): at each position the
+    token of largest log p(v) + G(v), G(v) = -log(-log u(v)). Exact: it follows probs.
+
+    Raced with the same noise, two distributions at one position (a draft model's q, the
+    target's p) pick the same token with probability at least (1 - TV) / (1 + TV), TV
+    their total variation distance, without either seeing the other's (Daliri et al. 2024,
+    arXiv 2408.07978: Gumbel sampling for drafter-invariant speculative decoding).
+
+    probs: [B, T, V]; seeds: [B] int64; positions: [B, T] int64 -> tokens [B, T] int64
+    """
+    V = probs.shape[-1]
+    key = _key(seeds, positions, RACE)[..., None]  # [B, T, 1]
+    token = _mix32(torch.arange(V, device=probs.device) ^ 0x9E3779B9)  # [V]
+    h = _mix32(_mix32(key ^ token) ^ (key >> 7))  # [B, T, V] 32 random bits per token
+    u = (h.double() + 0.5) / float(2**32)  # (0, 1): no token gets infinite noise
+    return (probs.double().log() - (-u.log()).log()).argmax(-1)
 
 
 def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -17,9 +17,16 @@ from specq.worker.engine.batch import KVRows, Row, fill_holes
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from specq.worker.engine.policy import DraftLengthPolicy
 from specq.worker.engine.prefix import PrefixStore, prefill
-from specq.worker.engine.rejection import greedy_accept, rejection_sample
+from specq.worker.engine.rejection import accept_matching, rejection_sample
 from specq.worker.engine.result import Result
-from specq.worker.engine.sampling import ACCEPT, SAMPLE, keyed_uniform, logits_to_probs, sample
+from specq.worker.engine.sampling import (
+    ACCEPT,
+    SAMPLE,
+    keyed_race,
+    keyed_uniform,
+    logits_to_probs,
+    sample,
+)
 
 log = logging.getLogger(__name__)
 _NO_DRAFT = NoDraft()  # the proposal of a step that does not draft
@@ -73,6 +80,15 @@ class SpeculativeEngine:
     once; a finished row is refilled from the waiting requests at the next step.
     ``on_step``, when set, sees every Step after the engine applied it. With
     ``share_prefixes`` a prompt prefix shared by rows is prefilled once (prefix.py).
+
+    Seeded sampling does not depend on g. Every token the target emits for a sampled row
+    is its own draw at that position, keyed by (seed, position) only (``_sample``), and a
+    draft token is accepted while it equals that draw (rejection.accept_matching): the
+    text is the one the target alone would sample, whatever the policy drafts, at any
+    batch size. For prompt lookup (a point mass) this is Algorithm 1 exactly; a draft
+    model races with the target's noise (sampling.keyed_race) and is accepted with
+    probability at least (1 - TV) / (1 + TV) instead of Algorithm 1's 1 - TV, so batches
+    without a seeded sampled row keep Algorithm 1 (rejection_sample).
     """
 
     def __init__(
@@ -96,6 +112,8 @@ class SpeculativeEngine:
         default = 0 if self.drafter.name == "none" else draft_length
         # a drafter that costs nothing is scored while the engine does not draft (shadow.py)
         self.shadowing = adaptive and default > 0 and getattr(self.drafter, "free", False)
+        # a drafter that samples by keyed_race: the target's own draws race with its noise
+        self.race = getattr(self.drafter, "races", False)
         self.policy = DraftLengthPolicy(default=default, max_g=max_draft_length,
                                         adaptive=adaptive and default > 0,
                                         idle_acceptance=self.shadowing)
@@ -144,10 +162,9 @@ class SpeculativeEngine:
                 self._retire(done)
         return [results[i] for i in sorted(results)]
 
-    def calibrate(self, batch_sizes: Iterable[int] | None = None, prompt_tokens: int = 128,
-                  repeats: int = 3) -> None:
+    def calibrate(self, batch_sizes: Iterable[int] | None = None) -> None:
         """Measure step costs before the first request (calibration.py)."""
-        calibration.calibrate(self, batch_sizes, prompt_tokens, repeats)
+        calibration.calibrate(self, batch_sizes)
 
     def reset(self) -> None:
         """Drop every row and both caches' contents: the state a failed generation left
@@ -185,8 +202,8 @@ class SpeculativeEngine:
         kv, logits = prefill(self.target, prompts, self.pad_id, self.prefixes)  # [n, 1, V]
         seeds, *params = self._params(rows)
         pos = torch.tensor([[len(p)] for p in prompts], device=logits.device)
-        u = keyed_uniform(seeds.to(logits.device), pos, SAMPLE)[:, 0]
-        first = sample(logits_to_probs(logits, *params)[:, 0], u)
+        first = self._sample(logits_to_probs(logits, *params), seeds.to(logits.device),
+                             pos)[:, 0]
         first_list = first.tolist()
         self.drafter.admit([list(p) for p in prompts], first_list)
         self.kv.extend(kv)
@@ -275,9 +292,7 @@ class SpeculativeEngine:
     def _choose_g(self) -> int:
         """The policy's g for this step; while it is 0, a free drafter's proposals are held,
         to be scored against the tokens the target emits (shadow.py)."""
-        # a seeded sampled row must see the same g whatever its neighbours: no adapting then
-        pinned = any(r.request.seed is not None and r.request.temperature > 0 for r in self.rows)
-        g = self.policy.choose(pinned=pinned, batch=len(self.rows))
+        g = self.policy.choose(batch=len(self.rows))
         if self.shadowing and g:
             shadow.drop(self.rows)
         elif self.shadowing:
@@ -292,16 +307,29 @@ class SpeculativeEngine:
         logits: [B, n + 1, V]; draft_ids: [B, n]; num_draft: [B]; draft_probs: [B, n, V]
         """
         if greedy:
-            return greedy_accept(draft_ids, num_draft, logits.argmax(-1))
+            return accept_matching(draft_ids, num_draft, logits.argmax(-1))
         seeds, temperature, top_k, top_p = params
         dev = logits.device
         target_probs = logits_to_probs(logits, temperature, top_k, top_p)  # [B, n + 1, V]
         pos = torch.tensor([len(r.tokens) for r in self.rows], device=dev)[:, None]
         pos = pos + torch.arange(logits.shape[1], device=dev)  # [B, n + 1] each slot's position
         seeds = seeds.to(dev)
-        return rejection_sample(draft_ids, num_draft, draft_probs, target_probs,
-                                keyed_uniform(seeds, pos[:, :-1], ACCEPT),
-                                keyed_uniform(seeds, pos, SAMPLE))
+        seeded = any(r.request.seed is not None and r.request.temperature > 0
+                     for r in self.rows)
+        if draft_probs is not None and not seeded:  # Algorithm 1: the best acceptance
+            return rejection_sample(draft_ids, num_draft, draft_probs, target_probs,
+                                    keyed_uniform(seeds, pos[:, :-1], ACCEPT),
+                                    keyed_uniform(seeds, pos, SAMPLE))
+        return accept_matching(draft_ids, num_draft, self._sample(target_probs, seeds, pos))
+
+    def _sample(self, probs: torch.Tensor, seeds: torch.Tensor,
+                pos: torch.Tensor) -> torch.Tensor:
+        """The target's own draw at each position, keyed by (seed, position) only: raced
+        when the drafter races (its drafts then match the draws as often as they can),
+        else inverse-CDF. probs: [B, T, V]; seeds: [B]; pos: [B, T] -> tokens [B, T]"""
+        if self.race:
+            return keyed_race(probs, seeds, pos)
+        return sample(probs, keyed_uniform(seeds, pos, SAMPLE))
 
     def _apply(self, step: Step) -> None:
         """Hand a step's tokens to the rows and count it: the rows' counters, the policy,

@@ -2,6 +2,7 @@
 
 import pytest
 
+from specq.worker.engine import calibration
 from specq.worker.engine.drafters import DraftModel, PromptLookup
 from specq.worker.engine.policy import (
     PLAIN_REFRESH,
@@ -135,13 +136,22 @@ def _costs(policy, batch, t1, wide, t_draft, n=5):
     policy.record_costs(batch, {1: [t1] * 2, n: [wide] * 2}, [t_draft] * 2)
 
 
-def test_costs_are_kept_per_batch_size_and_borrowed_by_the_nearest():
+def test_costs_are_kept_per_batch_size_and_interpolated_between():
     policy = DraftLengthPolicy(default=4)
     _costs(policy, 1, t1=0.05, wide=0.06, t_draft=0.0)  # batch 1: a wide pass is nearly free
     _costs(policy, 64, t1=0.4, wide=2.0, t_draft=0.0)  # batch 64: it costs 5 plain steps
     assert policy.t_verify(5, batch=1) == pytest.approx(0.06)
-    assert policy.t_verify(5, batch=48) == pytest.approx(2.0)  # nearer 64 than 1
-    assert policy.t_verify(5, batch=2) == pytest.approx(0.06)
+    assert policy.t_verify(5, batch=64) == pytest.approx(2.0)
+    # between two measured batch sizes: on the line between them
+    assert policy.t_verify(5, batch=48) == pytest.approx(0.06 + (2.0 - 0.06) * 47 / 63)
+    assert policy.t_verify(1, batch=2) == pytest.approx(0.05 + 0.35 / 63)
+    assert policy.t_verify(5, batch=100) == pytest.approx(2.0)  # past the largest: its own
+    _costs(policy, 16, t1=0.1, wide=0.3, t_draft=0.0)
+    assert policy.t_verify(5, batch=40) == pytest.approx(0.3 + 1.7 * 24 / 48)
+    # a batch size's own measurements, once complete, replace the line
+    _costs(policy, 40, t1=0.2, wide=0.9, t_draft=0.0)
+    assert policy.t_verify(5, batch=40) == pytest.approx(0.9)
+    policy.forget_data()
     assert policy.choose(batch=1) > 0, "the prior says drafting pays at batch 1"
     policy.forget_data()
     assert policy.choose(batch=64) == 0, "no alpha can pay for 5x verify: no warm-up"
@@ -177,13 +187,37 @@ def test_calibration_measures_costs_and_leaves_the_engine_exact(
     engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, drafter, max_batch_size=8)
     engine.calibrate()
     snap = engine.policy.snapshot()
-    assert set(snap["t_verify"]) == {1, 4, 8} and set(snap["t_draft"]) == {1, 4, 8}
-    assert all({1, 5, 9} <= set(widths) for widths in snap["t_verify"].values())
+    assert set(snap["t_verify"]) == {1, 8} and set(snap["t_draft"]) == {1, 8}
+    assert all(set(widths) == {1, 2, 5} for widths in snap["t_verify"].values())
     assert all(t > 0 for t in snap["t_draft"].values())
     assert snap["steps"] == 0 and engine.policy.alpha == pytest.approx(0.5)
     # the drafter holds no calibration row: generation after it is exact
     requests = make_requests(12, seed=3, max_new=24)
     check_greedy(requests, engine.generate(requests))
+
+
+@pytest.mark.parametrize("kind", ["draft model", "prompt lookup"])
+def test_calibration_runs_a_bounded_number_of_forward_passes(kind, tiny_models, tiny_tokenizer):
+    """A worker's start waits for calibration: at each of a few batch sizes, a prefill and
+    REPEATS passes at each of three widths of the target, and REPEATS draft steps."""
+    target, draft = tiny_models["target"], tiny_models["near"]
+    drafter = DraftModel(draft) if kind == "draft model" else PromptLookup()
+    engine = SpeculativeEngine(target, tiny_tokenizer, drafter, max_batch_size=300)
+    calls = {"target": 0, "draft": 0}
+    hooks = [m.register_forward_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
+             for k, m in (("target", target), ("draft", draft))]
+    try:
+        engine.calibrate()
+    finally:
+        for h in hooks:
+            h.remove()
+    assert calibration.batch_sizes(300) == [1, 16, 256, 300]
+    assert calibration.batch_sizes(16) == [1, 16] and calibration.batch_sizes(1) == [1]
+    assert calls["target"] == calibration.forwards(4, 3) == 4 * (1 + 3 * calibration.REPEATS)
+    # a draft model: at each batch size, its prefill then REPEATS proposals of g tokens
+    drafts = 4 * (1 + calibration.REPEATS * engine.policy.default)
+    assert calls["draft"] == (drafts if kind == "draft model" else 0)
+    assert set(engine.policy.snapshot()["t_verify"]) == {1, 16, 256, 300}
 
 
 def test_calibration_is_a_no_op_for_a_pinned_g(tiny_models, tiny_tokenizer):

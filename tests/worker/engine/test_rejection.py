@@ -3,7 +3,7 @@
 import torch
 from scipy.stats import chisquare
 
-from specq.worker.engine.rejection import greedy_accept, rejection_sample
+from specq.worker.engine.rejection import accept_matching, rejection_sample
 
 P = torch.tensor([0.05, 0.40, 0.25, 0.20, 0.10])  # target
 Q = torch.tensor([0.30, 0.10, 0.25, 0.05, 0.30])  # draft, deliberately unlike P
@@ -103,5 +103,5 @@ def test_greedy_fast_path_equals_the_general_sampler():
     one_hot = torch.nn.functional.one_hot(target_ids, V).float()
     want = rejection_sample(drafts, num, None, one_hot, torch.rand(B, g, dtype=torch.float64),
                             torch.rand(B, g + 1, dtype=torch.float64))
-    got = greedy_accept(drafts, num, target_ids)
+    got = accept_matching(drafts, num, target_ids)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -1,8 +1,15 @@
 """Temperature / top-k / top-p and the position-keyed uniforms."""
 
 import torch
+from scipy.stats import chisquare
 
-from specq.worker.engine.sampling import SAMPLE, keyed_uniform, logits_to_probs, sample
+from specq.worker.engine.sampling import (
+    SAMPLE,
+    keyed_race,
+    keyed_uniform,
+    logits_to_probs,
+    sample,
+)
 
 
 def test_greedy_rows_are_one_hot_and_sampled_rows_are_softmax():
@@ -38,3 +45,33 @@ def test_inverse_cdf_sampling_never_picks_a_zero_probability_token():
     toks = sample(probs, torch.rand(10_000, dtype=torch.float64))
     assert set(toks.tolist()) == {1, 3}
     assert sample(probs[:1], torch.tensor([0.0])).item() == 1
+
+
+P = torch.tensor([0.05, 0.40, 0.25, 0.20, 0.10, 0.0])
+Q = torch.tensor([0.30, 0.10, 0.25, 0.05, 0.25, 0.05])
+
+
+def test_keyed_race_follows_the_distribution_and_depends_only_on_seed_and_position():
+    N = 100_000
+    seeds, pos = torch.arange(N), torch.full((N, 1), 17)
+    tokens = keyed_race(P.expand(N, 1, 6), seeds, pos)[:, 0]  # [N]
+    counts = torch.bincount(tokens, minlength=6).double()
+    assert counts[5] == 0, "a zero-probability token was drawn"
+    assert chisquare(counts[:5].numpy(), (P[:5].double() * N).numpy()).pvalue > 1e-3
+    # the same (seed, position): the same draw, whatever else is in the batch
+    again = keyed_race(P.expand(3, 2, 6), seeds[[5, 5, 9]], torch.tensor([[17, 18]] * 3))
+    assert again[0, 0] == again[1, 0] == tokens[5] and again[2, 0] == tokens[9]
+
+
+def test_two_distributions_raced_with_one_noise_agree_as_the_bound_says():
+    """Daliri et al. (arXiv 2408.07978): P(draws agree) >= (1 - TV) / (1 + TV); each draw
+    still follows its own distribution."""
+    N = 100_000
+    seeds, pos = torch.arange(N), torch.zeros(N, 1, dtype=torch.long)
+    p = keyed_race(P.expand(N, 1, 6), seeds, pos)[:, 0]
+    q = keyed_race(Q.expand(N, 1, 6), seeds, pos)[:, 0]
+    tv = float((P - Q).abs().sum() / 2)
+    agree = float((p == q).double().mean())
+    assert (1 - tv) / (1 + tv) - 0.01 < agree <= 1 - tv + 0.01, (agree, tv)
+    counts = torch.bincount(q, minlength=6).double()
+    assert chisquare(counts.numpy(), (Q.double() * N).numpy()).pvalue > 1e-3
