@@ -270,12 +270,16 @@ def bench_fleet(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _flatness(samples: list[tuple[float, float]]) -> dict[str, float | None]:
-    """A worker's RSS once a tenth of the job was done, and at the end."""
+    """A worker's RSS once a tenth, a quarter, half and three quarters of the job were
+    done, at the end, and its highest."""
     if not samples:
         return {"at_10pct": None, "at_end": None}
     last_done = samples[-1][0] or 1
-    early = next((mb for d, mb in samples if d >= 0.1 * last_done), samples[0][1])
-    return {"at_10pct": early, "at_end": samples[-1][1], "max": max(mb for _, mb in samples)}
+    out: dict[str, float | None] = {}
+    for share in (10, 25, 50, 75):
+        out[f"at_{share}pct"] = next((mb for d, mb in samples if d >= share / 100 * last_done),
+                                     samples[-1][1])
+    return {**out, "at_end": samples[-1][1], "max": max(mb for _, mb in samples)}
 
 
 def _redis_peak_mb(settings: Settings) -> float | None:
@@ -322,8 +326,9 @@ def run(args: argparse.Namespace) -> int:
           f"{r['redis_peak_mb'] or float('nan'):.1f}")
     for name, f in r["worker_rss_mb"].items():
         if f["at_10pct"] is not None:
-            print(f"  {name}: RSS {f['at_10pct']:.0f} MB at 10 % of the job, "
-                  f"{f['at_end']:.0f} MB at the end (max {f['max']:.0f})")
+            print(f"  {name}: RSS MB at 10/25/50/75 % of the job {f['at_10pct']:.0f}, "
+                  f"{f['at_25pct']:.0f}, {f['at_50pct']:.0f}, {f['at_75pct']:.0f}; at the end "
+                  f"{f['at_end']:.0f} (max {f['max']:.0f})")
     print(f"written to {Path(args.output_dir) / 'fleet.json'}")
     ok = once["written_twice"] == 0 and once["not_completed"] == 0
     return 0 if ok else 1
