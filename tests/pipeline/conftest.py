@@ -135,3 +135,11 @@ def start_worker(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_worker(settings, start_worker):
     return start_worker(settings, "tiny", "tiny")
+
+
+@pytest.fixture(scope="session")
+def tiny_fixed_worker(settings, start_worker):
+    """The tiny pair drafting at a fixed g: the adaptive engine rightly never drafts with
+    the tiny pair (its draft costs what its target does), and a test of counters needs
+    drafts."""
+    return start_worker(settings, "tiny-fixed", "tiny-fixed")

@@ -7,19 +7,35 @@ import sys
 
 import pytest
 
-from specq.api.client import JobMetrics
+from specq.api.client import Client, JobMetrics
 from specq.api.report import draw_report, format_metrics
 from specq.configs.presets import get_preset
+from specq.db.session import migrate
 from specq.worker.pairs import load_pair
 from specq.worker.tasks import run_inline
+from tests.conftest import fresh_pg_database
+
+
+@pytest.fixture(scope="module")
+def settings(settings):
+    """A database of this module's own: its job runs here, in-process, and no worker's
+    reconciler (they run on the session's database) is to send its chunks meanwhile."""
+    with fresh_pg_database() as url:
+        migrate(url)
+        yield settings.model_copy(update={"database_url": url})
+
+
+@pytest.fixture(scope="module")
+def client(settings):
+    return Client(settings)
 
 
 @pytest.fixture(scope="module")
 def finished_job(client, settings):
-    engine = load_pair(get_preset("tiny"), settings).engine(max_batch_size=4)
-    job = client.submit([f"Rewrite: item {i} is here" for i in range(12)], pair="tiny",
+    engine = load_pair(get_preset("tiny-fixed"), settings).engine(max_batch_size=4)
+    job = client.submit([f"Rewrite: item {i} is here" for i in range(12)], pair="tiny-fixed",
                         enqueue=False, max_new_tokens=12, chunk_size=5)
-    run_inline(sessions=client.sessions, engine=engine, pair="tiny", job_id=job.id,
+    run_inline(sessions=client.sessions, engine=engine, pair="tiny-fixed", job_id=job.id,
                progress=False)
     return job
 

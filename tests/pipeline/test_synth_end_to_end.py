@@ -4,6 +4,7 @@ real `specq synth run --wait` path, real Redis, PostgreSQL and a Celery worker s
 from __future__ import annotations
 
 import json
+import re
 
 import pyarrow.parquet as pq
 import pytest
@@ -36,7 +37,7 @@ def write_spec(tmp_path, **over) -> str:
     with seeds.open("w") as f:
         for i in range(50):
             f.write(json.dumps({"topic": f"topic number {i}", "level": i % 4}) + "\n")
-    spec = {"name": "e2e", "pair": "tiny", "seed_data": "seeds.jsonl",
+    spec = {"name": "e2e", "pair": "tiny-fixed", "seed_data": "seeds.jsonl",
             "template": "Tell me about {{ topic }} at level {{ level }}:", "n": 3,
             "sampling": {"max_new_tokens": 8, "temperature": 0.9, "top_p": 0.95}, "seed": 7,
             "output": {"path": str(tmp_path / "out" / "e2e-{job_id}.parquet")}, **over}
@@ -51,7 +52,7 @@ def run_spec(spec: str, capsys) -> str:
     return capsys.readouterr().out.strip().splitlines()[-1]
 
 
-def test_synth_run_twice_same_data(cli_settings, tiny_worker, client, tmp_path, capsys):
+def test_synth_run_twice_same_data(cli_settings, tiny_fixed_worker, client, tmp_path, capsys):
     spec = write_spec(tmp_path)
     first = run_spec(spec, capsys)
     second = run_spec(spec, capsys)
@@ -83,4 +84,4 @@ def test_synth_run_twice_same_data(cli_settings, tiny_worker, client, tmp_path, 
     capsys.readouterr()
     assert cli.main(["status", str(jobs[0].id), "--watch"]) == 0
     line = capsys.readouterr().out.strip()
-    assert "completed: 150/150 done" in line and "acceptance 0." in line
+    assert "completed: 150/150 done" in line and re.search(r"acceptance [01]\.\d{3} ", line)

@@ -155,12 +155,12 @@ def test_an_outcome_the_database_refuses_fails_that_item_saying_why(client, engi
     job = _job(client)
     generate = engine.generate
 
-    def overflowing(requests, on_result=None):  # one result no INTEGER column can hold
+    def overflowing(requests, on_result=None, **kw):  # one result no INTEGER column holds
         def seen(result):
             if result.id == 1:
                 result.prompt_tokens = 2**40
             on_result(result)
-        return generate(requests, on_result=seen)
+        return generate(requests, on_result=seen, **kw)
 
     engine.generate = overflowing
     try:
