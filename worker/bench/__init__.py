@@ -70,6 +70,24 @@ log = logging.getLogger(__name__)
 DEFAULT_PROMPTS = 16  # of the built-in input-grounded prompts (prompts.py)
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--pair, --device, --dtype, --threads: what the one-model benches (cache_bench,
+    prefill_bench) load and run on."""
+    p.add_argument("--pair", default="smollm2-135m", help="model-pair preset (its target)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=positive_int, default=None)
+
+
+def load_model(args: argparse.Namespace) -> Pair:
+    """torch's threads set and the pair loaded, as add_model_arguments' flags say."""
+    logging.basicConfig(level=logging.WARNING)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    settings = Settings(device=args.device, dtype=args.dtype)
+    return load_pair(get_preset(args.pair, settings.presets_file), settings)
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]

@@ -24,11 +24,8 @@ import time
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
-from specq.configs.presets import get_preset
-from specq.configs.settings import Settings
-from specq.worker.bench import _ints, positive_int
+from specq.worker.bench import _ints, add_model_arguments, load_model, positive_int
 from specq.worker.engine.batch import KVRows
-from specq.worker.pairs import load_pair
 
 log = logging.getLogger(__name__)
 CACHES = ("in-place", "static", "dynamic")
@@ -116,20 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specq.worker.bench.cache_bench",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pair", default="smollm2-135m", help="model-pair preset (its target)")
+    add_model_arguments(p)
     p.add_argument("--batch", type=positive_int, default=16)
     p.add_argument("--columns", type=_ints, default=[64, 512])
     p.add_argument("--steps", type=positive_int, default=8, help="decode steps per round")
     p.add_argument("--rounds", type=positive_int, default=10)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=positive_int, default=None)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    settings = Settings(device=args.device, dtype=args.dtype)
-    pair = load_pair(get_preset(args.pair, settings.presets_file), settings)
+    pair = load_model(args)
     print(f"decode step, batch {args.batch}, {args.pair} on {pair.target.device} "
           f"{str(pair.target.dtype).removeprefix('torch.')}, median of {args.rounds} "
           f"rounds x {args.steps} steps, torch threads {torch.get_num_threads()}")

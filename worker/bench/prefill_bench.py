@@ -20,12 +20,9 @@ import sys
 import torch
 
 from specq.configs.generation import Request
-from specq.configs.presets import get_preset
-from specq.configs.settings import Settings
-from specq.worker.bench import positive_int
+from specq.worker.bench import add_model_arguments, load_model, positive_int
 from specq.worker.engine.drafters import NoDraft
 from specq.worker.engine.speculative import SpeculativeEngine
-from specq.worker.pairs import load_pair
 
 log = logging.getLogger(__name__)
 SYSTEM = ("You are a careful assistant that rewrites product descriptions for an online "
@@ -56,22 +53,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m specq.worker.bench.prefill_bench",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--pair", default="smollm2-135m", help="model-pair preset (its target)")
+    add_model_arguments(p)
     p.add_argument("--prompts", type=positive_int, default=64)
     p.add_argument("--prefix-tokens", type=positive_int, default=300)
     p.add_argument("--batch", type=positive_int, default=16)
     p.add_argument("--max-new-tokens", type=positive_int, default=1,
                    help="1: the job is all prefill; more: rows refill as others finish")
     p.add_argument("--repeat", type=positive_int, default=1)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--threads", type=positive_int, default=None)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    settings = Settings(device=args.device, dtype=args.dtype)
-    pair = load_pair(get_preset(args.pair, settings.presets_file), settings)
+    pair = load_model(args)
     prompts = job(pair.tokenizer, args.prompts, args.prefix_tokens)
     seconds: dict[bool, list[float]] = {True: [], False: []}
     tokens = {}
