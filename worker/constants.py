@@ -16,7 +16,6 @@ RECONCILE_TASK = "specq.reconcile"  # re-sends lost chunks (worker/reconciler.py
 # go at their job's priority (submit --priority).
 PRIORITY_RESENT = 0
 PRIORITIES = {"high": 3, "normal": 6, "low": 9}
-PRIORITY_NORMAL = PRIORITIES["normal"]
 
 
 def queue_name(pair: str, settings: Settings | None = None) -> str:
