@@ -255,3 +255,16 @@ def test_self_draft_speculation_equals_target_greedy(tiny_models, tiny_tokenizer
     assert verdict["mismatches"] == 0 and verdict["equal"] >= len(prompts) - 1, verdict
     assert sum(r.counters.proposed for r in results) > 0
     assert sum(r.counters.accepted for r in results) > 0
+
+
+@pytest.mark.parametrize("mode", [[], ["--admit-groups", "1,3"]])
+def test_prefill_bench_compares_sharing_or_refill_groups(capsys, mode):
+    """Side by side on the tiny pair, the outputs identical (never a speed asserted)."""
+    from specq.worker.bench import prefill_bench
+
+    argv = ["--pair", "tiny", "--prompts", "10", "--prefix-tokens", "40", "--batch", "4",
+            "--max-new-tokens", "6", *mode]
+    assert prefill_bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "outputs identical 10/10" in out
+    assert ("admit group 3:" in out) == bool(mode)

@@ -8,6 +8,13 @@ interleave sharing on and off, each with a fresh engine (an empty prefix store);
 figure is each side's median, and the first tokens must agree.
 
     python -m specq.worker.bench.prefill_bench --pair smollm2-135m --prompts 64 --prefix-tokens 300
+
+With `--admit-groups 1,4` it compares refill groups instead (sharing on): rows ask for
+1..`--max-new-tokens` tokens (varied, so that they finish one by one), and a refill waits
+until that many rows are free (SpeculativeEngine.admit_group); the figures are prefills,
+prefill seconds and the whole job's seconds.
+
+    python -m specq.worker.bench.prefill_bench --prompts 64 --max-new-tokens 32 --admit-groups 1,4
 """
 
 from __future__ import annotations
@@ -16,11 +23,12 @@ import argparse
 import logging
 import statistics
 import sys
+import time
 
 import torch
 
 from specq.configs.generation import Request
-from specq.worker.bench import add_model_arguments, load_model, positive_int
+from specq.worker.bench import _ints, add_model_arguments, load_model, positive_int
 from specq.worker.engine.drafters import NoDraft
 from specq.worker.engine.speculative import SpeculativeEngine
 
@@ -40,13 +48,21 @@ def job(tokenizer, prompts: int, prefix_tokens: int) -> list[list[int]]:
             for i in range(prompts)]
 
 
-def run_once(pair, prompts: list[list[int]], batch: int, new_tokens: int,
-             share: bool) -> tuple[float, list[list[int]]]:
+def run_once(pair, prompts: list[list[int]], batch: int, new_tokens: int | list[int],
+             share: bool, group: int | None = None) -> tuple[SpeculativeEngine, float, list]:
+    """One run on a fresh engine: (the engine, wall seconds, output ids per prompt)."""
     engine = SpeculativeEngine(pair.target, pair.tokenizer, NoDraft(), max_batch_size=batch,
-                               share_prefixes=share)
-    results = engine.generate(Request(id=i, prompt_token_ids=p, max_new_tokens=new_tokens)
-                              for i, p in enumerate(prompts))
-    return engine.prefill_seconds, [r.token_ids for r in results]
+                               share_prefixes=share, admit_group=group)
+    new = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
+    t0 = time.perf_counter()
+    results = engine.generate(Request(id=i, prompt_token_ids=p, max_new_tokens=n)
+                              for i, (p, n) in enumerate(zip(prompts, new)))
+    return engine, time.perf_counter() - t0, [r.token_ids for r in results]
+
+
+def varied(prompts: int, max_new: int) -> list[int]:
+    """max_new_tokens per prompt spread over 1..max_new: rows finish one by one."""
+    return [1 + (i * 7) % max_new for i in range(prompts)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,24 +76,43 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=positive_int, default=1,
                    help="1: the job is all prefill; more: rows refill as others finish")
     p.add_argument("--repeat", type=positive_int, default=1)
+    p.add_argument("--admit-groups", type=_ints,
+                   help="compare these refill groups (e.g. 1,4) instead of sharing off/on")
     args = p.parse_args(argv)
     pair = load_model(args)
     prompts = job(pair.tokenizer, args.prompts, args.prefix_tokens)
-    seconds: dict[bool, list[float]] = {True: [], False: []}
+    configs = ([(True, g) for g in args.admit_groups] if args.admit_groups
+               else [(False, None), (True, None)])
+    new = varied(len(prompts), args.max_new_tokens) if args.admit_groups else args.max_new_tokens
+    runs: dict[tuple, list[tuple[int, float, float]]] = {c: [] for c in configs}
     tokens = {}
-    for _ in range(args.repeat):
-        for share in (False, True):
-            t, tokens[share] = run_once(pair, prompts, args.batch, args.max_new_tokens, share)
-            seconds[share].append(t)
-    same = sum(a == b for a, b in zip(tokens[True], tokens[False]))
-    off, on = statistics.median(seconds[False]), statistics.median(seconds[True])
+    for _ in range(args.repeat):  # rounds interleave the configurations
+        for share, group in configs:
+            engine, wall, tokens[share, group] = run_once(pair, prompts, args.batch, new, share,
+                                                          group)
+            runs[share, group].append((engine.admissions, engine.prefill_seconds, wall))
+    first = tokens[configs[0]]
+    same = min(sum(a == b for a, b in zip(first, t)) for t in tokens.values())
     lengths = sorted(map(len, prompts))
     print(f"{args.prompts} prompts of {lengths[0]}-{lengths[-1]} tokens sharing "
-          f"{args.prefix_tokens}, batch {args.batch}, {args.max_new_tokens} new tokens, "
+          f"{args.prefix_tokens}, batch {args.batch}, "
+          f"{'1-' if args.admit_groups else ''}{args.max_new_tokens} new tokens, "
           f"{args.pair} on {pair.target.device} {str(pair.target.dtype).removeprefix('torch.')}, "
           f"torch threads {torch.get_num_threads()}, median of {args.repeat}")
-    print(f"prefill seconds: sharing off {off:.2f}, on {on:.2f}: {off / on:.2f}x faster; "
-          f"outputs identical {same}/{len(prompts)}")
+
+    def median(config: tuple, k: int) -> float:
+        return statistics.median(r[k] for r in runs[config])
+
+    if args.admit_groups:
+        base = configs[0]
+        for c in configs:
+            print(f"admit group {c[1]}: {median(c, 0):.0f} prefills, prefill seconds "
+                  f"{median(c, 1):.2f}, job seconds {median(c, 2):.2f} "
+                  f"({median(base, 2) / median(c, 2):.2f}x group {base[1]}'s speed)")
+    else:
+        off, on = median((False, None), 1), median((True, None), 1)
+        print(f"prefill seconds: sharing off {off:.2f}, on {on:.2f}: {off / on:.2f}x faster")
+    print(f"outputs identical {same}/{len(prompts)}")
     return 0 if same == len(prompts) else 1
 
 

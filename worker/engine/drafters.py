@@ -28,6 +28,20 @@ class Proposal:
     num_draft: torch.Tensor  # [B] int64 on the host, proposals per row (<= g): the engine
     # reads the verify pass's width from it without waiting for the device
     probs: torch.Tensor | None  # [B, g, V] draft probabilities, None for point masses
+    # [B, g] on the host: the drafter's own probability that each draft token is right,
+    # given the ones before it (a drafter that scores its drafts: suffix.py); None: no guess
+    confidence: torch.Tensor | None = None
+
+    def cut(self, g: int) -> Proposal:
+        """The first g draft tokens of each row."""
+        return Proposal(self.token_ids[:, :g], self.num_draft.clamp(max=g),
+                        None if self.probs is None else self.probs[:, :g],
+                        None if self.confidence is None else self.confidence[:, :g])
+
+    def confidences(self) -> list[list[float]]:
+        """Per row, the confidence of each token it proposes."""
+        assert self.confidence is not None
+        return [c[:n] for c, n in zip(self.confidence.tolist(), self.num_draft.tolist())]
 
 
 @dataclass

@@ -12,6 +12,13 @@ With c = t_draft / t_verify(1) and t_verify flat this is Thm 3.8's
 The policy holds two estimates: a cost table (the hardware's: seconds of a target pass
 over n tokens per row and of a draft token, per batch size) and an acceptance estimate
 (the data's: alpha and f). Each step it takes the g that maximises the predicted speedup.
+
+A drafter that scores its own drafts (suffix.py: each token's smoothed share of the
+earlier continuations) lets the policy do better than one alpha for all: it proposes at
+max_g, a Calibration maps each token's confidence to the acceptance the target has shown
+at that confidence, q, and the step keeps the width k that maximises expected tokens per
+second, (B + sum over rows of sum_{j <= k} prod_{i <= j} q_i) / t_verify(k + 1). A step
+of sure drafts goes wide, a step of guesses goes plain: per step, not per job.
 """
 
 from __future__ import annotations
@@ -36,6 +43,10 @@ PROBE_GAP = 32  # ...and come at least this many steps apart, however cheap: a d
 PLAIN_REFRESH = 32  # while drafting, a plain step at least this often: every g is judged
 # against the plain pass's cost, and a stale one (a calibration on a busy machine) misjudges all
 HISTORY = 1024  # g of the latest steps kept, for benchmarks and logs (a worker runs for days)
+CONFIDENCE_BINS = 10  # a drafter's confidence in [0, 1] is judged in this many equal bins
+CONFIDENCE_DECAY = 0.99  # per verdict in a bin: acceptance at a confidence follows the job
+CONFIDENCE_PRIOR = 2.0  # verdicts a bin starts with, each at the bin's own confidence:
+# the drafter is taken at its word until the target has judged a few of its tokens
 
 
 def expected_tokens(alpha: float, g: int, propose_rate: float = 1.0) -> float:
@@ -190,6 +201,42 @@ class Acceptance:
         return self._proposing.mean
 
 
+class Calibration:
+    """What a drafter's confidence in a draft token is worth: per confidence bin, the share
+    of tokens the target accepted, of those it judged (the tokens before them accepted).
+
+    A drafter's confidence ranks its drafts better than it scales them: an n-gram seen
+    once after a JSON key is right far more often than one seen once in free text. The
+    target's verdicts rescale it, bin by bin, decayed (CONFIDENCE_DECAY).
+    """
+
+    def __init__(self) -> None:
+        self.accepted = [CONFIDENCE_PRIOR * (i + 0.5) / CONFIDENCE_BINS
+                         for i in range(CONFIDENCE_BINS)]
+        self.judged = [CONFIDENCE_PRIOR] * CONFIDENCE_BINS
+
+    @staticmethod
+    def _bin(confidence: float) -> int:
+        return min(max(int(confidence * CONFIDENCE_BINS), 0), CONFIDENCE_BINS - 1)
+
+    def __call__(self, confidence: float) -> float:
+        """Probability that a token of this confidence is accepted, given those before it."""
+        i = self._bin(confidence)
+        return self.accepted[i] / self.judged[i]
+
+    def add(self, confidence: list[float], accepted: int) -> None:
+        """A row's verdicts: the confidences of the draft tokens the target judged, in
+        order, of which it accepted the first ``accepted`` (the next one, if any, it
+        rejected)."""
+        for j, c in enumerate(confidence[: accepted + 1]):
+            i = self._bin(c)
+            self.judged[i] = self.judged[i] * CONFIDENCE_DECAY + 1.0
+            self.accepted[i] = self.accepted[i] * CONFIDENCE_DECAY + float(j < accepted)
+
+    def snapshot(self) -> list[float]:
+        return [a / n for a, n in zip(self.accepted, self.judged)]
+
+
 @dataclass
 class DraftLengthPolicy:
     """Picks g each step from the cost table and the acceptance estimate.
@@ -214,6 +261,7 @@ class DraftLengthPolicy:
     def forget_data(self) -> None:
         """Drop acceptance, steps and history (they describe the data seen); keep costs."""
         self.acceptance = Acceptance()
+        self.calibration = Calibration()
         self.steps = 0
         self.history: deque[int] = deque(maxlen=HISTORY)  # g of each step
         self._plain_at: dict[int, int] = {}  # batch size -> step of its latest plain pass
@@ -257,8 +305,11 @@ class DraftLengthPolicy:
 
     # -- the choice -----------------------------------------------------------------
 
-    def choose(self, batch: int | None = None) -> int:
-        """g for the next step of a batch of this size (by default the latest step's)."""
+    def choose(self, batch: int | None = None,
+               confidence: list[list[float]] | None = None) -> int:
+        """g for the next step of a batch of this size (by default the latest step's);
+        with ``confidence`` (per row, the drafter's confidence in each token it proposes
+        at max_g), the width that pays best for these very drafts (``width``)."""
         if batch:
             self._batch = batch
         if not self.adaptive or self.default == 0:
@@ -268,12 +319,34 @@ class DraftLengthPolicy:
             return 0  # no cost known at all: measure a plain step
         if self.t_draft is None or max(self.costs.verify[b]) == 1:
             return self.default  # measure a draft step and a wide pass
+        if self.steps - self._plain_at.get(self._batch, 0) >= PLAIN_REFRESH:
+            return 0
+        if confidence is not None:
+            return self.width(confidence)
         scores = {g: self.predicted(g) or 0.0 for g in range(self.max_g + 1)}
         best = max(scores, key=scores.get)
         if best == 0:
             return self.default if self._probe_due() else 0
-        if self.steps - self._plain_at.get(self._batch, 0) >= PLAIN_REFRESH:
-            return 0
+        return best
+
+    def width(self, confidence: list[list[float]]) -> int:
+        """The k in 0..max_g with the most expected tokens per second when each row keeps
+        its first k drafts: (B + sum_rows sum_{j <= k} prod_{i <= j} q_i) / t_verify(w),
+        q the calibrated confidences, w = 1 + the widest row's kept drafts."""
+        paths = []  # per row: prod_{i <= j} q_i, j = 0, 1, ...
+        for row in confidence:
+            path, p = [], 1.0
+            for c in row[: self.max_g]:
+                p *= self.calibration(c)
+                path.append(p)
+            paths.append(path)
+        widest = max((len(p) for p in paths), default=0)
+        best, best_rate = 0, 0.0
+        for k in range(min(widest, self.max_g) + 1):
+            tokens = len(paths) + sum(sum(p[:k]) for p in paths)
+            seconds = self.t_verify(k + 1)
+            if seconds and tokens / seconds > best_rate:
+                best, best_rate = k, tokens / seconds
         return best
 
     def _probe_due(self) -> bool:
@@ -306,6 +379,12 @@ class DraftLengthPolicy:
             self._drafted_at = self.steps
             self.acceptance.add(num_draft, num_accepted)
 
+    def observe_confidence(self, judged: list[tuple[list[float], int]]) -> None:
+        """Verdicts on scored drafts, per row: the confidences of the tokens the target
+        judged and how many of them it accepted (Calibration.add)."""
+        for confidence, accepted in judged:
+            self.calibration.add(confidence, accepted)
+
     def observe_acceptance(self, num_draft: list[int], num_accepted: list[int]) -> None:
         """Record proposals judged while g = 0: a free drafter's, scored (shadow.py)."""
         self.acceptance.add(num_draft, num_accepted)
@@ -315,6 +394,7 @@ class DraftLengthPolicy:
         return {
             "alpha": self.alpha,
             "propose_rate": self.propose_rate,
+            "calibration": self.calibration.snapshot(),
             "t_draft": {b: d.mean for b, d in sorted(self.costs.draft.items())},
             "t_verify": {b: {n: d.mean for n, d in sorted(t.items())}
                          for b, t in sorted(self.costs.verify.items())},

@@ -14,7 +14,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from specq.configs.generation import Request, RequestError, check_length, context_length
 from specq.worker.engine import calibration, shadow
 from specq.worker.engine.batch import KVRows, Row, fill_holes
-from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
+from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft, Proposal
 from specq.worker.engine.policy import DraftLengthPolicy
 from specq.worker.engine.prefix import PrefixStore, prefill
 from specq.worker.engine.rejection import accept_matching, rejection_sample
@@ -30,6 +30,8 @@ from specq.worker.engine.sampling import (
 
 log = logging.getLogger(__name__)
 _NO_DRAFT = NoDraft()  # the proposal of a step that does not draft
+ADMIT_SHARE = 4  # refills wait for 1 / ADMIT_SHARE of the batch to be free, then share a
+# prefill: a pass per finished row would stall the batch once per row
 
 
 def model_context(model: PreTrainedModel) -> int:
@@ -70,6 +72,27 @@ class Step:
     # per row: the accepted drafts, then the recovered or bonus token
     tokens: list[list[int]] = field(default_factory=list)
     t_step: float = 0.0  # seconds of the whole step, drafting through the cache fix-up
+    # per row with a scored proposal: the confidences of the draft tokens the target
+    # judged and how many it accepted (policy.Calibration.add)
+    judged: list[tuple[list[float], int]] = field(default_factory=list)
+
+
+def _verdicts(full: Proposal, g: int, accepted: list[int],
+              tokens: list[list[int]]) -> list[tuple[list[float], int]]:
+    """The target's verdicts on a scored proposal made at max_g and cut to g.
+
+    Drafting rows: the kept drafts' confidences and the accepted count. A plain step
+    (g = 0) judges each row's first draft token all the same: the target emitted one token,
+    and a point-mass draft is accepted exactly when it equals the target's own draw.
+    """
+    first = full.token_ids[:, :1].tolist()
+    judged = []
+    for conf, k, toks, d in zip(full.confidences(), accepted, tokens, first):
+        if conf and g:
+            judged.append((conf[:g], k))
+        elif conf:
+            judged.append((conf[:1], int(d[0] == toks[0])))
+    return judged
 
 
 class SpeculativeEngine:
@@ -103,20 +126,26 @@ class SpeculativeEngine:
         max_draft_length: int = 8,
         on_step: Callable[[Step], None] | None = None,
         share_prefixes: bool = True,
+        admit_group: int | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.drafter = drafter or NoDraft()
         self.max_batch_size = max_batch_size
+        # free rows that trigger a refill (by default a quarter of the batch: _room_for)
+        self.admit_group = min(admit_group or -(-max_batch_size // ADMIT_SHARE), max_batch_size)
         self.on_step = on_step
         default = 0 if self.drafter.name == "none" else draft_length
-        # a drafter that costs nothing is scored while the engine does not draft (shadow.py)
-        self.shadowing = adaptive and default > 0 and getattr(self.drafter, "free", False)
+        # a drafter that scores its drafts proposes at max_g, cut per step (policy.width)
+        self.scored = adaptive and default > 0 and getattr(self.drafter, "scored", False)
+        # another that costs nothing is scored while the engine does not draft (shadow.py)
+        self.shadowing = (adaptive and default > 0 and getattr(self.drafter, "free", False)
+                          and not self.scored)
         # a drafter that samples by keyed_race: the target's own draws race with its noise
         self.race = getattr(self.drafter, "races", False)
         self.policy = DraftLengthPolicy(default=default, max_g=max_draft_length,
                                         adaptive=adaptive and default > 0,
-                                        idle_acceptance=self.shadowing)
+                                        idle_acceptance=self.shadowing or self.scored)
         self.context = model_context(target)
         eos = target.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -125,6 +154,7 @@ class SpeculativeEngine:
         self.eos_ids = set(eos)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.prefill_seconds = 0.0  # spent prefilling prompts, over the engine's life
+        self.admissions = 0  # prefills that admitted rows (each of one or a few passes)
         # shared prefixes' keys and values: they depend on the tokens alone, so they
         # outlive a failed generation
         self.prefixes = PrefixStore() if share_prefixes else None
@@ -154,13 +184,20 @@ class SpeculativeEngine:
         self.reset()
         self.drafter.use_job(job)
         while waiting or self.rows:
-            if waiting and len(self.rows) < self.max_batch_size:
+            if waiting and self._room_for(len(waiting)):
                 self._admit(waiting, done)
                 self._retire(done)  # max_new_tokens = 1, or EOS first
             if self.rows:
                 self._apply(self.step())
                 self._retire(done)
         return [results[i] for i in sorted(results)]
+
+    def _room_for(self, waiting: int) -> bool:
+        """Admit now? Once ``admit_group`` rows are free (or all the waiting fit, or the
+        batch is empty): one prefill pass serves several refills instead of one pass per
+        finished row, and the batch stays at least max - admit_group + 1 rows full."""
+        free = self.max_batch_size - len(self.rows)
+        return free >= min(self.admit_group, waiting) or not self.rows
 
     def calibrate(self, batch_sizes: Iterable[int] | None = None) -> None:
         """Measure step costs before the first request (calibration.py)."""
@@ -200,6 +237,7 @@ class SpeculativeEngine:
         self.joining = [r.request.id for r in rows]
         prompts = [r.tokens for r in rows]
         kv, logits = prefill(self.target, prompts, self.pad_id, self.prefixes)  # [n, 1, V]
+        self.admissions += 1
         seeds, *params = self._params(rows)
         pos = torch.tensor([[len(p)] for p in prompts], device=logits.device)
         first = self._sample(logits_to_probs(logits, *params), seeds.to(logits.device),
@@ -259,9 +297,9 @@ class SpeculativeEngine:
         params = self._params(self.rows)  # seeds, temperature, top_k, top_p
         inputs = DraftInputs([r.tokens for r in self.rows], *params,
                              greedy=bool((params[1] <= 0).all()))
-        g = self._choose_g()
         clock = StepClock(dev)
-        prop = self.drafter.propose(inputs, g) if g else _NO_DRAFT.propose(inputs, 0)
+        g, full = self._propose(inputs)
+        prop = full.cut(g)
         n = int(prop.num_draft.max()) if g else 0  # prompt lookup may find less than g anywhere
         draft_ids = prop.token_ids[:, :n].to(dev)  # [B, n]
         draft_probs = None if prop.probs is None else prop.probs[:, :n]  # [B, n, V]
@@ -287,17 +325,25 @@ class SpeculativeEngine:
         self.drafter.compact()
         t_draft, t_verify = clock.phases()
         return Step(g, prop.num_draft.tolist(), accepted_l, t_draft, t_verify, n + 1, tokens,
-                    clock.elapsed())
+                    clock.elapsed(), _verdicts(full, g, accepted_l, tokens) if self.scored else [])
 
-    def _choose_g(self) -> int:
-        """The policy's g for this step; while it is 0, a free drafter's proposals are held,
-        to be scored against the tokens the target emits (shadow.py)."""
-        g = self.policy.choose(batch=len(self.rows))
+    def _propose(self, inputs: DraftInputs) -> tuple[int, Proposal]:
+        """This step's g and the drafter's proposal (the engine keeps its first g tokens).
+
+        A scored drafter proposes at max_g and the policy picks the width these drafts
+        pay at. Otherwise the policy picks g first; while it is 0, a free drafter's
+        proposals are held, to be scored against the tokens the target emits (shadow.py).
+        """
+        B = len(self.rows)
+        if self.scored:
+            full = self.drafter.propose(inputs, self.policy.max_g)
+            return self.policy.choose(batch=B, confidence=full.confidences()), full
+        g = self.policy.choose(batch=B)
         if self.shadowing and g:
             shadow.drop(self.rows)
         elif self.shadowing:
             shadow.hold(self.drafter, self.rows, self.policy.default)
-        return g
+        return g, (self.drafter.propose(inputs, g) if g else _NO_DRAFT.propose(inputs, 0))
 
     def _accept(self, logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: torch.Tensor,
                 draft_probs: torch.Tensor | None, params: tuple[torch.Tensor, ...],
@@ -348,6 +394,7 @@ class SpeculativeEngine:
                             step.verify_tokens)
         if self.shadowing and not step.g:
             self.policy.observe_acceptance(*shadow.score(self.rows, emitted))
+        self.policy.observe_confidence(step.judged)
         if self.on_step:
             self.on_step(step)
 

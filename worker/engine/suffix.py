@@ -14,7 +14,9 @@ most of them share (the newest on a tie), and only those that share it go on. Ea
 probability is that share, smoothed by the rule of succession, (agree + 1) / (seen + 2),
 so one lone occurrence is not taken for a certainty; the draft's score is the sum of the
 running products, its expected number of accepted tokens. A draft stops where the product
-falls below MIN_PATH_PROB.
+falls below MIN_PATH_PROB. The per-token probabilities go with the proposal
+(``Proposal.confidence``): the adaptive policy learns what they are worth and cuts each
+step's drafts where more would not pay (policy.py: Calibration).
 
 Each row also has prompt lookup's draft (its own tokens: the longest match of up to 3
 tokens), followed and scored the same way over the row's own occurrences; the higher score
@@ -32,6 +34,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Hashable
+from typing import NamedTuple
 
 import torch
 
@@ -47,16 +50,35 @@ MAX_TOKENS = 1 << 17  # tokens indexed over all jobs (a few hundred bytes each a
 END = -1  # closes each indexed sequence: no continuation runs past it
 
 
+class Draft(NamedTuple):
+    """Draft tokens and each one's probability given those before it."""
+
+    tokens: list[int]
+    probs: list[float]
+
+    @property
+    def score(self) -> float:
+        """Expected accepted tokens: sum over j of prod_{i <= j} probs[i]."""
+        score, path = 0.0, 1.0
+        for p in self.probs:
+            path *= p
+            score += path
+        return score
+
+
+NO_DRAFT = Draft([], [])
+
+
 def follow(tokens: list[int], base: int, ends: list[int], g: int,
-           min_prob: float = 0.0) -> tuple[list[int], float]:
+           min_prob: float = 0.0) -> Draft:
     """The most frequent continuation of up to g tokens after the occurrences ``ends``.
 
     tokens[i - base] is the token at absolute position i; ends are the positions where
-    the matched tokens end, newest first (ties go to the newest). Returns (draft, score),
-    score = sum over j of prod_{i <= j} (agree_i + 1) / (seen_i + 2).
+    the matched tokens end, newest first (ties go to the newest). Token j's probability
+    is (agree_j + 1) / (seen_j + 2) over the occurrences still followed.
     """
-    draft: list[int] = []
-    score, path, limit = 0.0, 1.0, len(tokens) + base
+    draft, probs = Draft([], [])
+    path, limit = 1.0, len(tokens) + base
     for _ in range(g):
         counts: dict[int, int] = {}
         for e in ends:
@@ -70,18 +92,18 @@ def follow(tokens: list[int], base: int, ends: list[int], g: int,
         if path * p < min_prob:
             break
         path *= p
-        score += path
         draft.append(best)
+        probs.append(p)
         ends = [e + 1 for e in ends if e + 1 < limit and tokens[e + 1 - base] == best]
-    return draft, score
+    return Draft(draft, probs)
 
 
-def lookup(seq: list[int], g: int) -> tuple[list[int], float]:
+def lookup(seq: list[int], g: int) -> Draft:
     """Prompt lookup over the row's own tokens, followed and scored like the job index:
     the occurrences of its longest matching last n tokens (n in LOOKUP_NGRAMS)."""
     N = len(seq)
     if N < 2:
-        return [], 0.0
+        return NO_DRAFT
     last = seq[-1]
     hits = [i for i in range(N - 2, -1, -1) if seq[i] == last]  # newest first
     for n in LOOKUP_NGRAMS:
@@ -91,7 +113,7 @@ def lookup(seq: list[int], g: int) -> tuple[list[int], float]:
         ends = [i for i in hits if i >= n - 1 and seq[i - n + 1 : i + 1] == pattern]
         if ends:
             return follow(seq, 0, ends[:MAX_CANDIDATES], g)
-    return [], 0.0
+    return NO_DRAFT
 
 
 class JobIndex:
@@ -139,19 +161,19 @@ class JobIndex:
         del self.tokens[:length]
         self.base += length
 
-    def propose(self, seq: list[int], g: int) -> tuple[list[int], float]:
+    def propose(self, seq: list[int], g: int) -> Draft:
         """The best-scored draft over the match lengths in NGRAMS."""
-        best: tuple[list[int], float] = ([], 0.0)
+        best, best_score = NO_DRAFT, 0.0
         for n in NGRAMS:
             if len(seq) < n:
                 break
             ends = self.table.get(tuple(seq[-n:]))
             if not ends:
                 break  # a longer match cannot occur where a shorter one does not
-            draft, score = follow(self.tokens, self.base, ends[: -MAX_CANDIDATES - 1 : -1], g,
-                                  MIN_PATH_PROB)
-            if score >= best[1] and draft:  # a tie goes to the longer match
-                best = (draft, score)
+            draft = follow(self.tokens, self.base, ends[: -MAX_CANDIDATES - 1 : -1], g,
+                           MIN_PATH_PROB)
+            if draft.tokens and draft.score >= best_score:  # a tie goes to the longer match
+                best, best_score = draft, draft.score
         return best
 
 
@@ -161,6 +183,7 @@ class SuffixDrafter:
 
     name = "suffix"
     free = True  # costs little next to a target pass: may propose while g = 0 (shadow.py)
+    scored = True  # its proposals carry per-token confidence (Proposal.confidence)
 
     def __init__(self, max_tokens: int = MAX_TOKENS) -> None:
         self.max_tokens = max_tokens
@@ -204,13 +227,15 @@ class SuffixDrafter:
         B = len(batch.tokens)
         ids = torch.zeros(B, g, dtype=torch.long)
         num = torch.zeros(B, dtype=torch.long)
+        confidence = torch.zeros(B, g)
         for b, seq in enumerate(batch.tokens):
-            own, own_score = lookup(seq, g)
-            job, job_score = self.index.propose(seq, g)
-            draft = job if job_score > own_score else own
-            ids[b, : len(draft)] = torch.tensor(draft, dtype=torch.long)
-            num[b] = len(draft)
-        return Proposal(ids, num, None)
+            own, job = lookup(seq, g), self.index.propose(seq, g)
+            draft = job if job.score > own.score else own
+            n = len(draft.tokens)
+            ids[b, :n] = torch.tensor(draft.tokens, dtype=torch.long)
+            confidence[b, :n] = torch.tensor(draft.probs)
+            num[b] = n
+        return Proposal(ids, num, None, confidence)
 
     def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None: ...
     def select(self, rows: torch.Tensor) -> None: ...

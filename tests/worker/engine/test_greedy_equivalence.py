@@ -66,3 +66,30 @@ def test_long_runs_compact_the_caches(tiny_models, tiny_tokenizer, make_requests
                                DraftModel(tiny_models["unrelated"]), max_batch_size=3,
                                draft_length=6)
     assert check_greedy(requests, engine.generate(requests)) <= 1
+
+
+def test_refills_wait_for_a_group_and_share_its_prefill(tiny_models, tiny_tokenizer,
+                                                        make_requests, check_greedy):
+    """Rows finishing one by one: with admit_group 3 the waiting requests join three at a
+    time, in fewer prefills than one per row, the batch never below max - 3 + 1 rows
+    while requests wait, and the output is the same."""
+    requests = [r.model_copy(update={"max_new_tokens": r.max_new_tokens + 1})  # none ends
+                for r in make_requests(30, seed=9, max_new=24)]  # at its prefill
+    sizes: dict[int, list[int]] = {}
+
+    def run(group: int) -> SpeculativeEngine:
+        sizes[group] = []
+        engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
+                                   max_batch_size=8, draft_length=2, adaptive=False,
+                                   admit_group=group,
+                                   on_step=lambda step: sizes[group].append(len(step.accepted)))
+        check_greedy(requests, engine.generate(requests))
+        return engine
+
+    one, grouped = run(1), run(3)
+    print(f"admissions: group 1 {one.admissions}, group 3 {grouped.admissions}")
+    assert grouped.admissions < 0.6 * one.admissions
+    full_until = len(sizes[3]) - max(r.max_new_tokens for r in requests)  # waiting ran out
+    assert min(sizes[3][:full_until]) >= 8 - 3 + 1
+    assert SpeculativeEngine(tiny_models["target"], tiny_tokenizer, max_batch_size=16
+                             ).admit_group == 4  # by default a quarter of the batch

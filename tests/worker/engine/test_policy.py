@@ -1,18 +1,23 @@
 """Draft-length choice: the speedup arithmetic and the choices it leads to."""
 
 import pytest
+import torch
 
 from specq.worker.engine import calibration
 from specq.worker.engine.drafters import DraftModel, PromptLookup
 from specq.worker.engine.policy import (
+    CONFIDENCE_DECAY,
+    CONFIDENCE_PRIOR,
     PLAIN_REFRESH,
     PROBE_GAP,
+    Calibration,
     DraftLengthPolicy,
     expected_tokens,
     measured_speedup,
     theorem_speedup,
 )
 from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.suffix import SuffixDrafter
 
 
 def test_speedup_arithmetic():
@@ -255,3 +260,67 @@ def test_history_is_bounded():
         policy.observe(0, [0], [0], 0.0, 0.1, 1)
     assert policy.steps == 3000 and len(policy.history) < 3000
     assert len(policy.snapshot()["g_history"]) == len(policy.history)
+
+
+def _costed(batch=4):
+    """A policy whose target pass over n tokens per row costs 0.1 + 0.02 n (n >= 2) and
+    0.1 for n = 1, at this batch size."""
+    policy = DraftLengthPolicy(default=4, max_g=8)
+    policy.record_costs(batch, {1: [0.10] * 2, 2: [0.14] * 2, 5: [0.20] * 2}, [0.0] * 2)
+    policy.choose(batch=batch)
+    return policy
+
+
+def test_calibration_learns_what_a_confidence_is_worth():
+    cal = Calibration()
+    assert cal(0.95) == pytest.approx(0.95) and cal(0.05) == pytest.approx(0.05)  # the prior
+    for _ in range(300):  # drafts at 0.3 that the target takes 9 times in 10
+        for k in range(10):
+            cal.add([0.3, 0.3, 0.3], 3 if k else 1)  # judged: 3 accepted, or 1 then a miss
+    assert cal(0.35) == pytest.approx(28 / 29, abs=0.02)  # 28 of each 29 judged accepted
+    assert cal(0.95) == pytest.approx(0.95), "other bins keep what they knew"
+    cal.add([0.9, 0.9, 0.9], 0)  # the first judged and rejected: the others never judged
+    assert cal.judged[9] == pytest.approx(CONFIDENCE_PRIOR * CONFIDENCE_DECAY + 1)
+
+
+def test_width_goes_wide_on_sure_drafts_and_plain_on_guesses():
+    policy = _costed()
+    sure, guess = [0.95] * 8, [0.05] * 8
+    assert policy.width([sure] * 4) == 8  # every extra token pays for its column
+    assert policy.width([guess] * 4) == 0
+    # a wide pass costs for all 4 rows: two sure rows pay for it, one does not
+    assert policy.width([sure, sure, guess, guess]) == 8
+    assert policy.width([sure, guess, guess, guess]) == 0
+    assert policy.width([[0.95] * 3 + [0.15] * 5] * 4) == 3  # cut where confidence drops
+    assert policy.width([[], [], [], []]) == 0  # nothing proposed: a plain pass
+    assert policy.choose(batch=4, confidence=[sure] * 4) == 8
+    # the calibration, not the drafter's word: its sure drafts turn out wrong
+    for _ in range(50):
+        policy.observe_confidence([([0.95] * 8, 0)] * 4)
+    assert policy.choose(batch=4, confidence=[sure] * 4) == 0
+
+
+def test_the_widths_verdicts_teach_the_calibration_even_at_g_0(tiny_models, tiny_tokenizer,
+                                                               make_requests, check_greedy):
+    """A scored drafter whose drafts are always wrong: the engine learns it from the plain
+    steps' verdicts on each row's first draft token and keeps to g = 0; exact all along."""
+
+    class Wrong(SuffixDrafter):
+        def propose(self, batch, g):
+            prop = super().propose(batch, g)
+            B = len(batch.tokens)
+            prop.token_ids[:] = tiny_tokenizer.vocab_size - 1  # a token the target never picks
+            prop.num_draft[:] = g
+            prop.confidence = torch.full((B, g), 0.99)
+            return prop
+
+    requests = make_requests(12, seed=5, max_new=40)
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, Wrong(),
+                               max_batch_size=4, draft_length=4)
+    for b in range(1, 5):  # costs fixed, not timed: a busy machine must not decide the test
+        engine.policy.record_costs(b, {1: [0.10] * 2, 2: [0.14] * 2, 5: [0.20] * 2}, [0.0] * 2)
+    engine.policy.costs.add = lambda *args: None
+    check_greedy(requests, engine.generate(requests))
+    history = list(engine.policy.history)
+    assert history.count(0) > 0.8 * len(history)
+    assert engine.policy.calibration(0.99) < 0.2

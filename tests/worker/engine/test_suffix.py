@@ -38,10 +38,11 @@ def test_frequency_weighted_continuation():
     for seq in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 4, 5]):
         index.add(seq)
     # (2, 3) ends 3 times, always followed by 4 (3 of 3: 4/5), then 5 twice of 3 (3/5)
-    draft, score = index.propose([9, 2, 3], 4)
-    assert draft == [4, 5]  # then END: nothing follows
-    assert score == pytest.approx(0.8 + 0.8 * 0.6)
-    assert index.propose([9, 9, 7], 4) == ([], 0.0)  # no match anywhere
+    draft = index.propose([9, 2, 3], 4)
+    assert draft.tokens == [4, 5]  # then END: nothing follows
+    assert draft.probs == pytest.approx([0.8, 0.6])
+    assert draft.score == pytest.approx(0.8 + 0.8 * 0.6)
+    assert index.propose([9, 9, 7], 4) == ([], [])  # no match anywhere
     _consistent(index)
 
 
@@ -53,7 +54,7 @@ def test_a_tie_goes_to_the_newest_and_a_weak_path_stops():
     index = JobIndex()
     for last in range(20):  # twenty different continuations: each 2/22, under MIN_PATH_PROB
         index.add([5, 6, last])
-    assert index.propose([5, 6], 3) == ([], 0.0)
+    assert index.propose([5, 6], 3) == ([], [])
 
 
 def test_longer_matches_win_ties_and_only_the_newest_candidates_count():
@@ -87,6 +88,9 @@ def test_the_drafter_takes_the_better_scored_draft_per_row():
     assert prop.token_ids[0, :2].tolist() == [5, 6]
     assert prop.token_ids[1].tolist() == [9, 7, 8]
     assert prop.probs is None  # point masses
+    # each token's smoothed share: row 0 follows 5 occurrences (6/7 each), row 1 its one
+    row0, row1 = prop.confidences()
+    assert row0 == pytest.approx([6 / 7] * 2) and row1 == pytest.approx([2 / 3] * 3)
 
 
 def test_eviction_keeps_the_table_exact():
