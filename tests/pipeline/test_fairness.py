@@ -60,8 +60,10 @@ def test_a_small_job_behind_a_long_one_starts_within_its_window(own):
     _, client = own
     big = _submit(client, 400, "big")  # 200 chunks
     _started(client, big, 3)
-    at = _now(client)
     small = _submit(client, 4, "small")  # 2 chunks
+    # once submit returns, its messages are on the broker; the worker may have taken many
+    # big chunks while it stored and sent them (its first send opens a connection)
+    at = _now(client)
     assert small.wait(progress=False, timeout=120).status == "completed"
     assert big.wait(progress=False, timeout=300).status == "completed"
     small_last = max(_leases(client, small.id))
@@ -78,8 +80,8 @@ def test_priorities_go_before_and_after_normal_jobs(own):
     big = _submit(client, 400, "normal")
     _started(client, big, 3)
     low = _submit(client, 4, "low", priority="low")
-    at = _now(client)
     high = _submit(client, 4, "high", priority="high")
+    at = _now(client)  # its messages are on the broker (see above)
     for job in (big, low, high):
         assert job.wait(progress=False, timeout=300).status == "completed"
     big_leases, high_leases = _leases(client, big.id), _leases(client, high.id)
