@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -38,8 +39,10 @@ class Proposal:
                         None if self.probs is None else self.probs[:, :g],
                         None if self.confidence is None else self.confidence[:, :g])
 
+    @cached_property
     def confidences(self) -> list[list[float]]:
-        """Per row, the confidence of each token it proposes."""
+        """Per row, the confidence of each token it proposes (read once: the policy and
+        the step's verdicts both use it)."""
         assert self.confidence is not None
         return [c[:n] for c, n in zip(self.confidence.tolist(), self.num_draft.tolist())]
 

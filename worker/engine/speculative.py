@@ -87,7 +87,7 @@ def _verdicts(full: Proposal, g: int, accepted: list[int],
     """
     first = full.token_ids[:, :1].tolist()
     judged = []
-    for conf, k, toks, d in zip(full.confidences(), accepted, tokens, first):
+    for conf, k, toks, d in zip(full.confidences, accepted, tokens, first):
         if conf and g:
             judged.append((conf[:g], k))
         elif conf:
@@ -337,7 +337,7 @@ class SpeculativeEngine:
         B = len(self.rows)
         if self.scored:
             full = self.drafter.propose(inputs, self.policy.max_g)
-            return self.policy.choose(batch=B, confidence=full.confidences()), full
+            return self.policy.choose(batch=B, confidence=full.confidences), full
         g = self.policy.choose(batch=B)
         if self.shadowing and g:
             shadow.drop(self.rows)

@@ -89,7 +89,7 @@ def test_the_drafter_takes_the_better_scored_draft_per_row():
     assert prop.token_ids[1].tolist() == [9, 7, 8]
     assert prop.probs is None  # point masses
     # each token's smoothed share: row 0 follows 5 occurrences (6/7 each), row 1 its one
-    row0, row1 = prop.confidences()
+    row0, row1 = prop.confidences
     assert row0 == pytest.approx([6 / 7] * 2) and row1 == pytest.approx([2 / 3] * 3)
 
 
