@@ -112,7 +112,8 @@ def prefill(model: PreTrainedModel, prompts: list[list[int]], pad_id: int,
             store.served += n
         else:
             plain.append(i)
-    for run, n in _groups([prompts[i] for i in plain]):
+    grouped: set[int] = set()
+    for run, n in _groups([prompts[i] for i in plain]):  # run: positions in ``plain``
         rows = [plain[j] for j in run]
         one = KVRows(model)
         tokens = prompts[rows[0]][:n]
@@ -122,9 +123,14 @@ def prefill(model: PreTrainedModel, prompts: list[list[int]], pad_id: int,
         store.add(prefix)
         plan[id(prefix)] = (prefix, rows, [n] * len(rows))
         store.served += n * (len(rows) - 1)  # the first row paid for it
-        plain = [i for i in plain if i not in rows]
+        grouped.update(rows)
+    plain = [i for i in plain if i not in grouped]
     parts: list[tuple[list[int], KVRows, torch.Tensor]] = []
     for prefix, rows, lengths in plan.values():
+        for i, n in zip(rows, lengths):  # a row takes no prefix but its own
+            if tuple(prompts[i][:n]) != prefix.tokens[:n]:
+                raise AssertionError(f"prefix plan: row {i} was given another prompt's "
+                                     f"prefix")
         kv = KVRows.from_prefix(model, prefix.layers, lengths)
         suffixes = [prompts[i][n:] for i, n in zip(rows, lengths)]
         parts.append((rows, kv, kv.forward(*left_pad(suffixes, pad_id, dev), last_only=True)))

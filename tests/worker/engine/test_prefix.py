@@ -116,3 +116,29 @@ def test_greedy_output_is_the_same_with_shared_prefixes(drafter, tiny_models, ti
                     assert draft.prefixes.served > 0
         same = sum(a.token_ids == b.token_ids for a, b in zip(outs[True], outs[False]))
         assert same >= len(requests) - 1, bs  # a float near-tie may flip one
+
+
+@pytest.mark.parametrize("share_lengths", [(40, 40, 40, 40), (20, 33, 51, 26)])
+def test_several_groups_in_one_admission_each_take_their_own_prefix(tiny_models,
+                                                                    share_lengths):
+    """Four templates, two prompts each, in one prefill: every row's cache and logits are
+    what a plain prefill computes. Equal template lengths once gave a row another group's
+    prefix silently; unequal ones crashed (the plan indexed a list it had shortened)."""
+    model = tiny_models["target"]
+    gen = torch.Generator().manual_seed(7)
+    prompts = []
+    for shared in share_lengths:
+        head = torch.randint(3, 259, (shared,), generator=gen).tolist()
+        prompts += [head + torch.randint(3, 259, (k,), generator=gen).tolist() for k in (3, 5)]
+    order = torch.randperm(len(prompts), generator=gen).tolist()
+    prompts = [prompts[i] for i in order]
+    store = PrefixStore()
+    plain_kv, plain_logits = prefill(model, prompts, 0, None)
+    kv, logits = prefill(model, prompts, 0, store)
+    assert torch.allclose(logits, plain_logits, atol=1e-4)
+    nxt = torch.arange(10, 10 + len(prompts))[:, None]
+    one = torch.ones(len(prompts), 1, dtype=torch.bool)
+    with torch.inference_mode():
+        assert torch.allclose(kv.forward(nxt, one), plain_kv.forward(nxt, one), atol=1e-4)
+    assert len(store.entries) == len(share_lengths)
+    assert store.served == sum(share_lengths)  # each group's second row

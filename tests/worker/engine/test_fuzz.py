@@ -1,0 +1,219 @@
+"""A differential fuzz of the engine: realistic mixes against each request run alone.
+
+Hypothesis draws jobs as offline users send them: prompts built from a few shared
+templates (system prompts, synthesis templates) and lone prompts, plain and chat, with
+random max_new_tokens, stop strings, seeds and temperatures. It runs them through an engine
+with a random drafter (draft model, prompt lookup, suffix, none), batch size, refill group,
+draft length, prefix sharing on or off, and now and then an out-of-memory error mid-run
+(the worker's halving path, worker/attempts.py). Every output must equal the same request
+run alone through the target by itself: token for token when greedy (a float near-tie
+excepted, and counted), and when sampled with a seed (the draw is keyed by seed and
+position, so it does not depend on the batch). No exception may escape.
+
+The suite runs the ``ci`` profile (300 examples, derandomized: the same cases every run);
+``HYPOTHESIS_PROFILE=long`` runs 3,000 fresh ones (the bench's longer profile:
+``make fuzz``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specq.configs.generation import Request
+from specq.configs.settings import Settings
+from specq.worker.attempts import generate_with_retries
+from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
+from specq.worker.engine.speculative import SpeculativeEngine, encode_prompt
+from specq.worker.engine.suffix import SuffixDrafter
+
+from .conftest import NEAR_TIE
+
+settings.register_profile("ci", max_examples=300, derandomize=True, deadline=None,
+                          suppress_health_check=list(HealthCheck), print_blob=True)
+settings.register_profile("long", max_examples=3000, deadline=None,
+                          suppress_health_check=list(HealthCheck), print_blob=True)
+PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
+
+WORDS = ("the", "data", "model", "answer", "json", "list", "rewrite", "formal", "summary",
+         "of", "a", "user", "review", "ticket", "name", "city", "and", "short", "quiz", "key")
+DRAFTERS = ("none", "lookup", "suffix", "near", "noisy")
+
+words = st.lists(st.sampled_from(WORDS), min_size=1, max_size=6).map(" ".join)
+# a template of 3..12 words: on the byte-level tiny tokenizer, 16 or more shared tokens
+templates = st.lists(st.sampled_from(WORDS), min_size=3, max_size=12).map(" ".join)
+
+
+@dataclass
+class Case:
+    requests: list[Request]
+    drafter: str
+    batch: int
+    admit_group: int
+    share: bool
+    adaptive: bool
+    draft_length: int
+    oom_at: int | None  # raise out-of-memory at this step (None: never)
+
+
+@st.composite
+def cases(draw) -> Case:
+    shared = draw(st.lists(templates, min_size=1, max_size=4))
+    n = draw(st.integers(2, 12))
+    requests = []
+    for i in range(n):
+        template = draw(st.sampled_from([*shared, None]))  # None: a lone prompt
+        tail = draw(words)
+        chat = draw(st.booleans())
+        if chat:
+            messages = ([{"role": "system", "content": template}] if template else [])
+            prompt = {"messages": [*messages, {"role": "user", "content": tail}]}
+        else:
+            prompt = {"prompt": f"{template}: {tail}" if template else tail}
+        sampled = draw(st.integers(0, 3)) == 0  # a quarter sampled, always with a seed
+        params = {
+            "max_new_tokens": draw(st.integers(1, 16)),
+            "stop": draw(st.lists(st.sampled_from(["e", "at", "the", "\n", "zz"]),
+                                  max_size=2)),
+        }
+        if sampled:
+            params.update(temperature=draw(st.sampled_from([0.5, 1.0, 1.5])),
+                          top_k=draw(st.sampled_from([0, 5, 50])),
+                          top_p=draw(st.sampled_from([1.0, 0.9])),
+                          seed=draw(st.integers(0, 2**32)))
+        requests.append(Request(id=i, **prompt, **params))
+    batch = draw(st.integers(1, 16))
+    return Case(
+        requests=requests,
+        drafter=draw(st.sampled_from(DRAFTERS)),
+        batch=batch,
+        admit_group=draw(st.integers(1, batch)),
+        share=draw(st.booleans()),
+        adaptive=draw(st.booleans()),
+        draft_length=draw(st.integers(1, 6)),
+        oom_at=draw(st.one_of(st.none(), st.integers(0, 12))),
+    )
+
+
+class Outcomes:
+    """Where generate_with_retries hands results (the worker's keeper writes them to the
+    database; the engine is what is under test here)."""
+
+    def __init__(self) -> None:
+        self.results: dict[int, object] = {}
+        self.failures: list[tuple[list[int], str]] = []
+
+    def put(self, outcome) -> None:
+        assert outcome.index not in self.results, f"item {outcome.index} written twice"
+        self.results[outcome.index] = outcome
+
+    def failed(self, indices: list[int], error: str) -> None:
+        self.failures.append((indices, error))
+
+    def launch(self, indices: list[int], alone: bool) -> None: ...
+
+    def should_stop(self) -> bool:
+        return False
+
+
+class Reference:
+    """Each request alone, through the target by itself (batch 1, no drafter, no shared
+    prefix), memoised by request; ``raced`` samples as an engine whose drafter races."""
+
+    def __init__(self, target, tokenizer) -> None:
+        self.engines = {}
+        for raced in (False, True):
+            engine = SpeculativeEngine(target, tokenizer, NoDraft(), max_batch_size=1,
+                                       share_prefixes=False)
+            engine.race = raced
+            self.engines[raced] = engine
+        self.memo: dict[tuple, list[int]] = {}
+
+    def __call__(self, req: Request, raced: bool) -> list[int]:
+        key = (req.model_dump_json(exclude={"id"}), raced and req.temperature > 0)
+        if key not in self.memo:
+            (res,) = self.engines[key[1]].generate([req])
+            assert res.error is None, res.error
+            self.memo[key] = res.token_ids
+        return self.memo[key]
+
+
+def _drafter(kind: str, models, share: bool):
+    if kind in ("near", "noisy"):
+        return DraftModel(models[kind], share_prefixes=share)
+    return {"none": NoDraft, "lookup": PromptLookup, "suffix": SuffixDrafter}[kind]()
+
+
+def _near_tie(target, prompt: list[int], want: list[int], got: list[int]) -> bool:
+    """Does the first difference sit on a float near-tie of the target's two best logits?"""
+    i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
+    with torch.inference_mode():
+        logits = target(torch.tensor([prompt + want[:i]])).logits[0, -1]
+    a, b = logits[want[i]], logits[got[i]]
+    return float((a - b).abs() / a.abs().clamp_min(1e-6)) < NEAR_TIE
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models, tiny_tokenizer):
+    return Reference(tiny_models["target"], tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def ties():
+    counted = {"ties": 0, "examples": 0}
+    yield counted
+    print(f"\nfuzz: {counted['examples']} examples, {counted['ties']} near-tie differences")
+
+
+@settings(settings.get_profile(PROFILE))
+@given(case=cases())
+def test_every_mix_gives_what_each_request_gives_alone(case, tiny_models, tiny_tokenizer,
+                                                       reference, ties):
+    target = tiny_models["target"]
+    drafter = _drafter(case.drafter, tiny_models, case.share)
+    engine = SpeculativeEngine(target, tiny_tokenizer, drafter, max_batch_size=case.batch,
+                               draft_length=case.draft_length, adaptive=case.adaptive,
+                               share_prefixes=case.share, admit_group=case.admit_group)
+    steps = 0
+
+    def on_step(_) -> None:
+        nonlocal steps
+        steps += 1
+        if steps == case.oom_at:
+            raise torch.OutOfMemoryError("CUDA out of memory (injected by the fuzz)")
+
+    engine.on_step = on_step
+    sink = Outcomes()
+    requests = {r.id: r for r in case.requests}
+    tally = generate_with_retries(
+        engine, [_item(r) for r in case.requests], {}, "fuzz", sink,
+        Settings(retry_backoff=0.01, retry_backoff_max=0.01), job="fuzz")
+    assert tally.failed == 0, sink.failures
+    assert not sink.failures or case.oom_at, sink.failures  # an OOM at batch 1 counts one
+    assert sorted(sink.results) == sorted(requests)
+    raced = getattr(drafter, "races", False)
+    for i, out in sink.results.items():
+        req = requests[i]
+        assert out.error is None, (i, out.error)
+        want = reference(req, raced)
+        if out.token_ids == want:
+            continue
+        prompt = encode_prompt(tiny_tokenizer, req, engine.context)
+        assert req.temperature == 0 and _near_tie(target, prompt, want, out.token_ids), (
+            f"request {i} ({case.drafter}, batch {case.batch}, share {case.share}): "
+            f"{out.token_ids} != alone {want}")
+        ties["ties"] += 1
+    ties["examples"] += 1
+
+
+def _item(req: Request):
+    from specq.worker.attempts import ChunkItem
+
+    overrides = req.model_dump(exclude={"id", "prompt", "messages", "prompt_token_ids"})
+    messages = None if req.messages is None else [m.model_dump() for m in req.messages]
+    return ChunkItem(int(req.id), req.prompt, messages, overrides)
