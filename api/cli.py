@@ -371,9 +371,11 @@ def _progress_line(state: Any, m: Any) -> str:
     rate = f"{m.acceptance_rate:.3f}" if m.acceptance_rate is not None else "-"
     mal = f"{m.mean_acceptance_length:.2f}" if m.mean_acceptance_length is not None else "-"
     tps = f"{m.tokens_per_second:.1f}" if m.tokens_per_second else "-"
+    faults = (f"  engine faults {state.engine_faults}, {state.items_isolated} items run alone"
+              if state.engine_faults else "")
     return (f"{time.strftime('%H:%M:%S')} job {state.id} {state.status}: "
             f"{state.done}/{state.total} done ({state.completed} completed, {state.failed} "
-            f"failed)  acceptance {rate}  mean acceptance length {mal}  tokens/s {tps}")
+            f"failed)  acceptance {rate}  mean acceptance length {mal}  tokens/s {tps}{faults}")
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:

@@ -68,6 +68,11 @@ class JobState:
     finished_at: datetime | None = None
     error: str | None = None
     note: str | None = None
+    # faults its chunks met (engine exceptions, workers that died with items in flight), the
+    # earliest one's error, and the items that ran alone after one (at batch size 1: slow)
+    engine_faults: int = 0
+    first_fault: str | None = None
+    items_isolated: int = 0
 
     @property
     def finished(self) -> bool:
@@ -139,6 +144,9 @@ class JobMetrics(Counters):
     pending: int
     wall_time: float | None  # first item start → last item finish
     draft_length_over_time: list[float] = field(default_factory=list)  # mean g, by 10ths
+    engine_faults: int = 0  # as JobState's
+    first_fault: str | None = None
+    items_isolated: int = 0
 
     @property
     def mean_draft_length(self) -> float | None:
@@ -391,11 +399,13 @@ class Job:
             if job is None:
                 raise KeyError(f"job {self.id}: not found")
             counts = repo.status_counts(s, job_id=self.id)
+            faults = chunks.faults(s, job_id=self.id)
         state = JobState(
             id=job.id, status=job.status, pair=job.pair, total=job.total,
             completed=counts[ItemStatus.completed.value], failed=counts[ItemStatus.failed.value],
             cancelled=counts[ItemStatus.cancelled.value], pending=counts[ItemStatus.pending.value],
             created_at=job.created_at, finished_at=job.finished_at, error=job.error,
+            engine_faults=faults[0], first_fault=faults[1], items_isolated=faults[2],
         )
         # only a queued job asks: once a chunk runs a worker evidently serves the pair, and
         # a solo worker busy with a chunk cannot answer the broadcast anyway
@@ -470,6 +480,8 @@ class Job:
             **arrays,
             wall_time=None if row["wall_time"] is None else float(row["wall_time"]),
             draft_length_over_time=_mean_g_by_tenths(timeline),
+            engine_faults=int(row["engine_faults"]), first_fault=row["first_fault"],
+            items_isolated=int(row["items_isolated"]),
         )
 
     def retry(self) -> list[int]:

@@ -37,6 +37,7 @@ from specq.api.client import Client
 from specq.api.client import Job as JobHandle
 from specq.configs.argtypes import positive_int
 from specq.configs.settings import Settings, get_settings, subprocess_env
+from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import Chunk, Item, ItemStatus, Job, JobStatus
 from specq.worker.constants import PRIORITIES
@@ -182,8 +183,10 @@ def exactly_once(client: Client, job_id: int) -> dict[str, int]:
             func.count().filter(Item.writes > 1),
             func.count().filter(Item.status != ItemStatus.completed.value),
         ).where(Item.job_id == job_id)).one()
+        faults, first, isolated = chunks.faults(s, job_id=job_id)
     return {"items": row[0], "writes": int(row[1] or 0), "written_twice": row[2],
-            "not_completed": row[3]}
+            "not_completed": row[3], "engine_faults": faults, "first_fault": first,
+            "items_isolated": isolated}
 
 
 def _job_times(client: Client, job_id: int) -> tuple[Any, Any, Any]:
@@ -312,6 +315,9 @@ def run(args: argparse.Namespace) -> int:
               f"max {w['max']:.2f} s")
     print(f"exactly once: {once['items']} items, {once['writes']} writes, "
           f"{once['written_twice']} written twice, {once['not_completed']} not completed")
+    if once["engine_faults"]:  # a run that met faults measured a slow path: it fails
+        print(f"engine faults: {once['engine_faults']} (first: {once['first_fault']}); "
+              f"{once['items_isolated']} items ran alone", file=sys.stderr)
     if "small_job" in r:
         sj = r["small_job"]
         print(f"small job ({r['small_job']['priority']}, submitted "
@@ -330,5 +336,5 @@ def run(args: argparse.Namespace) -> int:
                   f"{f['at_25pct']:.0f}, {f['at_50pct']:.0f}, {f['at_75pct']:.0f}; at the end "
                   f"{f['at_end']:.0f} (max {f['max']:.0f})")
     print(f"written to {Path(args.output_dir) / 'fleet.json'}")
-    ok = once["written_twice"] == 0 and once["not_completed"] == 0
+    ok = once["written_twice"] == 0 and once["not_completed"] == 0 and not once["engine_faults"]
     return 0 if ok else 1

@@ -148,7 +148,8 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         "batch_size": args.batch_size, "chunk_size": args.chunk_size or len(messages),
         "database": settings.sqlalchemy_url.split(":", 1)[0], "job_status": state.status,
         "engine_alone_s": t_engine, "job_path_s": t_job, "overhead_ratio": t_job / t_engine,
-        "same_outputs": same,
+        "same_outputs": same, "engine_faults": state.engine_faults,
+        "first_fault": state.first_fault,
         "submission_prompts_per_s": submission_rate(client, args.pair, args.submit_prompts,
                                                     out / "submit.jsonl"),
         "result_rows_written_per_s": write_rate(client, args.pair, args.write_rows),
@@ -167,4 +168,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"submission             {r['submission_prompts_per_s']:8.0f} prompts/s")
     print(f"result writes          {r['result_rows_written_per_s']:8.0f} rows/s")
     print(f"written to {Path(args.output_dir) / 'pipeline.json'}")
-    return 0 if r["job_status"] == "completed" else 1
+    if r["engine_faults"]:  # a run that met faults measured a slow path: it fails
+        print(f"engine faults: {r['engine_faults']} (first: {r['first_fault']})",
+              file=sys.stderr)
+    return 0 if r["job_status"] == "completed" and not r["engine_faults"] else 1

@@ -38,7 +38,20 @@ def format_metrics(m: JobMetrics) -> str:
     if m.draft_length_over_time:
         lines.append("g over time (10ths)     "
                      + " ".join(f"{g:.1f}" for g in m.draft_length_over_time))
+    lines += fault_lines(m)
     return "\n".join(lines)
+
+
+def fault_lines(m: JobMetrics) -> list[str]:
+    """The job's faults, if it met any: how many, the first error, and the items that fell
+    back to running alone (the slow path)."""
+    if not m.engine_faults:
+        return []
+    lines = [f"engine faults           {m.engine_faults}  (first: {m.first_fault})"]
+    if m.items_isolated:
+        lines.append(f"items run alone         {m.items_isolated}  (after a fault struck them: "
+                     f"batch size 1)")
+    return lines
 
 
 def draw_report(m: JobMetrics, path: str | Path) -> Path:

@@ -243,6 +243,31 @@ def live_leases(session: Session, *, job_id: int | None = None) -> list[tuple[in
     return [tuple(r) for r in session.execute(stmt)]
 
 
+def add_fault(session: Session, *, job_id: int, start: int, error: str) -> None:
+    """One more fault met while running the chunk at ``start``; the first one's error and
+    time (database clock) are kept."""
+    c = Chunk.__table__.c
+    session.execute(
+        update(Chunk.__table__).where(c.job_id == job_id, c.start == start)
+        .values(faults=c.faults + 1,
+                first_fault=func.coalesce(c.first_fault, error[:2000]),
+                first_fault_at=func.coalesce(c.first_fault_at, db_now()))
+    )
+
+
+def faults(session: Session, *, job_id: int) -> tuple[int, str | None, int]:
+    """The job's faults, added up from its chunks: (how many, the earliest one's error,
+    items that ran alone after one)."""
+    c = Chunk.__table__.c
+    n, isolated = session.execute(
+        select(func.coalesce(func.sum(c.faults), 0), func.coalesce(func.sum(c.isolated), 0))
+        .where(c.job_id == job_id)).one()
+    first = session.scalar(
+        select(c.first_fault).where(c.job_id == job_id, c.first_fault.is_not(None))
+        .order_by(c.first_fault_at, c.start).limit(1)) if n else None
+    return int(n), first, int(isolated)
+
+
 # -- the sums of the chunks' item counters (what a job's metrics read) -------------------
 
 
@@ -265,8 +290,9 @@ def add_sums(session: Session, *, job_id: int, outcomes: Iterable[Any]) -> None:
     for o in outcomes:
         k = bisect_right(starts, o.index) - 1
         if k >= 0 and o.index < rows[k].end:
-            sums.setdefault(k, _Sums()).add(ItemStatus(o.status).value, o.counters,
-                                            o.started_at, o.finished_at)
+            more = sums.setdefault(k, _Sums())
+            more.add(ItemStatus(o.status).value, o.counters, o.started_at, o.finished_at)
+            more.isolated += o.isolated
     for k, more in sums.items():
         more.into(rows[k])
 
@@ -321,6 +347,7 @@ class _Sums:
         self.scalars: dict[str, float] = dict.fromkeys(SCALARS, 0)
         self.arrays: dict[str, list[int]] = {name: [] for name in ARRAYS}
         self.counted = False  # an item with counters was added
+        self.isolated = 0  # items that ran alone after a fault
         self.first: datetime | None = None
         self.last: datetime | None = None
 
@@ -344,6 +371,7 @@ class _Sums:
     def into(self, chunk: Chunk) -> None:
         for status, n in self.counts.items():
             setattr(chunk, status, (getattr(chunk, status) or 0) + n)
+        chunk.isolated = (chunk.isolated or 0) + self.isolated
         if not self.counted:
             return
         for name, value in self.scalars.items():

@@ -142,6 +142,13 @@ class Item(Base):
     # while it stays pending); it fails for good at SPECQ_MAX_ATTEMPTS x (retries + 1).
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     retries: Mapped[int] = mapped_column(Integer, default=0)  # sent back by `specq retry`
+    # The engine run that holds the item in its batch now: set (and committed) when the item
+    # joins a batch, cleared when its outcome or failure is written. Still set when a later
+    # run opens the chunk: that run's worker died with the item in flight (worker/attempts.py).
+    launch: Mapped[str | None] = mapped_column(String(300))
+    # Workers that died (killed, crashed, device lost) with this item in their batch; one
+    # that died with the item alone in its batch also counts an attempt.
+    crashes: Mapped[int] = mapped_column(Integer, default=0)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
@@ -190,6 +197,13 @@ class Chunk(Base):
     cancelled: Mapped[int] = mapped_column(Integer, default=0)
     first_started: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     last_finished: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # Faults met while running it: engine exceptions (out-of-memory halvings included) and
+    # workers that died with its items in flight; the first one's error and when (database
+    # clock); items that ran alone because a fault had struck them.
+    faults: Mapped[int] = mapped_column(Integer, default=0)
+    first_fault: Mapped[str | None] = mapped_column(Text)
+    first_fault_at: Mapped[float | None] = mapped_column(Float)
+    isolated: Mapped[int] = mapped_column(Integer, default=0)
 
 
 # The counter columns, one per field of configs/counters.py: Counters, on items (each

@@ -9,6 +9,8 @@ from typing import Any
 from specq.configs.counters import ARRAYS, SCALARS, Counters
 from specq.db.models import ItemStatus
 
+NOT_COLUMNS = ("index", "counters", "isolated")  # Outcome fields that are no item column
+
 
 @dataclass
 class Outcome:
@@ -25,6 +27,7 @@ class Outcome:
     worker: str | None = None  # hostname that wrote it
     started_at: datetime | None = None
     finished_at: datetime | None = None
+    isolated: bool = False  # it ran alone because a fault had struck it (counted on its chunk)
 
     @classmethod
     def failure(cls, index: int, error: str, **kw: Any) -> Outcome:
@@ -33,7 +36,7 @@ class Outcome:
     def row(self) -> dict[str, Any]:
         """The item columns it writes (COLUMNS), counters spread into theirs."""
         row = {f.name: getattr(self, f.name) for f in fields(self)
-               if f.name not in ("index", "counters")}
+               if f.name not in NOT_COLUMNS}
         row["status"] = ItemStatus(self.status).value
         c = self.counters
         for name in SCALARS + ARRAYS:
@@ -43,6 +46,6 @@ class Outcome:
 
 
 COLUMNS: tuple[str, ...] = (
-    *(f.name for f in fields(Outcome) if f.name not in ("index", "counters")),
+    *(f.name for f in fields(Outcome) if f.name not in NOT_COLUMNS),
     *SCALARS, *ARRAYS,
 )

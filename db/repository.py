@@ -199,7 +199,8 @@ def write_outcomes(session: Session, *, job_id: int, outcomes: list[Outcome]) ->
         update(table)
         .where(table.c.job_id == job_id, table.c.index == bindparam("b_index"),
                table.c.status == PENDING)
-        .values(writes=table.c.writes + 1, **{c: bindparam(c) for c in OUTCOME_COLUMNS})
+        .values(writes=table.c.writes + 1, launch=None,
+                **{c: bindparam(c) for c in OUTCOME_COLUMNS})
     )
     session.execute(stmt, rows)
     chunks.add_sums(session, job_id=job_id, outcomes=written)
@@ -212,17 +213,86 @@ def _among(indices: list[int]) -> tuple[Any, ...]:
     return (Item.index >= min(indices), Item.index <= max(indices), Item.index.in_(indices))
 
 
-def record_failures(session: Session, *, job_id: int, indices: list[int], error: str) -> int:
-    """One more engine failure for each of these pending items, and its error (kept as
-    the item's last error while it stays pending). Returns how many were pending."""
+def record_failures(session: Session, *, job_id: int, start: int, indices: list[int],
+                    error: str, launch: str | None = None) -> int:
+    """An engine exception struck these pending items: one more attempt each, and its error
+    (kept as the item's last error while it stays pending); their mark of ``launch`` is
+    cleared (a later launch's mark stays). The fault is counted on the chunk at ``start``.
+    Returns how many were pending."""
+    chunks.add_fault(session, job_id=job_id, start=start, error=error)
     if not indices:
         return 0
     return session.execute(
         update(Item)
         .where(Item.job_id == job_id, *_among(indices), Item.status == PENDING)
-        .values(attempts=Item.attempts + 1, error=error[:10000]),
+        .values(attempts=Item.attempts + 1, error=error[:10000],
+                launch=case((Item.launch == launch, None), else_=Item.launch)),
         execution_options={"synchronize_session": False},
     ).rowcount
+
+
+def mark_launch(session: Session, *, job_id: int, indices: list[int], launch: str) -> None:
+    """These pending items join a batch of the engine run ``launch`` (a worker's run of a
+    chunk, and its generation within it). Committed before the batch's work starts: the
+    mark outlives the worker, so the run after a death knows who was in flight."""
+    if indices:
+        session.execute(
+            update(Item).where(Item.job_id == job_id, *_among(indices), Item.status == PENDING)
+            .values(launch=launch),
+            execution_options={"synchronize_session": False},
+        )
+
+
+def record_crash(session: Session, *, job_id: int, start: int, indices: list[int],
+                 why: str) -> list[tuple[int, int, int]]:
+    """A worker died (killed, crashed, its device lost) with these pending items in its
+    batch. Each counts a crash and keeps an error that says how many; alone in the batch,
+    the item was the cause beyond doubt, and it counts an attempt too (an item fails for
+    good at max_attempts: worker/attempts.py). Their launch marks are cleared and the fault
+    is counted on the chunk. Returns (index, crashes, attempts) of each, after."""
+    chunks.add_fault(session, job_id=job_id, start=start,
+                     error=f"worker died with items {_listed(indices)} in flight: {why}")
+    rows = session.execute(
+        select(Item.index, Item.crashes, Item.attempts)
+        .where(Item.job_id == job_id, *_among(indices), Item.status == PENDING)
+        .with_for_update()
+    ).all() if indices else []
+    alone = len(rows) == 1
+    out = []
+    for index, crashes, attempts in rows:
+        crashes, attempts = crashes + 1, attempts + alone
+        company = "alone in its batch" if alone else f"with {len(rows) - 1} others in its batch"
+        times = f"{crashes} time{'s' * (crashes > 1)}"
+        error = f"killed or crashed its worker {times} (last {company}: {why})"
+        session.execute(
+            update(Item).where(Item.job_id == job_id, Item.index == index)
+            .values(crashes=crashes, attempts=attempts, error=error[:10000], launch=None),
+            execution_options={"synchronize_session": False},
+        )
+        out.append((index, crashes, attempts))
+    return out
+
+
+def died_in_flight(session: Session, *, job_id: int, start: int, end: int
+                   ) -> dict[str, list[int]]:
+    """The chunk's pending items still marked by a launch, by launch: a run opening the
+    chunk finds the batches that were in flight when an earlier run's worker died."""
+    rows = session.execute(
+        select(Item.launch, Item.index)
+        .where(Item.job_id == job_id, Item.index >= start, Item.index < end,
+               Item.status == PENDING, Item.launch.is_not(None))
+        .order_by(Item.index)
+    ).all()
+    batches: dict[str, list[int]] = {}
+    for launch, index in rows:
+        batches.setdefault(launch, []).append(index)
+    return batches
+
+
+def _listed(indices: list[int], most: int = 8) -> str:
+    """Item indices for a message: the first few, and how many more."""
+    shown = ", ".join(map(str, indices[:most]))
+    return f"[{shown}{f', ... {len(indices) - most} more' if len(indices) > most else ''}]"
 
 
 def retry_failed(session: Session, *, job_id: int) -> list[int]:

@@ -1,8 +1,9 @@
 """The SQL views analysts query, as SQLAlchemy sees them (columns and types, for reading).
 
-Created by the migration db/migrations/versions/0005_metrics_views.py, which defines every
-figure once, in SQL; docs/database.md documents every column. These Table objects live in
-their own MetaData: Base.metadata describes the tables the migrations build, not the views.
+Created by the migration db/migrations/versions/0005_metrics_views.py (rebuilt by 0006
+and 0007), which defines every figure once, in SQL; docs/database.md documents every
+column. These Table objects live in their own MetaData: Base.metadata describes the
+tables the migrations build, not the views.
 
     item_metrics                 one row per item: its counters and figures
     job_metrics                  one row per job: how it drafts, its counts, sums, figures
@@ -44,7 +45,8 @@ item_metrics = Table(
     Column("job_id", Integer), Column("item_index", Integer), Column("custom_id", String),
     Column("status", String), Column("finish_reason", String), Column("error", Text),
     Column("worker", String), Column("attempts", Integer), Column("retries", Integer),
-    Column("prompt_tokens", Integer), Column("started_at", DateTime(timezone=True)),
+    Column("crashes", Integer), Column("prompt_tokens", Integer),
+    Column("started_at", DateTime(timezone=True)),
     Column("finished_at", DateTime(timezone=True)),
     *_copy(COUNTERS), *_figures(),
 )
@@ -59,6 +61,10 @@ job_metrics = Table(
     Column("total", Integer), Column("completed", Integer), Column("failed", Integer),
     Column("cancelled", Integer), Column("pending", Integer),
     *_copy(COUNTERS),
+    # faults its chunks met (engine exceptions, workers that died with items in flight),
+    # the earliest one's error, and the items that ran alone after a fault struck them
+    Column("engine_faults", Integer), Column("first_fault", Text),
+    Column("items_isolated", Integer),
     Column("first_item_started", DateTime(timezone=True)),
     Column("last_item_finished", DateTime(timezone=True)),
     *_figures(),

@@ -1,18 +1,28 @@
-"""Generating a chunk's items through engine faults: transient until proven otherwise.
+"""Generating a chunk's items through faults: transient until proven otherwise.
 
-An exception from the engine fails nothing on its first occurrence. The engine drops its
-state (both caches, the drafter's, the rows) before the next generation, and:
+A fault fails nothing on its first occurrence. There are two kinds:
 
-- out of memory with more than one row in the batch: the chunk's remaining items are
-  retried at half the batch size (down to 1); the engine's own size is restored after;
-- a device that is gone (a CUDA error other than out-of-memory): DeviceLost is raised,
-  and the worker exits for its supervisor to restart it (worker/tasks.py);
-- anything else (and out of memory with a single row): each item that was in the batch
-  when it struck counts an attempt, stored with the error. Those items then run alone, so
-  that one bad item cannot take its batch-mates down with it, after a pause that doubles
-  each time (retry_backoff .. retry_backoff_max). An item fails for good, with its last
-  error, once its attempts reach max_attempts x (retries + 1) (`specq retry` sends failed
-  items back with their attempts kept).
+- An engine exception. The engine drops its state (both caches, the drafter's, the rows)
+  before the next generation, and:
+  - out of memory with more than one row in the batch: the chunk's remaining items are
+    retried at half the batch size (down to 1); the engine's own size is restored after;
+  - a device that is gone (a CUDA error other than out-of-memory): the items in flight
+    count a crash (below), and DeviceLost is raised: the worker exits for its supervisor
+    to restart it (worker/tasks.py);
+  - anything else (and out of memory with a single row): each item that was in the batch
+    when it struck counts an attempt, stored with the error.
+- A worker that died (killed, crashed) with items in flight. Every batch the engine starts
+  is marked on its items first (ChunkKeeper.launch), so the next run of the chunk, on any
+  worker, finds the marks of the dead run (tasks.py: _open) and counts a crash on each of
+  those items; an item that was alone in its batch counts an attempt too.
+
+An item a fault struck, in this run or an earlier one, is a suspect: suspects run alone,
+after the rest of the chunk, the least struck first, after a pause that doubles each time
+(retry_backoff .. retry_backoff_max). One bad item therefore takes no batch-mate down: they
+finish alone while it fails alone. An item fails for good, with its last error, once its
+attempts reach max_attempts x (retries + 1) (`specq retry` sends failed items back with
+their attempts kept). Every fault is counted on the chunk (the job's engine_faults), and
+every suspect that completes alone too (items_isolated).
 """
 
 from __future__ import annotations
@@ -52,6 +62,13 @@ class ChunkItem:
     overrides: dict | None
     attempts: int = 0
     retries: int = 0
+    crashes: int = 0  # workers that died with it in flight
+    error: str | None = None  # the last fault's, while it stays pending
+
+    @property
+    def struck(self) -> tuple[int, int]:
+        """How often faults struck it (attempts, crashes): suspects run in this order."""
+        return self.attempts, self.crashes
 
 
 @dataclass
@@ -76,22 +93,30 @@ def generate_with_retries(
     ``job`` names the items' job to the engine (a suffix drafter's index is per job)."""
     tally = Tally()
     started = utcnow()
+    limit = {it.index: settings.max_attempts * (it.retries + 1) for it in items}
+    struck = {it.index: it.struck for it in items if any(it.struck)}  # the suspects
     requests: dict[int, Request] = {}
     for it in items:
+        if it.attempts >= limit[it.index]:  # its last run's worker died with it alone
+            keeper.put(item_outcome(it.index, Result(id=it.index, error=it.error or
+                                                     f"failed {it.attempts} times"),
+                                    hostname, started, started))
+            tally.failed += 1
+            continue
         try:
             requests[it.index] = Request(id=it.index, prompt=it.prompt, messages=it.messages,
                                          **merge(params, it.overrides))
         except ValidationError as exc:
             keeper.put(item_outcome(it.index, Result(id=it.index, error=str(exc)), hostname,
                                     started, started))
-    attempts = {it.index: it.attempts for it in items}
-    limit = {it.index: settings.max_attempts * (it.retries + 1) for it in items}
     finished: set[int] = set()
+    alone: set[int] = set()  # the suspect running alone now
 
     def seen(result: Result) -> None:
         index = int(result.id)
         finished.add(index)
-        keeper.put(item_outcome(index, result, hostname, started, utcnow()))
+        keeper.put(item_outcome(index, result, hostname, started, utcnow(),
+                                isolated=index in alone))
         if on_item:
             on_item()
         if keeper.should_stop():
@@ -99,16 +124,24 @@ def generate_with_retries(
 
     full = engine.max_batch_size
     batch, pause = full, settings.retry_backoff
-    suspects: set[int] = set()  # failed in this run: they run alone from now on
     remaining = sorted(requests)
+    generation = 0  # the engine generations of this run, each a launch of its own
     try:
         while remaining:
-            alone = [i for i in remaining if i in suspects]
-            groups = [[i] for i in alone] + [[i for i in remaining if i not in suspects]]
+            singles = sorted((i for i in remaining if i in struck), key=lambda i: (struck[i], i))
+            groups = [[i for i in remaining if i not in struck]] + [[i] for i in singles]
             try:
                 for group in filter(None, groups):
+                    generation += 1
+                    alone.clear()
+                    alone.update(group if group[0] in struck else ())
                     engine.max_batch_size = batch
-                    engine.generate([requests[i] for i in group], on_result=seen, job=job)
+
+                    def admitted(ids: list, g: int = generation) -> None:
+                        keeper.launch([int(i) for i in ids], g)
+
+                    engine.generate([requests[i] for i in group], on_result=seen, job=job,
+                                    on_admit=admitted)
                 break
             except Stopped:
                 raise
@@ -119,21 +152,23 @@ def generate_with_retries(
                 engine.reset()
                 device.free_memory(engine.target.device)
                 remaining = [i for i in remaining if i not in finished]
-                if device.is_device_lost(exc):
-                    raise device.DeviceLost(str(exc)) from exc
                 error = f"{type(exc).__name__}: {exc}"[:2000]
+                if device.is_device_lost(exc):
+                    keeper.crashed(active, error)
+                    raise device.DeviceLost(str(exc)) from exc
                 if device.is_out_of_memory(exc) and min(batch, len(active)) > 1:
                     batch = max(1, min(batch, len(active)) // 2)
+                    keeper.out_of_memory(error)
                     log.warning("out of memory at %d rows (%s); retrying %d items at batch "
                                 "size %d", len(active), error, len(remaining), batch)
                     continue
                 log.warning("engine failure on items %s (%s); %d items left", active, error,
                             len(remaining), exc_info=not device.is_out_of_memory(exc))
-                keeper.failed(active, error)
+                keeper.failed(active, error, generation)
                 for i in active:
-                    attempts[i] += 1
-                    suspects.add(i)
-                    if attempts[i] >= limit[i]:
+                    attempts, crashes = struck.get(i, (0, 0))
+                    struck[i] = (attempts + 1, crashes)
+                    if attempts + 1 >= limit[i]:
                         keeper.put(item_outcome(i, Result(id=i, error=error), hostname,
                                                 started, utcnow()))
                         finished.add(i)
@@ -147,17 +182,18 @@ def generate_with_retries(
     return tally
 
 
-def item_outcome(index: int, res: Result, hostname: str, started: Any, finished: Any
-                 ) -> Outcome:
-    """What a result writes to its item: the output, or the error that stopped it."""
+def item_outcome(index: int, res: Result, hostname: str, started: Any, finished: Any,
+                 isolated: bool = False) -> Outcome:
+    """What a result writes to its item: the output, or the error that stopped it.
+    ``isolated``: it ran alone because a fault had struck it."""
     if res.error:
         return Outcome.failure(index, storable(res.error), prompt_tokens=res.prompt_tokens,
                                counters=res.counters, worker=hostname, started_at=started,
-                               finished_at=finished)
+                               finished_at=finished, isolated=isolated)
     return Outcome(index, ItemStatus.completed, output=storable(res.text),
                    token_ids=list(res.token_ids), finish_reason=res.finish_reason,
                    prompt_tokens=res.prompt_tokens, counters=res.counters, worker=hostname,
-                   started_at=started, finished_at=finished)
+                   started_at=started, finished_at=finished, isolated=isolated)
 
 
 def storable(text: str | None) -> str | None:

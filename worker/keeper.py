@@ -5,7 +5,9 @@ While the engine generates, the keeper
   renewing, and the reconciler hands the chunk to another worker once the lease runs out);
 - writes finished outcomes in small batches (every ``flush_every`` seconds or
   ``flush_items`` items), so a killed worker loses only the items still in flight;
-- records engine failures (an item's attempts) in the same ordered stream;
+- records faults (an item's attempts, the chunk's fault count) in the same ordered stream;
+- marks the items of each batch the engine starts (``launch``), at once, so that the run
+  after a worker's death knows which items were in flight;
 - notices a lease taken over by another worker (after an outage longer than the lease)
   and a job being cancelled, so the engine can stop early.
 
@@ -36,18 +38,26 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class _Failures:
-    """An engine failure to record: these items' attempts go up by one."""
+class _Fault:
+    """A fault to record on the chunk and its items (db/repository.py):
 
+    - ``error``: an engine exception struck the items of ``launch``: an attempt each;
+    - ``oom``: out of memory, retried at a smaller batch: no item is charged;
+    - ``crash``: the device is gone with the items in flight: a crash each (an attempt
+      too if alone), as if the worker had died.
+    """
+
+    kind: str
     indices: list[int]
     error: str
+    launch: str | None = None
 
 
 @dataclass
 class KeeperReport:
     written: int = 0  # outcomes this run stored
     unwritten: int = 0  # already written by another run of the chunk
-    failures: int = 0  # engine failures recorded (attempts)
+    failures: int = 0  # faults recorded
     done: bool = False  # no pending item left in the chunk at the end
     job_status: str = ""
 
@@ -58,7 +68,7 @@ class ChunkKeeper:
         self.sessions, self.settings, self.owner = sessions, settings, owner
         self.job_id, self.start_index, self.end = job_id, start, end
         self.report = KeeperReport()
-        self._queue: list[Outcome | _Failures] = []
+        self._queue: list[Outcome | _Fault] = []
         self._cond = threading.Condition()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -82,12 +92,45 @@ class ChunkKeeper:
             if len(self._queue) >= self.settings.flush_items:
                 self._cond.notify()
 
-    def failed(self, indices: list[int], error: str) -> None:
-        """An engine failure struck these items: their attempts go up (and their error)."""
-        if indices:
-            with self._cond:
-                self._queue.append(_Failures(list(indices), error))
-                self._cond.notify()
+    def failed(self, indices: list[int], error: str, generation: int | None = None) -> None:
+        """An engine exception struck these items in the run's engine ``generation``: their
+        attempts go up (and their error), and the chunk counts a fault."""
+        launch = None if generation is None else self._launch(generation)
+        self._fault(_Fault("error", list(indices), error, launch))
+
+    def out_of_memory(self, error: str) -> None:
+        """Out of memory, retried at a smaller batch: the chunk counts a fault."""
+        self._fault(_Fault("oom", [], error))
+
+    def crashed(self, indices: list[int], why: str) -> None:
+        """The device is gone with these items in flight: each counts a crash."""
+        self._fault(_Fault("crash", list(indices), why))
+
+    def _launch(self, generation: int) -> str:
+        """The mark of one engine generation of this run: unique to it."""
+        return f"{self.owner[-200:]}#{generation}"  # the owner ends in a unique token
+
+    def _fault(self, fault: _Fault) -> None:
+        with self._cond:
+            self._queue.append(fault)
+            self._cond.notify()
+
+    def launch(self, indices: list[int], generation: int) -> None:
+        """These items join a batch of the run's engine ``generation``: mark them, committed
+        before the batch runs, so that the next run of the chunk knows them if this worker
+        dies (worker/attempts.py). The outcomes waiting are written first: an item that
+        finished carries no mark into the batch that follows (else a worker dying in a
+        later batch would blame it too). Written from the caller's thread, now; with the
+        database away the mark is skipped (the chunk's run limit still bounds a poison
+        batch)."""
+        try:
+            self._drain()
+            with self.sessions.begin() as s:
+                repo.mark_launch(s, job_id=self.job_id, indices=indices,
+                                 launch=self._launch(generation))
+        except UNREACHABLE as exc:
+            log.warning("%s: items %s not marked in flight (%s)", self._where, indices,
+                        short_error(exc))
 
     def should_stop(self) -> bool:
         return self.lost.is_set() or self.cancelling.is_set()
@@ -158,14 +201,13 @@ class ChunkKeeper:
         try:
             while batch:
                 op = batch[0]
-                if isinstance(op, _Failures):
+                if isinstance(op, _Fault):
                     with self.sessions.begin() as s:
-                        repo.record_failures(s, job_id=self.job_id, indices=op.indices,
-                                             error=op.error)
+                        self._record(s, op)
                     self.report.failures += 1
                     batch.pop(0)
                     continue
-                n = next((i for i, o in enumerate(batch) if isinstance(o, _Failures)),
+                n = next((i for i, o in enumerate(batch) if isinstance(o, _Fault)),
                          len(batch))
                 self._write(batch[:n])
                 del batch[:n]
@@ -173,6 +215,16 @@ class ChunkKeeper:
             if batch:  # put back, ahead of anything queued meanwhile
                 with self._cond:
                     self._queue = batch + self._queue
+
+    def _record(self, s: Session, fault: _Fault) -> None:
+        where = {"job_id": self.job_id, "start": self.start_index}
+        if fault.kind == "error":
+            repo.record_failures(s, **where, indices=fault.indices, error=fault.error,
+                                 launch=fault.launch)
+        elif fault.kind == "crash":
+            repo.record_crash(s, **where, indices=fault.indices, why=fault.error)
+        else:
+            chunks.add_fault(s, **where, error=fault.error)
 
     def _write(self, outcomes: list[Outcome]) -> None:
         try:

@@ -236,6 +236,12 @@ def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkRepo
             report.skipped, report.job_status = end - start, status.value
             report.note = "another worker holds the chunk's lease"
             return None
+        for launch, indices in repo.died_in_flight(s, job_id=job_id, start=start,
+                                                   end=end).items():
+            log.warning("job %d: chunk [%d, %d): a worker died with items %s in flight "
+                        "(%s); they run alone", job_id, start, end, indices, launch)
+            repo.record_crash(s, job_id=job_id, start=start, indices=indices,
+                              why="the worker process died (killed, or crashed)")
         rows = repo.pending_items(s, job_id=job_id, start=start, end=end)
         if runs > settings.max_chunk_runs and rows:
             _abandon(s, job_id, rows, runs)
@@ -246,7 +252,7 @@ def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkRepo
             return None
         repo.start_job(s, job_id=job_id)
         items = [ChunkItem(it.index, it.prompt, it.messages, it.params, it.attempts,
-                           it.retries) for it in rows]
+                           it.retries, it.crashes, it.error) for it in rows]
         turn = chunks.take_unsent(s, job_id=job_id, n=1) if send_next and runs == 1 else []
         return dict(job.params), items, turn
 

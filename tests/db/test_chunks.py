@@ -116,7 +116,8 @@ def test_cancelling_a_running_job_cancels_the_items_of_its_unsent_chunks(session
 def test_failures_count_attempts_and_retry_keeps_them(sessions):
     job_id = _job(sessions, n=4, chunk_size=4)
     with sessions.begin() as s:
-        assert repo.record_failures(s, job_id=job_id, indices=[1, 2], error="boom") == 2
+        assert repo.record_failures(s, job_id=job_id, start=0, indices=[1, 2],
+                                    error="boom") == 2
         repo.write_outcomes(s, job_id=job_id, outcomes=[
             _done(0), Outcome.failure(1, "boom"), _done(2), _done(3)])
         repo.lock_job(s, job_id=job_id)
@@ -201,3 +202,44 @@ def test_chunk_counts_follow_every_change_of_their_items(sessions):
         assert repo.request_cancel(s, job_id=job_id) == JobStatus.cancelling  # [8, 12) unsent
         repo.cancel_pending(s, job_id=job_id, start=4, end=8)  # a worker's chunk
     assert same() == {"pending": 2, "completed": 3, "failed": 0, "cancelled": 7}
+
+
+def test_launch_marks_tell_the_next_run_who_was_in_flight_when_a_worker_died(sessions):
+    """Marks outlive a dead worker: the next run finds each batch that was in flight. Items
+    of a batch count a crash; one alone counts an attempt too; the chunk counts the faults,
+    keeps the first error, and outcome writes clear the marks."""
+    job_id = _job(sessions, n=8, chunk_size=8)
+    with sessions.begin() as s:
+        repo.mark_launch(s, job_id=job_id, indices=[0, 1, 2], launch="w1#1")
+        repo.mark_launch(s, job_id=job_id, indices=[3], launch="w1#2")
+        repo.mark_launch(s, job_id=job_id, indices=[4], launch="w1#3")
+        repo.write_outcomes(s, job_id=job_id, outcomes=[_done(4)])  # finished: not in flight
+    with sessions.begin() as s:
+        died = repo.died_in_flight(s, job_id=job_id, start=0, end=8)
+        assert died == {"w1#1": [0, 1, 2], "w1#2": [3]}
+        assert repo.record_crash(s, job_id=job_id, start=0, indices=died["w1#1"],
+                                 why="killed") == [(0, 1, 0), (1, 1, 0), (2, 1, 0)]
+        assert repo.record_crash(s, job_id=job_id, start=0, indices=died["w1#2"],
+                                 why="segfault") == [(3, 1, 1)]
+        assert repo.died_in_flight(s, job_id=job_id, start=0, end=8) == {}
+    with sessions() as s:
+        three, one = s.get(Item, (job_id, 3)), s.get(Item, (job_id, 0))
+        assert three.error == ("killed or crashed its worker 1 time (last alone in its batch: "
+                               "segfault)")
+        assert "with 2 others in its batch" in one.error
+        chunk = s.get(Chunk, (job_id, 0))
+        assert chunk.faults == 2
+        assert chunk.first_fault == "worker died with items [0, 1, 2] in flight: killed"
+
+
+def test_an_exception_clears_its_own_launch_mark_only(sessions):
+    """A failure recorded after the item was launched again keeps the newer mark."""
+    job_id = _job(sessions, n=2, chunk_size=2)
+    with sessions.begin() as s:
+        repo.mark_launch(s, job_id=job_id, indices=[0, 1], launch="w#1")
+        repo.mark_launch(s, job_id=job_id, indices=[1], launch="w#2")  # alone, again
+        repo.record_failures(s, job_id=job_id, start=0, indices=[0, 1], error="boom",
+                             launch="w#1")
+    with sessions() as s:
+        assert [s.get(Item, (job_id, i)).launch for i in (0, 1)] == [None, "w#2"]
+        assert s.get(Chunk, (job_id, 0)).faults == 1

@@ -158,3 +158,79 @@ def test_a_lost_device_is_raised_after_finished_outcomes_are_written(client, fas
     report = run_chunk(sessions=client.sessions, engine=eng, pair=pair, job_id=job.id,
                        start=0, end=4, hostname="h2", settings=fast)  # its lease was released
     assert (report.written, report.job_status) == (4, "completed")
+
+
+def test_a_poison_that_loses_the_device_fails_alone_across_restarts(client, fast, engine,
+                                                                    faults):
+    """An input whose batch loses the device (a CUDA illegal access on one prompt): each
+    run raises DeviceLost (the worker would exit for its supervisor). The items in flight
+    count a crash; alone, the culprit counts attempts until it fails, with an error that
+    says how many workers it crashed; every batch-mate completes, each written once."""
+    pair, eng = engine
+    prompts = list(PROMPTS[:6])
+    prompts[2] = "POISON that loses the device"
+    faults(poison="POISON", poison_kind="device")
+    job = client.submit(prompts, pair=pair, enqueue=False, max_new_tokens=6, chunk_size=6)
+    lost = 0
+    for run in range(10):  # each run stands for a restarted worker
+        try:
+            report = run_chunk(sessions=client.sessions, engine=eng, pair=pair, job_id=job.id,
+                               start=0, end=6, hostname=f"h{run}", settings=fast)
+        except DeviceLost:
+            lost += 1
+            continue
+        break
+    assert report.job_status == "completed"
+    rows = _tokens(client, job)
+    assert [r.status for r in rows] == ["completed"] * 2 + ["failed"] + ["completed"] * 3
+    assert all(r.writes == 1 for r in rows)
+    assert lost == 1 + fast.max_attempts  # once in the batch, then alone until it fails
+    assert rows[2].error.startswith(f"killed or crashed its worker {lost} times (last alone")
+    assert "illegal memory access" in rows[2].error
+    state = job.status(check_workers=False)
+    assert (state.engine_faults, state.items_isolated) == (lost, len(prompts) - 1)
+
+
+SYSTEMS = ["You rewrite product descriptions for a catalogue in plain words.",
+           "You are a support agent: answer the customer's ticket politely.",
+           "Extract the city and the name from the sentence, as JSON.",
+           "Write one quiz question about the topic, with four options."]
+
+
+def test_a_job_over_four_shared_system_prompts_runs_whole_batches_and_exact(client, fast,
+                                                                            engine):
+    """64 chat prompts over four system prompts, through the job path: no fault, no item
+    alone, every step of the batch full while work waits, prefixes shared, and each output
+    the target's own greedy output for that prompt alone."""
+    from specq.worker.engine.drafters import NoDraft
+    from specq.worker.engine.speculative import SpeculativeEngine
+
+    pair, eng = engine
+    lines = [{"messages": [{"role": "system", "content": SYSTEMS[i % 4]},
+                           {"role": "user", "content": f"item {i}: a {['red', 'big'][i % 2]} "
+                                                       f"chair from {i * 7 % 13}"}]}
+             for i in range(64)]
+    job = client.submit(lines, pair=pair, enqueue=False, max_new_tokens=6, chunk_size=64)
+    rows_per_step: list[int] = []
+    eng.on_step = lambda step: rows_per_step.append(len(step.accepted))
+    served = eng.prefixes.served
+    try:
+        _run(client, fast, engine, job)
+    finally:
+        eng.on_step = None
+    state = job.status(check_workers=False)
+    assert (state.completed, state.engine_faults, state.items_isolated) == (64, 0, 0)
+    assert eng.prefixes.served > served  # the system prompts were prefilled once each
+    # the batch stays full (refills wait for admit_group free rows) until the queue runs
+    # dry; then it only drains
+    floor = eng.max_batch_size - eng.admit_group + 1
+    full = next((k for k, n in enumerate(rows_per_step) if n < floor), len(rows_per_step))
+    assert full >= len(rows_per_step) - 8, rows_per_step
+    assert sorted(rows_per_step[full:], reverse=True) == rows_per_step[full:], rows_per_step
+    alone = SpeculativeEngine(eng.target, eng.tokenizer, NoDraft(), max_batch_size=1,
+                              share_prefixes=False)
+    from specq.configs.generation import Request
+
+    want = [alone.generate([Request(id=i, max_new_tokens=6, **line)])[0].token_ids
+            for i, line in enumerate(lines)]
+    assert [r.token_ids for r in _tokens(client, job)] == want

@@ -21,6 +21,7 @@ def test_bench_pipeline_reports_overhead_and_rates(settings, env_for, tmp_path):
     report = json.loads((out / "pipeline.json").read_text())
     assert report["job_status"] == "completed" and report["database"].startswith("postgresql")
     assert report["same_outputs"] == 12  # greedy: the worker reproduces the engine alone
+    assert report["engine_faults"] == 0  # a run with a fault would fail
     for key in ("engine_alone_s", "job_path_s", "overhead_ratio", "submission_prompts_per_s",
                 "result_rows_written_per_s"):
         assert report[key] > 0, key
@@ -39,7 +40,8 @@ def test_bench_fleet_runs_a_job_through_workers_exactly_once(settings, env_for, 
     assert done.returncode == 0, done.stdout + done.stderr
     r = json.loads((out / "fleet.json").read_text())
     assert r["exactly_once"] == {"items": 1500, "writes": 1500, "written_twice": 0,
-                                 "not_completed": 0}
+                                 "not_completed": 0, "engine_faults": 0, "first_fault": None,
+                                 "items_isolated": 0}
     assert r["small_job"]["exactly_once"]["writes"] == 20
     assert r["small_job"]["completed_after_s"] > 0
     for key in ("submit_items_per_s", "end_to_end_items_per_s", "processing_items_per_s",

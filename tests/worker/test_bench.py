@@ -257,7 +257,8 @@ def test_self_draft_speculation_equals_target_greedy(tiny_models, tiny_tokenizer
     assert sum(r.counters.accepted for r in results) > 0
 
 
-@pytest.mark.parametrize("mode", [[], ["--admit-groups", "1,3"]])
+@pytest.mark.parametrize("mode", [[], ["--admit-groups", "1,3"],
+                                  ["--templates", "4", "--check-alone"]])
 def test_prefill_bench_compares_sharing_or_refill_groups(capsys, mode):
     """Side by side on the tiny pair, the outputs identical (never a speed asserted)."""
     from specq.worker.bench import prefill_bench
@@ -267,4 +268,5 @@ def test_prefill_bench_compares_sharing_or_refill_groups(capsys, mode):
     assert prefill_bench.main(argv) == 0
     out = capsys.readouterr().out
     assert "outputs identical 10/10" in out
-    assert ("admit group 3:" in out) == bool(mode)
+    assert ("admit group 3:" in out) == ("--admit-groups" in mode)
+    assert ("each also equal to the prompt run alone" in out) == ("--check-alone" in mode)

@@ -1,24 +1,31 @@
 """A worker with injected engine faults, for the fault tests and `specq bench-chaos`.
 
-    python -m worker.bench.faults FAULTS_FILE --pair tiny [-n NAME]
+    python -m specq.worker.bench.faults FAULTS_FILE --pair tiny [-n NAME]
 
 runs `specq worker --pair tiny` with the engine patched to raise the faults that
 FAULTS_FILE (JSON, re-read whenever it changes) asks for:
 
-    {"version": 1, "oom": 2, "error": 1, "device": 0, "poison": "MARKER"}
+    {"version": 1, "oom": 2, "error": 1, "device": 0, "poison": "MARKER",
+     "poison_kind": "error"}
 
 - ``oom``, ``error``, ``device``: that many steps, from the next one on, fail with a CUDA
   out-of-memory error, a RuntimeError, or a CUDA illegal-memory-access error (in that
   order), once per ``version`` of the file: bump it to ask again.
-- ``poison``: every step whose batch holds a request with MARKER in its prompt fails.
+- ``poison``: every step whose batch holds a request with MARKER in its prompt fails, as
+  ``poison_kind`` says: ``error`` (a RuntimeError), ``device`` (a CUDA illegal memory
+  access: the worker exits for its supervisor), or ``kill`` (the process dies at once, as
+  by a segfault: SIGKILL to itself).
 The fault strikes inside the step's target pass, after the drafter proposed, as a real
-one would: the drafter's state is left half-updated. A real CUDA error cannot happen on
-this CPU-only machine: these stand in for one (a mock where the real part cannot run).
+one would: the drafter's state is left half-updated. A real CUDA error or segfault is not
+what this CPU-only machine should produce on purpose: these stand in for one (a mock where
+the real part cannot run).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +37,7 @@ from specq.worker.engine.batch import KVRows
 from specq.worker.engine.speculative import SpeculativeEngine, Step
 
 KINDS = ("oom", "error", "device")
+POISON_KINDS = ("error", "device", "kill")
 
 
 def make_fault(kind: str) -> Exception:
@@ -51,6 +59,7 @@ class FaultPlan:
         self._version: Any = None
         self.queue: list[str] = []
         self.poison: str | None = None
+        self.poison_kind = "error"
         self.armed = True  # main() arms it once the worker is ready (after its warm-up)
 
     def _reload(self) -> None:
@@ -66,6 +75,9 @@ class FaultPlan:
         except ValueError:
             return  # caught half-written: the next step reads it again
         self.poison = plan.get("poison")
+        self.poison_kind = plan.get("poison_kind", "error")
+        if self.poison_kind not in POISON_KINDS:
+            raise ValueError(f"{self.path}: poison_kind must be one of {POISON_KINDS}")
         if plan.get("version") != self._version:
             self._version = plan.get("version")
             self.queue = [k for k in KINDS for _ in range(int(plan.get(k, 0)))]
@@ -75,7 +87,7 @@ class FaultPlan:
             return None
         self._reload()
         if self.poison and any(self.poison in _text(r.request) for r in engine.rows):
-            return "poison"
+            return {"error": "poison", "device": "device", "kill": "kill"}[self.poison_kind]
         return self.queue.pop(0) if self.queue else None
 
 
@@ -102,6 +114,8 @@ def install(plan: FaultPlan) -> Callable[[], None]:
 
     def faulty_forward(self: KVRows, *args: Any, **kwargs: Any) -> torch.Tensor:
         kind = armed.pop(id(self.model), None)
+        if kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)  # as a segfault would: no cleanup at all
         if kind:
             raise make_fault(kind)
         return forward(self, *args, **kwargs)
@@ -123,7 +137,7 @@ def main(argv: list[str]) -> None:
 
     from specq.worker.app import run_worker
 
-    p = argparse.ArgumentParser(prog="python -m worker.bench.faults")
+    p = argparse.ArgumentParser(prog="python -m specq.worker.bench.faults")
     p.add_argument("faults_file", type=Path)
     p.add_argument("--pair", required=True)
     p.add_argument("-n", "--hostname")

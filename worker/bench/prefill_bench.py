@@ -9,6 +9,11 @@ figure is each side's median, and the first tokens must agree.
 
     python -m specq.worker.bench.prefill_bench --pair smollm2-135m --prompts 64 --prefix-tokens 300
 
+With `--templates N` the prompts use N different system prompts (prompt i the (i mod N)-th),
+so that every admission holds several shared-prefix groups, as a synthesis job's does;
+`--check-alone` also runs each prompt alone (batch 1, sharing off) and counts the outputs
+that equal it. Every run reports its batch rows per step (the batch stays full).
+
 With `--admit-groups 1,4` it compares refill groups instead (sharing on): rows ask for
 1..`--max-new-tokens` tokens (varied, so that they finish one by one), and a refill waits
 until that many rows are free (SpeculativeEngine.admit_group); the figures are prefills,
@@ -40,24 +45,38 @@ TOPICS = ["a wooden chair", "a steel kettle", "a wool scarf", "a glass vase", "a
           "a cotton shirt", "a ceramic mug", "a bamboo desk"]
 
 
-def job(tokenizer, prompts: int, prefix_tokens: int) -> list[list[int]]:
-    """Prompt token ids: the same `prefix_tokens` system tokens, then a question each."""
-    system = tokenizer(SYSTEM * (prefix_tokens // 20 + 1)).input_ids[:prefix_tokens]
-    return [system + tokenizer(f" Item {i}: rewrite the description of {TOPICS[i % len(TOPICS)]}"
-                               f" sold in pack {i // len(TOPICS) + 1}.").input_ids
+TEAMS = ["Furniture", "Kitchen", "Clothing", "Garden", "Toys", "Lighting", "Office", "Sports"]
+
+
+def job(tokenizer, prompts: int, prefix_tokens: int, templates: int = 1) -> list[list[int]]:
+    """Prompt token ids: one of ``templates`` system prompts of `prefix_tokens` tokens
+    (prompt i takes the (i mod templates)-th), then a question each."""
+    systems = [tokenizer(f"[{TEAMS[t % len(TEAMS)]} desk {t}] " + SYSTEM * (prefix_tokens // 20 + 1)
+                         ).input_ids[:prefix_tokens] for t in range(templates)]
+    return [systems[i % templates]
+            + tokenizer(f" Item {i}: rewrite the description of {TOPICS[i % len(TOPICS)]}"
+                        f" sold in pack {i // len(TOPICS) + 1}.").input_ids
             for i in range(prompts)]
 
 
 def run_once(pair, prompts: list[list[int]], batch: int, new_tokens: int | list[int],
-             share: bool, group: int | None = None) -> tuple[SpeculativeEngine, float, list]:
-    """One run on a fresh engine: (the engine, wall seconds, output ids per prompt)."""
+             share: bool, group: int | None = None
+             ) -> tuple[SpeculativeEngine, float, list, list[int]]:
+    """One run on a fresh engine: (the engine, wall seconds, output ids per prompt, rows of
+    each step). A result with an error fails the run."""
     engine = SpeculativeEngine(pair.target, pair.tokenizer, NoDraft(), max_batch_size=batch,
                                share_prefixes=share, admit_group=group)
+    rows: list[int] = []
+    engine.on_step = lambda step: rows.append(len(step.accepted))
     new = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)
     t0 = time.perf_counter()
     results = engine.generate(Request(id=i, prompt_token_ids=p, max_new_tokens=n)
                               for i, (p, n) in enumerate(zip(prompts, new)))
-    return engine, time.perf_counter() - t0, [r.token_ids for r in results]
+    seconds = time.perf_counter() - t0
+    for r in results:
+        if r.error:
+            raise RuntimeError(f"prompt {r.id}: {r.error}")
+    return engine, seconds, [r.token_ids for r in results], rows
 
 
 def varied(prompts: int, max_new: int) -> list[int]:
@@ -76,26 +95,34 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=positive_int, default=1,
                    help="1: the job is all prefill; more: rows refill as others finish")
     p.add_argument("--repeat", type=positive_int, default=1)
+    p.add_argument("--templates", type=positive_int, default=1,
+                   help="different system prompts among the prompts")
+    p.add_argument("--check-alone", action="store_true",
+                   help="also run each prompt alone and count outputs equal to it")
     p.add_argument("--admit-groups", type=_ints,
                    help="compare these refill groups (e.g. 1,4) instead of sharing off/on")
     args = p.parse_args(argv)
     pair = load_model(args)
-    prompts = job(pair.tokenizer, args.prompts, args.prefix_tokens)
+    prompts = job(pair.tokenizer, args.prompts, args.prefix_tokens, args.templates)
     configs = ([(True, g) for g in args.admit_groups] if args.admit_groups
                else [(False, None), (True, None)])
     new = varied(len(prompts), args.max_new_tokens) if args.admit_groups else args.max_new_tokens
     runs: dict[tuple, list[tuple[int, float, float]]] = {c: [] for c in configs}
-    tokens = {}
+    tokens, steps = {}, {}
     for _ in range(args.repeat):  # rounds interleave the configurations
         for share, group in configs:
-            engine, wall, tokens[share, group] = run_once(pair, prompts, args.batch, new, share,
-                                                          group)
+            engine, wall, tokens[share, group], steps[share, group] = run_once(
+                pair, prompts, args.batch, new, share, group)
             runs[share, group].append((engine.admissions, engine.prefill_seconds, wall))
     first = tokens[configs[0]]
+    if args.check_alone:
+        alone = [run_once(pair, [q], 1, n, False)[2][0] for q, n in
+                 zip(prompts, new if isinstance(new, list) else [new] * len(prompts))]
+        tokens["alone"] = alone
     same = min(sum(a == b for a, b in zip(first, t)) for t in tokens.values())
     lengths = sorted(map(len, prompts))
     print(f"{args.prompts} prompts of {lengths[0]}-{lengths[-1]} tokens sharing "
-          f"{args.prefix_tokens}, batch {args.batch}, "
+          f"{args.prefix_tokens} in {args.templates} template(s), batch {args.batch}, "
           f"{'1-' if args.admit_groups else ''}{args.max_new_tokens} new tokens, "
           f"{args.pair} on {pair.target.device} {str(pair.target.dtype).removeprefix('torch.')}, "
           f"torch threads {torch.get_num_threads()}, median of {args.repeat}")
@@ -112,7 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     else:
         off, on = median((False, None), 1), median((True, None), 1)
         print(f"prefill seconds: sharing off {off:.2f}, on {on:.2f}: {off / on:.2f}x faster")
-    print(f"outputs identical {same}/{len(prompts)}")
+    for (share, group), rows in steps.items():
+        if not rows:  # max_new_tokens 1: the prefill gives the only token, no step
+            continue
+        print(f"sharing {'on' if share else 'off'}{f', group {group}' if group else ''}: "
+              f"rows per step {statistics.mean(rows):.1f} (max {max(rows)}) over "
+              f"{len(rows)} steps")
+    print(f"outputs identical {same}/{len(prompts)}"
+          + (" (each also equal to the prompt run alone)" if args.check_alone else ""))
     return 0 if same == len(prompts) else 1
 
 

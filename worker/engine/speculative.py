@@ -164,7 +164,7 @@ class SpeculativeEngine:
     @torch.inference_mode()
     def generate(
         self, requests: Iterable[Request], on_result: Callable[[Result], None] | None = None,
-        *, job: Hashable = None,
+        *, job: Hashable = None, on_admit: Callable[[list[int | str]], None] | None = None,
     ) -> list[Result]:
         """Run every request to completion; results come back in request order.
 
@@ -172,6 +172,9 @@ class SpeculativeEngine:
         with ``error`` set; the others go on. ``on_result`` sees each result as it ends.
         ``job`` names the job the requests belong to: a drafter that learns from a job's
         finished rows (suffix.py) keeps what it learnt for the job's next generation.
+        ``on_admit`` sees the ids of the requests about to join the batch, before any of
+        their work starts: a worker records them, so that if its process dies the next
+        run knows which requests were in flight (worker/attempts.py).
         """
         waiting = deque(enumerate(requests))
         results: dict[int, Result] = {}
@@ -185,7 +188,7 @@ class SpeculativeEngine:
         self.drafter.use_job(job)
         while waiting or self.rows:
             if waiting and self._room_for(len(waiting)):
-                self._admit(waiting, done)
+                self._admit(waiting, done, on_admit)
                 self._retire(done)  # max_new_tokens = 1, or EOS first
             if self.rows:
                 self._apply(self.step())
@@ -219,7 +222,8 @@ class SpeculativeEngine:
         return [r.request.id for r in getattr(self, "rows", [])] + list(
             getattr(self, "joining", []))
 
-    def _admit(self, waiting: deque, done: Callable[[int, Result], None]) -> None:
+    def _admit(self, waiting: deque, done: Callable[[int, Result], None],
+               on_admit: Callable[[list[int | str]], None] | None = None) -> None:
         """Prefill waiting requests into free rows; the prefill yields each first token."""
         new: list[tuple[int, Row]] = []
         while waiting and len(self.rows) + len(new) < self.max_batch_size:
@@ -232,9 +236,11 @@ class SpeculativeEngine:
             new.append((i, Row(req, ids, self.eos_ids, self.tokenizer)))
         if not new:
             return
-        t0 = time.perf_counter()
         rows = [r for _, r in new]
         self.joining = [r.request.id for r in rows]
+        if on_admit:
+            on_admit(list(self.joining))
+        t0 = time.perf_counter()
         prompts = [r.tokens for r in rows]
         kv, logits = prefill(self.target, prompts, self.pad_id, self.prefixes)  # [n, 1, V]
         self.admissions += 1

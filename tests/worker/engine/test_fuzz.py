@@ -112,10 +112,15 @@ class Outcomes:
         assert outcome.index not in self.results, f"item {outcome.index} written twice"
         self.results[outcome.index] = outcome
 
-    def failed(self, indices: list[int], error: str) -> None:
+    def failed(self, indices: list[int], error: str, generation: int | None = None) -> None:
         self.failures.append((indices, error))
 
-    def launch(self, indices: list[int], alone: bool) -> None: ...
+    def out_of_memory(self, error: str) -> None: ...
+
+    def crashed(self, indices: list[int], why: str) -> None:
+        raise AssertionError(f"no device is lost here: {why}")
+
+    def launch(self, indices: list[int], generation: int) -> None: ...
 
     def should_stop(self) -> bool:
         return False
