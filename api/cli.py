@@ -259,6 +259,11 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("migrate", help="create or upgrade the database schema (alembic)")
     s.set_defaults(func=cmd_migrate)
 
+    s = sub.add_parser("config", help="the settings in effect and where each came from "
+                       "(env, .env, default); passwords hidden")
+    s.add_argument("--json", action="store_true", help="a JSON object: name -> value, source")
+    s.set_defaults(func=cmd_config)
+
     for name, (_, text) in HEAVY.items():
         s = sub.add_parser(name, help=text, add_help=False)  # `specq NAME -h`: its own help
         s.set_defaults(func=cmd_heavy, heavy=name)
@@ -520,7 +525,7 @@ def cmd_beat(args: argparse.Namespace) -> int:
           f"{', '.join(schedules) or 'none'}", file=sys.stderr)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "celery", "-A", "specq.api.beat", "worker", "-B",
-            "-s", str(settings.data_dir / "celerybeat-schedule"), "-P", "solo", "-c", "1",
+            "-s", str(settings.beat_schedule_file), "-P", "solo", "-c", "1",
             "-Q", synth_queue(settings), "--loglevel", args.loglevel, "-n", "beat@%h",
             "--without-gossip", "--without-mingle"]
     sys.stdout.flush()
@@ -542,6 +547,21 @@ def cmd_worker(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, "-m", "celery", *argv])
     return 0  # not reached
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print every setting as this process reads it (paths absolute, secrets as ***)."""
+    from specq.configs.settings import settings_in_effect
+
+    rows = settings_in_effect(get_settings())
+    if args.json:
+        print(json.dumps({name: {"value": value, "source": source}
+                          for name, value, source in rows}, indent=2))
+        return 0
+    width = max(len(name) for name, _, _ in rows)
+    for name, value, source in rows:
+        print(f"{name:<{width}}  {value}  ({source})")
+    return 0
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
