@@ -217,6 +217,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--output", "-o", default="-", type=_output, help="file, or - for stdout")
     s.add_argument("--format", "-f", default="jsonl", choices=FORMATS,
                    help="jsonl (stored outcomes), openai (Batch API output lines), parquet")
+    s.add_argument("--no-input", dest="input", action="store_false",
+                   help="leave out each item's prompt, messages and parameters (jsonl, "
+                        "parquet): smaller files, joined back by index or custom_id")
     s.set_defaults(func=cmd_results)
 
     s = sub.add_parser("jobs", help="the latest jobs")
@@ -433,7 +436,7 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    n = formats.export(Client().job(args.job), args.output, args.format)
+    n = formats.export(Client().job(args.job), args.output, args.format, input=args.input)
     if args.output != "-":
         print(f"{n} results written to {args.output}", file=sys.stderr)
     return 0

@@ -182,10 +182,13 @@ class JobMetrics(Counters):
 
 @dataclass
 class ItemResult:
-    """One item's outcome, as stored."""
+    """One item's outcome, as stored, and what was asked for: the prompt or messages and
+    the line's own sampling parameters (None where the line gave none, or where results()
+    was asked not to read them). ``custom_id`` is the one submitted, or request-INDEX for an
+    item submitted without one (a plain prompt): `item_id`."""
 
     index: int
-    custom_id: str | None
+    custom_id: str
     status: str
     output: str | None
     finish_reason: str | None
@@ -193,9 +196,22 @@ class ItemResult:
     prompt_tokens: int | None
     counters: dict[str, Any]
     worker: str | None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    params: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+INPUT_COLUMNS = ("prompt", "messages", "params")  # what a line asked for, as stored
+
+
+def item_id(custom_id: str | None, index: int) -> str:
+    """An item's id in every result: its custom_id, or request-INDEX when it was submitted
+    without one (a plain prompt), as OpenAI Batch output lines need one per request. Stable:
+    the index is the item's place in the input, 0-based."""
+    return custom_id if custom_id is not None else f"request-{index}"
 
 
 class Client:
@@ -437,19 +453,26 @@ class Job:
         finally:
             bar.close()
 
-    def results(self, batch: int = 1000) -> Iterator[ItemResult]:
-        """Every item in index order, streamed from the database (only the columns read)."""
+    def results(self, batch: int = 1000, input: bool = True) -> Iterator[ItemResult]:
+        """Every item in index order, streamed from the database (only the columns read);
+        with ``input`` (the default) each carries its prompt or messages and parameters."""
         names = SCALARS + ARRAYS
+        extra = INPUT_COLUMNS if input else ()
         columns = ("index", "custom_id", "status", "output", "finish_reason", "error",
-                   "prompt_tokens", "worker", *names)
+                   "prompt_tokens", "worker", *extra, *names)
+        n = len(extra)
         with self.client.sessions() as s:
             for (index, custom_id, status, output, finish_reason, error, prompt_tokens, worker,
-                 *counters) in repo.iter_items(s, job_id=self.id, batch=batch, columns=columns):
-                yield ItemResult(
-                    index=index, custom_id=custom_id, status=status, output=output,
-                    finish_reason=finish_reason, error=error, prompt_tokens=prompt_tokens,
-                    counters=dict(zip(names, counters)), worker=worker,
+                 *rest) in repo.iter_items(s, job_id=self.id, batch=batch, columns=columns):
+                item = ItemResult(
+                    index=index, custom_id=item_id(custom_id, index), status=status,
+                    output=output, finish_reason=finish_reason, error=error,
+                    prompt_tokens=prompt_tokens, counters=dict(zip(names, rest[n:])),
+                    worker=worker,
                 )
+                if n:
+                    item.prompt, item.messages, item.params = rest[:n]
+                yield item
 
     def metrics(self) -> JobMetrics:
         """The job's counters and counts, read from the views (db/views.py: job_metrics,
