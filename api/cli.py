@@ -19,6 +19,7 @@ from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 
 from specq.api import formats
 from specq.api.client import Client
+from specq.api.figures import drafted, drafting, item_counts, shown
 from specq.api.formats import FORMATS, OutputError, check_output
 from specq.api.inputs import InputError, check_count, check_job_id, describe, show
 from specq.configs.presets import PresetError
@@ -375,13 +376,12 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _progress_line(state: Any, m: Any) -> str:
-    """One line: status, items done, acceptance rate and tokens/s so far."""
-    rate = f"{m.acceptance_rate:.3f}" if m.acceptance_rate is not None else "-"
-    mal = f"{m.mean_acceptance_length:.2f}" if m.mean_acceptance_length is not None else "-"
-    tps = f"{m.tokens_per_second:.1f}" if m.tokens_per_second else "-"
-    return (f"{time.strftime('%H:%M:%S')} job {state.id} {state.status}: "
-            f"{state.done}/{state.total} done ({state.completed} completed, {state.failed} "
-            f"failed)  acceptance {rate}  mean acceptance length {mal}  tokens/s {tps}")
+    """One line: status, items by status, acceptance rate and tokens/s so far (api/figures.py
+    writes each figure as `specq metrics` and `specq jobs` do)."""
+    return (f"{time.strftime('%H:%M:%S')} job {state.id} {state.status}: {item_counts(state)}  "
+            f"acceptance {shown('acceptance_rate', m.acceptance_rate)}  "
+            f"mean acceptance length {shown('mean_acceptance_length', m.mean_acceptance_length)}"
+            f"  tokens/s {shown('tokens_per_second', m.tokens_per_second)}")
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
@@ -449,28 +449,19 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         print(json.dumps([_summary(j.as_dict()) for j in jobs], indent=2))
         return 0
-    print(f"{'id':>6}  {'status':<11} {'pair':<16} {'drafting':<24} {'done':>11}  "
-          f"{'accept':>6}  {'len':>5}  {'g':>4}  {'tok/s':>7}  {'speedup':>7}  created")
+    print(f"{'id':>6}  {'status':<11} {'pair':<16} {'drafting':<24} {'completed':>15} "
+          f"{'failed':>7} {'cancel':>7}  {'accept':>6}  {'len':>5}  {'g':>5}  {'tok/s':>7}  "
+          f"{'speedup':>7}  created")
     for j in jobs:
-        print(f"{j.id:>6}  {j.status:<11} {j.pair:<16} {_drafting(j):<24} "
-              f"{f'{j.done}/{j.total}':>11}  {_fmt(j.acceptance_rate, '.3f'):>6}  "
-              f"{_fmt(j.mean_acceptance_length, '.2f'):>5}  {_fmt(j.mean_draft_length, '.1f'):>4}  "
-              f"{_fmt(j.tokens_per_second, '.1f'):>7}  {_fmt(j.estimated_speedup, '.2f'):>7}  "
+        print(f"{j.id:>6}  {j.status:<11} {j.pair:<16} {drafting(j):<24} "
+              f"{f'{j.completed}/{j.total}':>15} {j.failed:>7} {j.cancelled:>7}  "
+              f"{shown('acceptance_rate', j.acceptance_rate):>6}  "
+              f"{shown('mean_acceptance_length', j.mean_acceptance_length):>5}  "
+              f"{shown('mean_draft_length', j.mean_draft_length):>5}  "
+              f"{shown('tokens_per_second', j.tokens_per_second):>7}  "
+              f"{shown('estimated_speedup', j.estimated_speedup, drafted=drafted(j)):>7}  "
               f"{j.created_at.strftime('%Y-%m-%d %H:%M:%S') if j.created_at else ''}")
     return 0
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _drafting(j: Any) -> str:
-    """'model/adaptive:5', 'prompt_lookup/fixed:4', 'none', or '-' where not recorded."""
-    if j.drafter is None:
-        return "-"
-    if j.draft_mode is None:
-        return j.drafter
-    return f"{j.drafter}/{j.draft_mode}:{j.draft_length}"
 
 
 def cmd_synth_run(args: argparse.Namespace) -> int:

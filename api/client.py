@@ -139,6 +139,14 @@ class JobMetrics(Counters):
     pending: int
     wall_time: float | None  # first item start → last item finish
     draft_length_over_time: list[float] = field(default_factory=list)  # mean g, by 10ths
+    # (seconds since the first chunk started, new tokens/s) per interval, up to 20
+    throughput_over_time: list[tuple[float, float]] = field(default_factory=list)
+    # how the job's pair drafts (job_metrics), for titles
+    pair: str | None = None
+    drafter: str | None = None
+    draft_model: str | None = None
+    draft_mode: str | None = None
+    draft_length: int | None = None
 
     @property
     def mean_draft_length(self) -> float | None:
@@ -483,7 +491,7 @@ class Job:
                 raise KeyError(f"job {self.id}: not found")
             arrays = {"accepted_by_position": repo.accepted_by_position(s, job_id=self.id),
                       "steps_by_draft_length": repo.steps_by_draft_length(s, job_id=self.id)}
-            timeline = repo.draft_length_timeline(s, job_id=self.id)
+            timeline = repo.chunk_timeline(s, job_id=self.id)
         row = rows[0]
         kind = counter_kinds()
         return JobMetrics(
@@ -492,7 +500,11 @@ class Job:
             **{k: (float(row[k]) if kind[k] == "float" else int(row[k])) for k in SCALARS},
             **arrays,
             wall_time=None if row["wall_time"] is None else float(row["wall_time"]),
-            draft_length_over_time=_mean_g_by_tenths(timeline),
+            draft_length_over_time=_mean_g_by_tenths([(t1, steps) for _, t1, _, steps
+                                                      in timeline if steps]),
+            throughput_over_time=_throughput_over_time(timeline),
+            **{k: row[k] for k in ("pair", "drafter", "draft_model", "draft_mode",
+                                   "draft_length")},
         )
 
     def retry(self) -> list[int]:
@@ -534,6 +546,33 @@ def _mean_g_by_tenths(timeline: list[tuple[Any, list[int]]]) -> list[float]:
         total = sum(steps)
         out.append(sum(g * c for g, c in enumerate(steps)) / total if total else 0.0)
     return out
+
+
+def _throughput_over_time(timeline: list[tuple[Any, Any, int, list[int]]],
+                          bins: int = 20) -> list[tuple[float, float]]:
+    """New tokens per second in up to ``bins`` equal intervals from the first chunk's start
+    to the last one's finish: (seconds at the interval's middle, tokens/s). A chunk's tokens
+    are spread evenly over its own span (first start to last finish), all that is known of
+    when they came; at most one interval per chunk."""
+    spans = [(t0 or t1, t1, tokens) for t0, t1, tokens, _ in timeline if tokens]
+    if not spans:
+        return []
+    start = min(t0 for t0, _, _ in spans)
+    total = max(repo.elapsed(start, t1) or 0.0 for _, t1, _ in spans)
+    if total <= 0:
+        return []
+    n = min(bins, len(spans))
+    width = total / n
+    tokens = [0.0] * n
+    for t0, t1, count in spans:
+        a, b = repo.elapsed(start, t0) or 0.0, repo.elapsed(start, t1) or 0.0
+        if b <= a:  # no span known: all at its finish
+            tokens[min(int(b / width), n - 1)] += count
+            continue
+        for i in range(min(int(a / width), n - 1), min(int(b / width), n - 1) + 1):
+            overlap = min(b, (i + 1) * width) - max(a, i * width)
+            tokens[i] += count * max(overlap, 0.0) / (b - a)
+    return [((i + 0.5) * width, t / width) for i, t in enumerate(tokens)]
 
 
 def _shown(url: str) -> str:
