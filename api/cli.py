@@ -50,8 +50,7 @@ def main(argv: list[str] | None = None) -> int:
     if rest and not getattr(args, "heavy", None):
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_to_stderr(args.verbose)
     try:
         return args.func(args) or 0
     except (InputError, OutputError, PresetError) as exc:
@@ -68,6 +67,23 @@ def main(argv: list[str] | None = None) -> int:
         hint = "; run `specq migrate`" if re.search(r"no such table|does not exist", first) \
             else ""
         return _fail([f"database: {type(exc).__name__}: {first}{hint}"], 1)
+
+
+class _Plain(logging.Formatter):
+    """'warning: MESSAGE', as the CLI's own errors read."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {record.getMessage()}"
+
+
+def _log_to_stderr(verbose: bool) -> None:
+    """Warnings and errors as 'warning: ...' lines, each said once: a command leaves the
+    warnings the client logs (a broker that cannot be reached) to this handler instead of
+    printing them again. -v: INFO records too, with time and logger."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+                         if verbose else _Plain())
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
 
 
 def _fail(lines: list[str], code: int) -> int:
@@ -201,6 +217,9 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("reconcile", help="re-send every chunk the broker lost (all jobs or one)")
     s.add_argument("job", type=_job_id, nargs="?", help="only this job")
+    s.add_argument("--json", action="store_true",
+                   help="the pass as JSON: candidates (chunks not done, not leased, not sent "
+                        "recently), on_broker, resent, resent_by_job, fed, settled")
     s.set_defaults(func=cmd_reconcile)
 
     s = sub.add_parser("metrics", help="a job's acceptance metrics, draft lengths, tokens/s")
@@ -307,8 +326,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                         priority=args.priority, **_sampling(args))
     state = job.status(check_workers=job.enqueue_error is None)
     print(f"job {job.id}: {state.total} items on pair {state.pair}, {state.status}")
-    if job.enqueue_error:
-        print(f"warning: {job.enqueue_error}", file=sys.stderr)
+    # (a broker that cannot be reached was logged as a warning by Job.enqueue)
     if state.note:
         print(f"note: {state.note}")
     if args.wait:
@@ -431,8 +449,28 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 (the broker's and the database's errors vary)
         raise RuntimeError(f"reconcile: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-    print(json.dumps(report.as_dict(), indent=2))
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print("\n".join(reconcile_summary(report.as_dict(), settings.reconcile_grace)))
     return 0
+
+
+def reconcile_summary(report: dict[str, Any], grace: float) -> list[str]:
+    """What a reconciler pass did, in words (ReconcileReport.as_dict(): --json prints it)."""
+    lines = [f"checked {report['candidates']} chunks that are not done, not leased and not "
+             f"sent in the last {grace:g} s"]
+    if report["candidates"]:
+        lines.append(f"{report['on_broker']} of them still wait on the broker (left alone)")
+    by_job = ", ".join(f"job {j}: {n}" for j, n in sorted(report["resent_by_job"].items()))
+    lines.append(f"re-sent {report['resent']} lost chunks ({by_job})" if report["resent"]
+                 else "nothing lost: no chunk re-sent")
+    if report["fed"]:
+        lines.append(f"sent {report['fed']} more chunks to fill their jobs' turns on the queue")
+    if report["settled"]:
+        lines.append("settled: " + ", ".join(f"job {j} {status}" for j, status
+                                             in sorted(report["settled"].items())))
+    return lines
 
 
 def cmd_results(args: argparse.Namespace) -> int:
@@ -531,12 +569,13 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """Replace this process with a Celery worker consuming the pair's queue only."""
     _need_model_stack("specq worker")
     from specq.configs.presets import get_preset
-    from specq.worker.app import worker_argv
+    from specq.worker.app import quiet_worker_env, worker_argv
     from specq.worker.constants import WORKER_PAIR_ENV
 
     settings = get_settings()
     get_preset(args.pair, settings.presets_file)  # an unknown pair fails here, clearly
     os.environ[WORKER_PAIR_ENV] = args.pair
+    quiet_worker_env()  # no model-loading progress bars as WARNING records in its log
     argv = worker_argv(args.pair, settings, args.loglevel, args.hostname)
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, "-m", "celery", *argv])

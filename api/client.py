@@ -441,7 +441,10 @@ class Job:
         state = self.status()
         if state.note:
             log.warning("job %d: %s", self.id, state.note)
-        bar = tqdm(total=state.total, desc=f"job {self.id}", unit="item", disable=not progress)
+        # items finished before the wait began are its start (initial), not progress: the
+        # rate counts only what finishes while it watches
+        bar = tqdm(total=state.total, initial=state.done, desc=f"job {self.id}", unit="item",
+                   disable=not progress)
         last_check = time.monotonic()
         try:
             while True:
