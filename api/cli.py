@@ -52,7 +52,11 @@ def main(argv: list[str] | None = None) -> int:
     args.rest = rest
     _log_to_stderr(args.verbose)
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        sys.stdout.flush()  # here, where a reader that went away is caught, not at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except (InputError, OutputError, PresetError) as exc:
         return _fail([str(exc)], 2)
     except ValidationError as exc:  # SPECQ_* settings, read when first needed
@@ -64,9 +68,50 @@ def main(argv: list[str] | None = None) -> int:
         return _fail([f"{where}{exc.strerror or exc}"], 1)
     except (OperationalError, ProgrammingError, ArgumentError) as exc:  # down, no schema
         first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [""])[0]
-        hint = "; run `specq migrate`" if re.search(r"no such table|does not exist", first) \
-            else ""
-        return _fail([f"database: {type(exc).__name__}: {first}{hint}"], 1)
+        return _fail([f"database: {type(exc).__name__}: {first}{database_hint(first)}"], 1)
+
+
+# What a database error means for the person who reads it: the next true step.
+_DATABASE_HINTS = (
+    (r'database "([^"]+)" does not exist',
+     "; create it first (`createdb {0}`, or CREATE DATABASE {0} in psql), then run "
+     "`specq migrate`"),
+    (r'role "([^"]+)" does not exist',
+     "; no such user on the server: check the user in SPECQ_DATABASE_URL (`specq config`)"),
+    (r"password authentication failed|no password supplied",
+     "; check the user and password in SPECQ_DATABASE_URL (`specq config`; characters such "
+     "as @ : / ? # % + in a password must be percent-encoded)"),
+    (r"permission denied",
+     "; the user lacks the right: connect as the database's owner, or GRANT it"),
+    (r'no such table|relation "[^"]+" does not exist|UndefinedTable',
+     "; the schema is missing or old: run `specq migrate`"),
+    (r"Connection refused|could not translate host name|timeout expired|Name or service",
+     "; is the server running, and are the host and port in SPECQ_DATABASE_URL right? "
+     "(`specq config`)"),
+    (r"unable to open database file",
+     "; the SQLite file's directory cannot be written (SPECQ_DATA_DIR or the file in "
+     "SPECQ_DATABASE_URL; `specq config`)"),
+)
+
+
+def database_hint(message: str) -> str:
+    """'; what to do next' for a database error's first line ('' when there is nothing
+    better to say than the error itself)."""
+    for pattern, hint in _DATABASE_HINTS:
+        found = re.search(pattern, message)
+        if found:
+            return hint.format(*found.groups())
+    return ""
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed it (`specq jobs --json | head`): stop quietly with the status
+    of a process ended by SIGPIPE (128 + 13), as Unix tools do. What is still buffered goes
+    to /dev/null, so the interpreter's last flush raises nothing either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
 
 
 class _Plain(logging.Formatter):
@@ -183,7 +228,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
     s = sub.add_parser("submit", help="validate and store a JSONL file, send it to workers")
-    s.add_argument("file")
+    s.add_argument("file", help="a JSONL file, or - for standard input")
     s.add_argument("--pair", required=True)
     _job_flags(s)
     s.add_argument("--priority", choices=list(PRIORITIES), default="normal",
@@ -193,7 +238,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_submit)
 
     s = sub.add_parser("run", help="the embedded default: the whole flow in this process")
-    s.add_argument("file")
+    s.add_argument("file", help="a JSONL file, or - for standard input")
     s.add_argument("--pair", default="smollm2-135m")
     s.add_argument("--output", "-o", default="results.jsonl", type=_output)
     _job_flags(s)

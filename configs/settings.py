@@ -122,8 +122,12 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _database_url(cls, value: str | None) -> str | None:
+        """A sqlite or postgresql URL; postgres://, the scheme many hosts hand out, is taken
+        as postgresql+psycopg:// (SQLAlchemy knows no 'postgres' dialect)."""
         if not value:
             return None
+        if value.startswith("postgres://"):
+            value = "postgresql+psycopg://" + value.removeprefix("postgres://")
         try:
             backend = make_url(value).get_backend_name()
         except (ArgumentError, ValueError):

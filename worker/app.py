@@ -1,6 +1,6 @@
 """The Celery app: JSON only, late acks, prefetch 1, no result backend.
 
-`celery -A worker.app worker` (what `specq worker --pair NAME` runs) uses ``app``; a
+`celery -A specq.worker.app worker` (what `specq worker --pair NAME` runs) uses ``app``; a
 producer builds its own with make_app(settings) to send chunk references.
 """
 
@@ -94,7 +94,7 @@ def run_worker(pair: str, loglevel: str = "info", hostname: str | None = None) -
 
 
 def __getattr__(name: str) -> Celery:
-    """``app``, made on first use (by `celery -A worker.app` and worker/tasks.py): importing
+    """``app``, made on first use (by `celery -A specq.worker.app` and worker/tasks.py): importing
     this module reads no settings, so a bad SPECQ_ variable is reported by whoever reads
     them first, clearly (api/cli.py), not as a traceback at import."""
     if name == "app":

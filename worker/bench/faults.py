@@ -1,6 +1,6 @@
 """A worker with injected engine faults, for the fault tests and `specq bench-chaos`.
 
-    python -m worker.bench.faults FAULTS_FILE --pair tiny [-n NAME]
+    python -m specq.worker.bench.faults FAULTS_FILE --pair tiny [-n NAME]
 
 runs `specq worker --pair tiny` with the engine patched to raise the faults that
 FAULTS_FILE (JSON, re-read whenever it changes) asks for:
@@ -123,7 +123,7 @@ def main(argv: list[str]) -> None:
 
     from specq.worker.app import run_worker
 
-    p = argparse.ArgumentParser(prog="python -m worker.bench.faults")
+    p = argparse.ArgumentParser(prog="python -m specq.worker.bench.faults")
     p.add_argument("faults_file", type=Path)
     p.add_argument("--pair", required=True)
     p.add_argument("-n", "--hostname")
