@@ -328,4 +328,11 @@ def settings_in_effect(settings: Settings) -> list[tuple[str, str, str]]:
     rows.append(("database in use", mask_url(settings.sqlalchemy_url),
                  "SPECQ_DATABASE_URL" if settings.database_url else "SPECQ_DATA_DIR"))
     rows.append(("beat state", str(settings.beat_schedule_file), "SPECQ_DATA_DIR"))
+    for name in HUB_VARIABLES:  # read by the model stack (a worker, a hub tokenizer)
+        value = os.environ.get(name)
+        rows.append((name, "-" if value is None else shown_value(name.lower(), value),
+                     "env" if value is not None else "unset"))
     return rows
+
+
+HUB_VARIABLES = ("HF_TOKEN", "HF_HOME")  # the hub's token (hidden) and model cache

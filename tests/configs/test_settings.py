@@ -16,7 +16,7 @@ def config(cwd: Path, home: Path, **env: str) -> dict[str, dict[str, str]]:
     """`specq config --json` run as a new process from ``cwd``, with no SPECQ_ variable but
     ``env`` and the user's directories under ``home``."""
     base = {k: v for k, v in os.environ.items()
-            if not k.startswith(("SPECQ_", "XDG_")) and k != "HOME"}
+            if not k.startswith(("SPECQ_", "XDG_", "HF_")) and k != "HOME"}
     out = subprocess.run(
         [sys.executable, "-m", "specq.api.cli", "config", "--json"], cwd=cwd, check=True,
         env={**base, "HOME": str(home), **env}, capture_output=True, text=True, timeout=60)
@@ -52,9 +52,10 @@ def test_config_hides_passwords_and_says_where_each_value_came_from(tmp_path):
     (tmp_path / ".env").write_text("SPECQ_CHUNK_SIZE=7\n")
     got = config(tmp_path, tmp_path / "home",
                  SPECQ_DATABASE_URL="postgresql+psycopg://u:hunter2@db/x?sslpassword=p2",
-                 SPECQ_BROKER_URL="redis://:s3cret@127.0.0.1:6379/0")
+                 SPECQ_BROKER_URL="redis://:s3cret@127.0.0.1:6379/0", HF_TOKEN="hf_abc123")
     text = json.dumps(got)
     assert "hunter2" not in text and "s3cret" not in text and "p2" not in text
+    assert "hf_abc123" not in text and got["HF_TOKEN"] == {"value": "***", "source": "env"}
     assert got["SPECQ_DATABASE_URL"]["value"].startswith("postgresql+psycopg://u:***@db/x")
     assert got["SPECQ_BROKER_URL"] == {"value": "redis://:***@127.0.0.1:6379/0",
                                        "source": "env"}
