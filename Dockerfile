@@ -5,6 +5,9 @@
 FROM python:3.11-slim
 ARG TORCH=cpu
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# The image's data directory (specq's default is the user's, ~/.local/share/specq): the
+# volume mounted at /app/data keeps tiny models, converted checkpoints, beat state, data sets.
+ENV SPECQ_DATA_DIR=/app/data
 WORKDIR /app
 # The user owns its home (Hugging Face and torch caches) and the data directory (tiny models,
 # beat state, synthesis data sets; a new named volume mounted there copies this ownership),

@@ -58,7 +58,8 @@ def fire(name: str, settings: Settings | None = None) -> int | None:
             running = repo.unfinished_runs(s, schedule=name)
         if running and not _stuck(client, schedule, running, settings):
             return None
-        job = submit(client, load_spec(schedule.spec), schedule=name)
+        job = submit(client, load_spec(schedule.spec, data_dir=settings.data_dir),
+                     schedule=name)
         return job.id
     finally:
         try:

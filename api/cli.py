@@ -19,6 +19,7 @@ from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 
 from specq.api import formats
 from specq.api.client import Client
+from specq.api.figures import drafted, drafting, item_counts, shown
 from specq.api.formats import FORMATS, OutputError, check_output
 from specq.api.inputs import InputError, check_count, check_job_id, describe, show
 from specq.configs.presets import PresetError
@@ -49,10 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     if rest and not getattr(args, "heavy", None):
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _log_to_stderr(args.verbose)
     try:
-        return args.func(args) or 0
+        code = args.func(args) or 0
+        sys.stdout.flush()  # here, where a reader that went away is caught, not at exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except (InputError, OutputError, PresetError) as exc:
         return _fail([str(exc)], 2)
     except ValidationError as exc:  # SPECQ_* settings, read when first needed
@@ -64,9 +68,67 @@ def main(argv: list[str] | None = None) -> int:
         return _fail([f"{where}{exc.strerror or exc}"], 1)
     except (OperationalError, ProgrammingError, ArgumentError) as exc:  # down, no schema
         first = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [""])[0]
-        hint = "; run `specq migrate`" if re.search(r"no such table|does not exist", first) \
-            else ""
-        return _fail([f"database: {type(exc).__name__}: {first}{hint}"], 1)
+        return _fail([f"database: {type(exc).__name__}: {first}{database_hint(first)}"], 1)
+
+
+# What a database error means for the person who reads it: the next true step.
+_DATABASE_HINTS = (
+    (r'database "([^"]+)" does not exist',
+     "; create it first (`createdb {0}`, or CREATE DATABASE {0} in psql), then run "
+     "`specq migrate`"),
+    (r'role "([^"]+)" does not exist',
+     "; no such user on the server: check the user in SPECQ_DATABASE_URL (`specq config`)"),
+    (r"password authentication failed|no password supplied",
+     "; check the user and password in SPECQ_DATABASE_URL (`specq config`; characters such "
+     "as @ : / ? # % + in a password must be percent-encoded)"),
+    (r"permission denied",
+     "; the user lacks the right: connect as the database's owner, or GRANT it"),
+    (r'no such table|relation "[^"]+" does not exist|UndefinedTable',
+     "; the schema is missing or old: run `specq migrate`"),
+    (r"Connection refused|could not translate host name|timeout expired|Name or service",
+     "; is the server running, and are the host and port in SPECQ_DATABASE_URL right? "
+     "(`specq config`)"),
+    (r"unable to open database file",
+     "; the SQLite file's directory cannot be written (SPECQ_DATA_DIR or the file in "
+     "SPECQ_DATABASE_URL; `specq config`)"),
+)
+
+
+def database_hint(message: str) -> str:
+    """'; what to do next' for a database error's first line ('' when there is nothing
+    better to say than the error itself)."""
+    for pattern, hint in _DATABASE_HINTS:
+        found = re.search(pattern, message)
+        if found:
+            return hint.format(*found.groups())
+    return ""
+
+
+def _reader_gone() -> int:
+    """stdout's reader closed it (`specq jobs --json | head`): stop quietly with the status
+    of a process ended by SIGPIPE (128 + 13), as Unix tools do. What is still buffered goes
+    to /dev/null, so the interpreter's last flush raises nothing either."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 141
+
+
+class _Plain(logging.Formatter):
+    """'warning: MESSAGE', as the CLI's own errors read."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {record.getMessage()}"
+
+
+def _log_to_stderr(verbose: bool) -> None:
+    """Warnings and errors as 'warning: ...' lines, each said once: a command leaves the
+    warnings the client logs (a broker that cannot be reached) to this handler instead of
+    printing them again. -v: INFO records too, with time and logger."""
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+                         if verbose else _Plain())
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
 
 
 def _fail(lines: list[str], code: int) -> int:
@@ -166,7 +228,7 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(required=True, metavar="COMMAND")
 
     s = sub.add_parser("submit", help="validate and store a JSONL file, send it to workers")
-    s.add_argument("file")
+    s.add_argument("file", help="a JSONL file, or - for standard input")
     s.add_argument("--pair", required=True)
     _job_flags(s)
     s.add_argument("--priority", choices=list(PRIORITIES), default="normal",
@@ -176,7 +238,7 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_submit)
 
     s = sub.add_parser("run", help="the embedded default: the whole flow in this process")
-    s.add_argument("file")
+    s.add_argument("file", help="a JSONL file, or - for standard input")
     s.add_argument("--pair", default="smollm2-135m")
     s.add_argument("--output", "-o", default="results.jsonl", type=_output)
     _job_flags(s)
@@ -200,6 +262,9 @@ def parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("reconcile", help="re-send every chunk the broker lost (all jobs or one)")
     s.add_argument("job", type=_job_id, nargs="?", help="only this job")
+    s.add_argument("--json", action="store_true",
+                   help="the pass as JSON: candidates (chunks not done, not leased, not sent "
+                        "recently), on_broker, resent, resent_by_job, fed, settled")
     s.set_defaults(func=cmd_reconcile)
 
     s = sub.add_parser("metrics", help="a job's acceptance metrics, draft lengths, tokens/s")
@@ -217,6 +282,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--output", "-o", default="-", type=_output, help="file, or - for stdout")
     s.add_argument("--format", "-f", default="jsonl", choices=FORMATS,
                    help="jsonl (stored outcomes), openai (Batch API output lines), parquet")
+    s.add_argument("--no-input", dest="input", action="store_false",
+                   help="leave out each item's prompt, messages and parameters (jsonl, "
+                        "parquet): smaller files, joined back by index or custom_id")
     s.set_defaults(func=cmd_results)
 
     s = sub.add_parser("jobs", help="the latest jobs")
@@ -259,6 +327,11 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("migrate", help="create or upgrade the database schema (alembic)")
     s.set_defaults(func=cmd_migrate)
 
+    s = sub.add_parser("config", help="the settings in effect and where each came from "
+                       "(env, .env, default); passwords hidden")
+    s.add_argument("--json", action="store_true", help="a JSON object: name -> value, source")
+    s.set_defaults(func=cmd_config)
+
     for name, (_, text) in HEAVY.items():
         s = sub.add_parser(name, help=text, add_help=False)  # `specq NAME -h`: its own help
         s.set_defaults(func=cmd_heavy, heavy=name)
@@ -298,8 +371,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
                         priority=args.priority, **_sampling(args))
     state = job.status(check_workers=job.enqueue_error is None)
     print(f"job {job.id}: {state.total} items on pair {state.pair}, {state.status}")
-    if job.enqueue_error:
-        print(f"warning: {job.enqueue_error}", file=sys.stderr)
+    # (a broker that cannot be reached was logged as a warning by Job.enqueue)
     if state.note:
         print(f"note: {state.note}")
     if args.wait:
@@ -367,15 +439,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def _progress_line(state: Any, m: Any) -> str:
-    """One line: status, items done, acceptance rate and tokens/s so far."""
-    rate = f"{m.acceptance_rate:.3f}" if m.acceptance_rate is not None else "-"
-    mal = f"{m.mean_acceptance_length:.2f}" if m.mean_acceptance_length is not None else "-"
-    tps = f"{m.tokens_per_second:.1f}" if m.tokens_per_second else "-"
+    """One line: status, items by status, acceptance rate and tokens/s so far (api/figures.py
+    writes each figure as `specq metrics` and `specq jobs` do), and the faults met if any."""
     faults = (f"  engine faults {state.engine_faults}, {state.items_isolated} items run alone"
               if state.engine_faults else "")
-    return (f"{time.strftime('%H:%M:%S')} job {state.id} {state.status}: "
-            f"{state.done}/{state.total} done ({state.completed} completed, {state.failed} "
-            f"failed)  acceptance {rate}  mean acceptance length {mal}  tokens/s {tps}{faults}")
+    return (f"{time.strftime('%H:%M:%S')} job {state.id} {state.status}: {item_counts(state)}  "
+            f"acceptance {shown('acceptance_rate', m.acceptance_rate)}  "
+            f"mean acceptance length {shown('mean_acceptance_length', m.mean_acceptance_length)}"
+            f"  tokens/s {shown('tokens_per_second', m.tokens_per_second)}{faults}")
 
 
 def cmd_metrics(args: argparse.Namespace) -> int:
@@ -425,12 +496,32 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     except Exception as exc:  # noqa: BLE001 (the broker's and the database's errors vary)
         raise RuntimeError(f"reconcile: {type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
-    print(json.dumps(report.as_dict(), indent=2))
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        print("\n".join(reconcile_summary(report.as_dict(), settings.reconcile_grace)))
     return 0
 
 
+def reconcile_summary(report: dict[str, Any], grace: float) -> list[str]:
+    """What a reconciler pass did, in words (ReconcileReport.as_dict(): --json prints it)."""
+    lines = [f"checked {report['candidates']} chunks that are not done, not leased and not "
+             f"sent in the last {grace:g} s"]
+    if report["candidates"]:
+        lines.append(f"{report['on_broker']} of them still wait on the broker (left alone)")
+    by_job = ", ".join(f"job {j}: {n}" for j, n in sorted(report["resent_by_job"].items()))
+    lines.append(f"re-sent {report['resent']} lost chunks ({by_job})" if report["resent"]
+                 else "nothing lost: no chunk re-sent")
+    if report["fed"]:
+        lines.append(f"sent {report['fed']} more chunks to fill their jobs' turns on the queue")
+    if report["settled"]:
+        lines.append("settled: " + ", ".join(f"job {j} {status}" for j, status
+                                             in sorted(report["settled"].items())))
+    return lines
+
+
 def cmd_results(args: argparse.Namespace) -> int:
-    n = formats.export(Client().job(args.job), args.output, args.format)
+    n = formats.export(Client().job(args.job), args.output, args.format, input=args.input)
     if args.output != "-":
         print(f"{n} results written to {args.output}", file=sys.stderr)
     return 0
@@ -443,28 +534,19 @@ def cmd_jobs(args: argparse.Namespace) -> int:
     if getattr(args, "json", False):
         print(json.dumps([_summary(j.as_dict()) for j in jobs], indent=2))
         return 0
-    print(f"{'id':>6}  {'status':<11} {'pair':<16} {'drafting':<24} {'done':>11}  "
-          f"{'accept':>6}  {'len':>5}  {'g':>4}  {'tok/s':>7}  {'speedup':>7}  created")
+    print(f"{'id':>6}  {'status':<11} {'pair':<16} {'drafting':<24} {'completed':>15} "
+          f"{'failed':>7} {'cancel':>7}  {'accept':>6}  {'len':>5}  {'g':>5}  {'tok/s':>7}  "
+          f"{'speedup':>7}  created")
     for j in jobs:
-        print(f"{j.id:>6}  {j.status:<11} {j.pair:<16} {_drafting(j):<24} "
-              f"{f'{j.done}/{j.total}':>11}  {_fmt(j.acceptance_rate, '.3f'):>6}  "
-              f"{_fmt(j.mean_acceptance_length, '.2f'):>5}  {_fmt(j.mean_draft_length, '.1f'):>4}  "
-              f"{_fmt(j.tokens_per_second, '.1f'):>7}  {_fmt(j.estimated_speedup, '.2f'):>7}  "
+        print(f"{j.id:>6}  {j.status:<11} {j.pair:<16} {drafting(j):<24} "
+              f"{f'{j.completed}/{j.total}':>15} {j.failed:>7} {j.cancelled:>7}  "
+              f"{shown('acceptance_rate', j.acceptance_rate):>6}  "
+              f"{shown('mean_acceptance_length', j.mean_acceptance_length):>5}  "
+              f"{shown('mean_draft_length', j.mean_draft_length):>5}  "
+              f"{shown('tokens_per_second', j.tokens_per_second):>7}  "
+              f"{shown('estimated_speedup', j.estimated_speedup, drafted=drafted(j)):>7}  "
               f"{j.created_at.strftime('%Y-%m-%d %H:%M:%S') if j.created_at else ''}")
     return 0
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def _drafting(j: Any) -> str:
-    """'model/adaptive:5', 'prompt_lookup/fixed:4', 'none', or '-' where not recorded."""
-    if j.drafter is None:
-        return "-"
-    if j.draft_mode is None:
-        return j.drafter
-    return f"{j.drafter}/{j.draft_mode}:{j.draft_length}"
 
 
 def cmd_synth_run(args: argparse.Namespace) -> int:
@@ -522,7 +604,7 @@ def cmd_beat(args: argparse.Namespace) -> int:
           f"{', '.join(schedules) or 'none'}", file=sys.stderr)
     settings.data_dir.mkdir(parents=True, exist_ok=True)
     argv = [sys.executable, "-m", "celery", "-A", "specq.api.beat", "worker", "-B",
-            "-s", str(settings.data_dir / "celerybeat-schedule"), "-P", "solo", "-c", "1",
+            "-s", str(settings.beat_schedule_file), "-P", "solo", "-c", "1",
             "-Q", synth_queue(settings), "--loglevel", args.loglevel, "-n", "beat@%h",
             "--without-gossip", "--without-mingle"]
     sys.stdout.flush()
@@ -534,16 +616,32 @@ def cmd_worker(args: argparse.Namespace) -> int:
     """Replace this process with a Celery worker consuming the pair's queue only."""
     _need_model_stack("specq worker")
     from specq.configs.presets import get_preset
-    from specq.worker.app import worker_argv
+    from specq.worker.app import quiet_worker_env, worker_argv
     from specq.worker.constants import WORKER_PAIR_ENV
 
     settings = get_settings()
     get_preset(args.pair, settings.presets_file)  # an unknown pair fails here, clearly
     os.environ[WORKER_PAIR_ENV] = args.pair
+    quiet_worker_env()  # no model-loading progress bars as WARNING records in its log
     argv = worker_argv(args.pair, settings, args.loglevel, args.hostname)
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, "-m", "celery", *argv])
     return 0  # not reached
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    """Print every setting as this process reads it (paths absolute, secrets as ***)."""
+    from specq.configs.settings import settings_in_effect
+
+    rows = settings_in_effect(get_settings())
+    if args.json:
+        print(json.dumps({name: {"value": value, "source": source}
+                          for name, value, source in rows}, indent=2))
+        return 0
+    width = max(len(name) for name, _, _ in rows)
+    for name, value, source in rows:
+        print(f"{name:<{width}}  {value}  ({source})")
+    return 0
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

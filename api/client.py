@@ -147,6 +147,14 @@ class JobMetrics(Counters):
     engine_faults: int = 0  # as JobState's
     first_fault: str | None = None
     items_isolated: int = 0
+    # (seconds since the first chunk started, new tokens/s) per interval, up to 20
+    throughput_over_time: list[tuple[float, float]] = field(default_factory=list)
+    # how the job's pair drafts (job_metrics), for titles
+    pair: str | None = None
+    drafter: str | None = None
+    draft_model: str | None = None
+    draft_mode: str | None = None
+    draft_length: int | None = None
 
     @property
     def mean_draft_length(self) -> float | None:
@@ -190,10 +198,13 @@ class JobMetrics(Counters):
 
 @dataclass
 class ItemResult:
-    """One item's outcome, as stored."""
+    """One item's outcome, as stored, and what was asked for: the prompt or messages and
+    the line's own sampling parameters (None where the line gave none, or where results()
+    was asked not to read them). ``custom_id`` is the one submitted, or request-INDEX for an
+    item submitted without one (a plain prompt): `item_id`."""
 
     index: int
-    custom_id: str | None
+    custom_id: str
     status: str
     output: str | None
     finish_reason: str | None
@@ -201,9 +212,22 @@ class ItemResult:
     prompt_tokens: int | None
     counters: dict[str, Any]
     worker: str | None
+    prompt: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    params: dict[str, Any] | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+INPUT_COLUMNS = ("prompt", "messages", "params")  # what a line asked for, as stored
+
+
+def item_id(custom_id: str | None, index: int) -> str:
+    """An item's id in every result: its custom_id, or request-INDEX when it was submitted
+    without one (a plain prompt), as OpenAI Batch output lines need one per request. Stable:
+    the index is the item's place in the input, 0-based."""
+    return custom_id if custom_id is not None else f"request-{index}"
 
 
 class Client:
@@ -427,7 +451,10 @@ class Job:
         state = self.status()
         if state.note:
             log.warning("job %d: %s", self.id, state.note)
-        bar = tqdm(total=state.total, desc=f"job {self.id}", unit="item", disable=not progress)
+        # items finished before the wait began are its start (initial), not progress: the
+        # rate counts only what finishes while it watches
+        bar = tqdm(total=state.total, initial=state.done, desc=f"job {self.id}", unit="item",
+                   disable=not progress)
         last_check = time.monotonic()
         try:
             while True:
@@ -447,19 +474,26 @@ class Job:
         finally:
             bar.close()
 
-    def results(self, batch: int = 1000) -> Iterator[ItemResult]:
-        """Every item in index order, streamed from the database (only the columns read)."""
+    def results(self, batch: int = 1000, input: bool = True) -> Iterator[ItemResult]:
+        """Every item in index order, streamed from the database (only the columns read);
+        with ``input`` (the default) each carries its prompt or messages and parameters."""
         names = SCALARS + ARRAYS
+        extra = INPUT_COLUMNS if input else ()
         columns = ("index", "custom_id", "status", "output", "finish_reason", "error",
-                   "prompt_tokens", "worker", *names)
+                   "prompt_tokens", "worker", *extra, *names)
+        n = len(extra)
         with self.client.sessions() as s:
             for (index, custom_id, status, output, finish_reason, error, prompt_tokens, worker,
-                 *counters) in repo.iter_items(s, job_id=self.id, batch=batch, columns=columns):
-                yield ItemResult(
-                    index=index, custom_id=custom_id, status=status, output=output,
-                    finish_reason=finish_reason, error=error, prompt_tokens=prompt_tokens,
-                    counters=dict(zip(names, counters)), worker=worker,
+                 *rest) in repo.iter_items(s, job_id=self.id, batch=batch, columns=columns):
+                item = ItemResult(
+                    index=index, custom_id=item_id(custom_id, index), status=status,
+                    output=output, finish_reason=finish_reason, error=error,
+                    prompt_tokens=prompt_tokens, counters=dict(zip(names, rest[n:])),
+                    worker=worker,
                 )
+                if n:
+                    item.prompt, item.messages, item.params = rest[:n]
+                yield item
 
     def metrics(self) -> JobMetrics:
         """The job's counters and counts, read from the views (db/views.py: job_metrics,
@@ -470,7 +504,7 @@ class Job:
                 raise KeyError(f"job {self.id}: not found")
             arrays = {"accepted_by_position": repo.accepted_by_position(s, job_id=self.id),
                       "steps_by_draft_length": repo.steps_by_draft_length(s, job_id=self.id)}
-            timeline = repo.draft_length_timeline(s, job_id=self.id)
+            timeline = repo.chunk_timeline(s, job_id=self.id)
         row = rows[0]
         kind = counter_kinds()
         return JobMetrics(
@@ -479,7 +513,11 @@ class Job:
             **{k: (float(row[k]) if kind[k] == "float" else int(row[k])) for k in SCALARS},
             **arrays,
             wall_time=None if row["wall_time"] is None else float(row["wall_time"]),
-            draft_length_over_time=_mean_g_by_tenths(timeline),
+            draft_length_over_time=_mean_g_by_tenths([(t1, steps) for _, t1, _, steps
+                                                      in timeline if steps]),
+            throughput_over_time=_throughput_over_time(timeline),
+            **{k: row[k] for k in ("pair", "drafter", "draft_model", "draft_mode",
+                                   "draft_length")},
             engine_faults=int(row["engine_faults"]), first_fault=row["first_fault"],
             items_isolated=int(row["items_isolated"]),
         )
@@ -523,6 +561,33 @@ def _mean_g_by_tenths(timeline: list[tuple[Any, list[int]]]) -> list[float]:
         total = sum(steps)
         out.append(sum(g * c for g, c in enumerate(steps)) / total if total else 0.0)
     return out
+
+
+def _throughput_over_time(timeline: list[tuple[Any, Any, int, list[int]]],
+                          bins: int = 20) -> list[tuple[float, float]]:
+    """New tokens per second in up to ``bins`` equal intervals from the first chunk's start
+    to the last one's finish: (seconds at the interval's middle, tokens/s). A chunk's tokens
+    are spread evenly over its own span (first start to last finish), all that is known of
+    when they came; at most one interval per chunk."""
+    spans = [(t0 or t1, t1, tokens) for t0, t1, tokens, _ in timeline if tokens]
+    if not spans:
+        return []
+    start = min(t0 for t0, _, _ in spans)
+    total = max(repo.elapsed(start, t1) or 0.0 for _, t1, _ in spans)
+    if total <= 0:
+        return []
+    n = min(bins, len(spans))
+    width = total / n
+    tokens = [0.0] * n
+    for t0, t1, count in spans:
+        a, b = repo.elapsed(start, t0) or 0.0, repo.elapsed(start, t1) or 0.0
+        if b <= a:  # no span known: all at its finish
+            tokens[min(int(b / width), n - 1)] += count
+            continue
+        for i in range(min(int(a / width), n - 1), min(int(b / width), n - 1) + 1):
+            overlap = min(b, (i + 1) * width) - max(a, i * width)
+            tokens[i] += count * max(overlap, 0.0) / (b - a)
+    return [((i + 0.5) * width, t / width) for i, t in enumerate(tokens)]
 
 
 def _shown(url: str) -> str:

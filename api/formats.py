@@ -5,6 +5,11 @@ where there is one) and leave in batches, so a job of a million items is exporte
 holding it in memory. Parquet files are written one row group per batch with plain columns
 (strings, integers, floats, lists of integers), which `datasets.load_dataset("parquet",
 data_files=...)` and `pyarrow.parquet.read_table` read as they are.
+
+Each row keeps what was asked beside what came back (``input``, on by default): the prompt
+or the messages, and the line's own sampling parameters, so a result needs no join with the
+input file to be read, and the input can be rebuilt from it. Every row has an id: the
+submitted custom_id, or request-INDEX for a plain prompt (client.item_id).
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from dataclasses import fields
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
 
-from specq.api.client import ItemResult, Job
+from specq.api.client import INPUT_COLUMNS, ItemResult, Job, item_id
 from specq.configs.counters import ARRAYS, SCALARS, acceptance_rate
 from specq.configs.counters import kinds as counter_kinds
+from specq.configs.generation import SamplingParams
 from specq.db import repository as repo
 from specq.db.models import ItemStatus
 
@@ -161,40 +167,65 @@ def counter_fields(names: tuple[str, ...] = SCALARS + ARRAYS) -> list[tuple[str,
     return [(c, arrow[kind[c]]) for c in names]
 
 
-def result_schema() -> pa.Schema:
-    """The Parquet export's columns: the item's outcome, every counter, the acceptance rate."""
+def params_type() -> pa.DataType:
+    """The Parquet type of a line's sampling parameters: a struct of SamplingParams' fields
+    (null where the line did not give one)."""
     import pyarrow as pa
 
+    def arrow(annotation: Any) -> pa.DataType:
+        text = str(annotation)
+        return (pa.list_(pa.string()) if "list" in text else
+                pa.float64() if "float" in text else pa.int64())
+
+    return pa.struct([(name, arrow(f.annotation))
+                      for name, f in SamplingParams.model_fields.items()])
+
+
+def result_schema(input: bool = True) -> pa.Schema:
+    """The Parquet export's columns: the item's outcome, every counter, the acceptance rate,
+    and with ``input`` the prompt, the messages (JSON text: any message fields kept) and
+    the line's parameters."""
+    import pyarrow as pa
+
+    asked = [("prompt", pa.string()), ("messages", pa.string()),
+             ("params", params_type())] if input else []
     return pa.schema(
         [("index", pa.int64()), ("custom_id", pa.string()), ("status", pa.string()),
          ("output", pa.string()), ("finish_reason", pa.string()), ("error", pa.string()),
          ("prompt_tokens", pa.int64()), ("worker", pa.string())]
-        + counter_fields() + [("acceptance_rate", pa.float64())])
+        + counter_fields() + [("acceptance_rate", pa.float64())] + asked)
 
 
 RESULT_FIELDS = tuple(f.name for f in fields(ItemResult))
+OUTCOME_FIELDS = tuple(f for f in RESULT_FIELDS if f not in INPUT_COLUMNS)
 
 
-def jsonl_rows(job: Job) -> Iterator[dict[str, Any]]:
+def jsonl_rows(job: Job, input: bool = True) -> Iterator[dict[str, Any]]:
     """The stored outcome of each item, as `specq run` writes it: ItemResult.as_dict(),
-    without its deep copy (each item's values are its own already)."""
-    for item in job.results(batch=BATCH):
-        yield {name: getattr(item, name) for name in RESULT_FIELDS}
+    without its deep copy (each item's values are its own already); without the prompt,
+    messages and params unless ``input``."""
+    names = RESULT_FIELDS if input else OUTCOME_FIELDS
+    for item in job.results(batch=BATCH, input=input):
+        yield {name: getattr(item, name) for name in names}
 
 
-def flat_rows(job: Job) -> Iterator[dict[str, Any]]:
-    """One flat row per item (result_schema()): counters as columns, acceptance rate
+def flat_rows(job: Job, input: bool = True) -> Iterator[dict[str, Any]]:
+    """One flat row per item (result_schema(input)): counters as columns, acceptance rate
     derived."""
-    for item in job.results(batch=BATCH):
+    for item in job.results(batch=BATCH, input=input):
         c = item.counters
         proposed = c.get("proposed")
-        yield {
+        row = {
             "index": item.index, "custom_id": item.custom_id, "status": item.status,
             "output": item.output, "finish_reason": item.finish_reason, "error": item.error,
             "prompt_tokens": item.prompt_tokens, "worker": item.worker,
             **{k: c.get(k) for k in SCALARS + ARRAYS},
             "acceptance_rate": acceptance_rate(c["accepted"], proposed) if proposed else None,
         }
+        if input:
+            row["prompt"], row["params"] = item.prompt, item.params
+            row["messages"] = None if item.messages is None else _ENCODE(item.messages)
+        yield row
 
 
 def openai_rows(job: Job) -> Iterator[dict[str, Any]]:
@@ -217,7 +248,7 @@ def openai_line(item: Mapping[str, Any], job_id: int, model: str) -> dict[str, A
     request_id = f"specq-{job_id}-{index}"
     line: dict[str, Any] = {
         "id": f"batch_req_{job_id}_{index}",
-        "custom_id": item["custom_id"] if item["custom_id"] is not None else f"request-{index}",
+        "custom_id": item_id(item["custom_id"], index),
         "response": None,
         "error": None,
     }
@@ -251,15 +282,17 @@ def openai_line(item: Mapping[str, Any], job_id: int, model: str) -> dict[str, A
     return line
 
 
-def export(job: Job, output: str | os.PathLike, fmt: str = "jsonl") -> int:
-    """Write the job's results to ``output`` ("-" for stdout) in ``fmt``; returns the count."""
+def export(job: Job, output: str | os.PathLike, fmt: str = "jsonl", *, input: bool = True) -> int:
+    """Write the job's results to ``output`` ("-" for stdout) in ``fmt``; returns the count.
+    ``input``: each jsonl or parquet row carries the prompt or messages and the line's
+    parameters (OpenAI output lines never do: their custom_id is the link)."""
     if fmt not in FORMATS:
         raise OutputError(f"format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if check_output(output, fmt) != "-":
         Path(output).parent.mkdir(parents=True, exist_ok=True)
     if fmt == "parquet":
-        rows, sink = flat_rows(job), ParquetSink(output, result_schema())
+        rows, sink = flat_rows(job, input), ParquetSink(output, result_schema(input))
     else:
-        rows = openai_rows(job) if fmt == "openai" else jsonl_rows(job)
+        rows = openai_rows(job) if fmt == "openai" else jsonl_rows(job, input)
         sink = JsonlSink(output)
     return write_batches(sink, rows)

@@ -13,6 +13,7 @@ import json
 import math
 import os
 import reprlib
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ MAX_CUSTOM_ID = 512  # items.custom_id is a String(512) column
 MAX_DEPTH = 32  # levels of nesting in one entry
 MAX_VALUES = 1_000_000  # values in one entry (a YAML alias bomb is small text, not data)
 INT64 = 2**63
+STDIN = "-"  # a source of this name is standard input, read as a JSONL file
 
 Source = str | os.PathLike | Iterable[Any]
 
@@ -139,7 +141,11 @@ class Entry:
 
 def open_source(source: Source) -> tuple[str | None, Iterable[tuple[str, Any]]]:
     """(file name or None, a re-iterable of (where, raw entry)); raw entries from a file are
-    its JSONL lines, still text. A str or path is a file; anything else holds prompts."""
+    its JSONL lines, still text. A str or path is a file ("-": standard input, read once and
+    kept in memory, since validating and storing each read the lines); anything else holds
+    prompts."""
+    if isinstance(source, str) and source == STDIN:
+        return "<stdin>", list(_lines(sys.stdin.buffer))
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         name = show(str(path), 200)
@@ -173,15 +179,20 @@ class _FileLines:
             raise InputError([f"{show(str(self.path), 200)}: cannot read it "
                               f"({exc.strerror or exc})"]) from None
         with f:
-            for n, data in enumerate(f, 1):
-                try:
-                    line = data.decode("utf-8-sig" if n == 1 else "utf-8")
-                except UnicodeDecodeError as exc:
-                    yield f"line {n}", BadLine(f"not valid UTF-8 (byte 0x{data[exc.start]:02x} "
-                                               f"at byte {exc.start + 1} of the line)")
-                    continue
-                if line.strip():
-                    yield f"line {n}", JsonLine(line)
+            yield from _lines(f)
+
+
+def _lines(f: Iterable[bytes]) -> Iterator[tuple[str, Any]]:
+    """(where, JsonLine or BadLine) for each non-blank line of a binary stream."""
+    for n, data in enumerate(f, 1):
+        try:
+            line = data.decode("utf-8-sig" if n == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            yield f"line {n}", BadLine(f"not valid UTF-8 (byte 0x{data[exc.start]:02x} "
+                                       f"at byte {exc.start + 1} of the line)")
+            continue
+        if line.strip():
+            yield f"line {n}", JsonLine(line)
 
 
 class JsonLine(str):

@@ -1,90 +1,185 @@
-"""A job's acceptance metrics for people: a terminal summary and a PNG report."""
+"""A job's acceptance metrics for people: a terminal summary and a PNG report.
+
+The report is meant to be shared as it is: its title names the job, the pair and how it
+drafts, and its figures; its four panels are acceptance by draft position, steps by draft
+length, draft length over time and throughput over time. Counts sit on integer axes (draft
+positions, g, tenths of the job). A panel with nothing to show says why in words (a job that
+never drafted, nothing generated yet) instead of drawing empty axes, and a series of a
+single value is drawn as a bar with a note, not as a lonely dot.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specq.api.client import JobMetrics
+from specq.api.figures import drafted, drafting, item_counts, shown
 
+if TYPE_CHECKING:  # matplotlib is imported where a report is drawn: `specq[report]`
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
-def _f(v: float | None, spec: str = ".3f") -> str:
-    return "-" if v is None else format(v, spec)
+NEVER_DRAFTED = "never drafted: no draft token was proposed, every step ran the target alone"
+LABEL = 24  # width of format_metrics' labels
 
 
 def format_metrics(m: JobMetrics) -> str:
-    """The figures a user asks of a finished or running job, one per line."""
-    lines = [
-        f"job {m.job_id}  {m.status}  {m.completed} completed, {m.failed} failed, "
-        f"{m.cancelled} cancelled, {m.pending} pending of {m.total}",
-        f"tokens generated        {m.new_tokens}",
-        f"tokens/s (wall)         {_f(m.tokens_per_second, '.1f')}",
-        f"tokens/s (engine busy)  {_f(m.engine_tokens_per_second, '.1f')}",
-        f"acceptance rate         {_f(m.acceptance_rate)}  ({m.accepted} of {m.proposed} drafts)",
-        f"mean acceptance length  {_f(m.mean_acceptance_length)}  (tokens per draft step, bonus "
-        f"included)",
-        f"target passes           {m.target_passes}  ({_f(m.new_tokens / m.target_passes if m.target_passes else None, '.2f')} tokens each)",  # noqa: E501
-        f"estimated speedup       {_f(m.estimated_speedup, '.2f')}x  (tokens per pass x verify "
-        f"share; flat verify cost)",
-        f"mean draft length g     {_f(m.mean_draft_length, '.2f')}",
+    """The figures a user asks of a finished or running job, one per line (each written by
+    api/figures.py, as every other command writes it)."""
+    per_pass = m.new_tokens / m.target_passes if m.target_passes else None
+    rows = [
+        ("tokens generated", f"{m.new_tokens}"),
+        ("tokens/s (wall)", shown("tokens_per_second", m.tokens_per_second)),
+        ("tokens/s (engine busy)", shown("engine_tokens_per_second", m.engine_tokens_per_second)),
+        ("acceptance rate", f"{shown('acceptance_rate', m.acceptance_rate)}  ({m.accepted} of "
+                            f"{m.proposed} drafts)"),
+        ("mean acceptance length", f"{shown('mean_acceptance_length', m.mean_acceptance_length)}"
+                                   f"  (tokens per draft step, bonus included)"),
+        ("target passes", f"{m.target_passes}  ({shown('tokens_per_pass', per_pass)} tokens "
+                          f"each)"),
+        ("estimated speedup", f"{shown('estimated_speedup', m.estimated_speedup, drafted=drafted(m))}"  # noqa: E501
+                              f"  (tokens per pass x verify share; flat verify cost)"),
+        ("mean draft length g", shown("mean_draft_length", m.mean_draft_length)),
     ]
+    if not drafted(m):
+        rows.append(("drafting", NEVER_DRAFTED))
     if m.acceptance_by_position:
-        by_pos = "  ".join(f"{i + 1}:{a:.2f}" for i, a in enumerate(m.acceptance_by_position))
-        lines.append(f"accepted by position    {by_pos}")
+        rows.append(("accepted by position", "  ".join(
+            f"{i + 1}:{a:.2f}" for i, a in enumerate(m.acceptance_by_position))))
     if m.steps_by_draft_length:
         total = sum(m.steps_by_draft_length)
-        share = "  ".join(f"g={g}:{n / total:.0%}" for g, n in enumerate(m.steps_by_draft_length)
-                          if n)
-        lines.append(f"steps by draft length   {share}")
+        rows.append(("steps by draft length", "  ".join(
+            f"g={g}:{n / total:.0%}" for g, n in enumerate(m.steps_by_draft_length) if n)))
     if m.draft_length_over_time:
-        lines.append("g over time (10ths)     "
-                     + " ".join(f"{g:.1f}" for g in m.draft_length_over_time))
-    lines += fault_lines(m)
-    return "\n".join(lines)
+        rows.append(("g over time (10ths)", " ".join(f"{g:.1f}" for g in
+                                                     m.draft_length_over_time)))
+    if m.engine_faults:  # a fault is never a silent slow path
+        rows.append(("engine faults", f"{m.engine_faults}  (first: {m.first_fault})"))
+        if m.items_isolated:
+            rows.append(("items run alone", f"{m.items_isolated}  (after a fault struck them: "
+                                            f"batch size 1)"))
+    head = f"job {m.job_id}  {m.status}  {item_counts(m)}"
+    return "\n".join([head] + [f"{label:<{LABEL}}{value}" for label, value in rows])
 
 
-def fault_lines(m: JobMetrics) -> list[str]:
-    """The job's faults, if it met any: how many, the first error, and the items that fell
-    back to running alone (the slow path)."""
-    if not m.engine_faults:
-        return []
-    lines = [f"engine faults           {m.engine_faults}  (first: {m.first_fault})"]
-    if m.items_isolated:
-        lines.append(f"items run alone         {m.items_isolated}  (after a fault struck them: "
-                     f"batch size 1)")
-    return lines
+def title(m: JobMetrics) -> str:
+    """Two lines: the job, its pair and drafting; its headline figures."""
+    model = f" ({m.draft_model})" if m.draft_model else ""
+    return (f"job {m.job_id}: pair {m.pair or '-'}, drafter {drafting(m)}{model}, {m.status}\n"
+            f"acceptance {shown('acceptance_rate', m.acceptance_rate)}, mean acceptance length "
+            f"{shown('mean_acceptance_length', m.mean_acceptance_length)}, "
+            f"{shown('tokens_per_second', m.tokens_per_second)} tokens/s, estimated speedup "
+            f"{shown('estimated_speedup', m.estimated_speedup, drafted=drafted(m))}; "
+            f"{item_counts(m)}")
 
 
-def draw_report(m: JobMetrics, path: str | Path) -> Path:
-    """Acceptance by draft position, draft length over time, steps per draft length."""
+def report_figure(m: JobMetrics) -> Figure:
+    """The report as a matplotlib Figure (no pyplot state): draw_report saves it."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
     except ImportError:
         raise RuntimeError("specq report draws with matplotlib: pip install 'specq[report]'") \
             from None
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    ax = axes[0]
-    pos = list(range(1, len(m.acceptance_by_position) + 1))
-    ax.bar(pos, m.acceptance_by_position, color="tab:blue")
-    ax.set(title="acceptance by draft position", xlabel="draft position",
-           ylabel="share of draft steps accepted", ylim=(0, 1))
-    ax = axes[1]
-    ax.plot(range(1, len(m.draft_length_over_time) + 1), m.draft_length_over_time, marker="o")
-    ax.set(title="draft length chosen over time", xlabel="tenth of the job's items",
-           ylabel="mean g per step", ylim=(0, None))
-    ax = axes[2]
-    ax.bar(range(len(m.steps_by_draft_length)), m.steps_by_draft_length, color="tab:green")
-    ax.set(title="steps by draft length", xlabel="g", ylabel="steps")
-    fig.suptitle(
-        f"job {m.job_id}: acceptance {_f(m.acceptance_rate, '.2f')}, mean acceptance length "
-        f"{_f(m.mean_acceptance_length, '.2f')}, {_f(m.tokens_per_second, '.1f')} tokens/s, "
-        f"estimated speedup {_f(m.estimated_speedup, '.2f')}x"
-    )
+    fig = Figure(figsize=(13, 8.5))
+    (pos, steps), (g_time, tps_time) = fig.subplots(2, 2)
+    _by_position(pos, m)
+    _steps_by_g(steps, m)
+    _g_over_time(g_time, m)
+    _throughput(tps_time, m)
+    fig.suptitle(title(m), fontsize=11)
     fig.tight_layout()
+    return fig
+
+
+def draw_report(m: JobMetrics, path: str | Path) -> Path:
+    """Write the report (report_figure) to ``path`` as a PNG."""
     path = Path(path)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    report_figure(m).savefig(path, dpi=100)
     return path
+
+
+def _integer_axis(axis) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _note(ax: Axes, text: str) -> None:
+    """A line over a panel's drawing (its y axis leaves room for it)."""
+    ax.text(0.5, 0.94, text, ha="center", va="top", transform=ax.transAxes, fontsize=9,
+            color="dimgray", bbox={"facecolor": "white", "edgecolor": "none", "alpha": 0.8})
+
+
+def _say(ax: Axes, text: str) -> None:
+    """A panel with nothing to draw: ``text`` in its middle, no ticks."""
+    ax.text(0.5, 0.5, text, ha="center", va="center", wrap=True, transform=ax.transAxes,
+            fontsize=10, color="dimgray")
+    ax.set_xticks([])
+    ax.set_yticks([])
+
+
+def _by_position(ax: Axes, m: JobMetrics) -> None:
+    ax.set_title("acceptance by draft position")
+    if not m.acceptance_by_position:
+        _say(ax, NEVER_DRAFTED if not drafted(m) else "no draft token accepted yet")
+        return
+    positions = list(range(1, len(m.acceptance_by_position) + 1))
+    bars = ax.bar(positions, m.acceptance_by_position, color="tab:blue")
+    ax.bar_label(bars, fmt="%.2f", fontsize=8)
+    ax.set_xticks(positions)
+    ax.set(xlabel="draft position", ylabel="share of draft steps accepted", ylim=(0, 1.05))
+
+
+def _steps_by_g(ax: Axes, m: JobMetrics) -> None:
+    ax.set_title("steps by draft length g")
+    if not sum(m.steps_by_draft_length):
+        _say(ax, "no decoding step recorded yet")
+        return
+    lengths = list(range(len(m.steps_by_draft_length)))
+    ax.bar(lengths, m.steps_by_draft_length, width=0.6, color="tab:green")
+    ax.set_xticks(lengths)
+    ax.set_xlim(-0.75, max(len(lengths) - 1, 1) + 0.75)
+    _integer_axis(ax.yaxis)
+    ax.set(xlabel="draft length g (0: no drafting)", ylabel="steps",
+           ylim=(0, max(m.steps_by_draft_length) * 1.25))
+    if not drafted(m):
+        _note(ax, "never drafted: every step at g = 0")
+
+
+def _g_over_time(ax: Axes, m: JobMetrics) -> None:
+    ax.set_title("draft length over time")
+    values = m.draft_length_over_time
+    if not drafted(m) or not values:
+        _say(ax, NEVER_DRAFTED if not drafted(m) else "no chunk finished yet")
+        return
+    tenths = list(range(1, len(values) + 1))
+    ax.set(xlabel="tenth of the job's chunks in finishing order (one per chunk if fewer)",
+           ylabel="mean g per step",
+           ylim=(0, max(values) * 1.2 + 0.5))
+    ax.set_xticks(tenths)
+    if len(values) == 1:
+        ax.bar(tenths, values, width=0.5, color="tab:orange")
+        ax.set_xticks(tenths, ["whole job"])
+        ax.set_xlim(0, 2)
+        _note(ax, f"one chunk: mean g {values[0]:.2f} over the whole job")
+        return
+    ax.plot(tenths, values, marker="o", color="tab:orange")
+
+
+def _throughput(ax: Axes, m: JobMetrics) -> None:
+    ax.set_title("throughput over time")
+    points = m.throughput_over_time
+    if not points:
+        _say(ax, "no tokens generated yet")
+        return
+    ax.set(xlabel="seconds since the first chunk started", ylabel="new tokens/s")
+    if len(points) == 1:
+        (t, rate), = points
+        ax.bar([t], [rate], width=2 * t, color="tab:purple")  # the whole span: [0, 2t]
+        ax.set(xlim=(0, 2.2 * t), ylim=(0, rate * 1.3))
+        _note(ax, f"one chunk: {rate:.1f} tokens/s on average over {2 * t:.1f} s")
+        return
+    ax.plot([t for t, _ in points], [r for _, r in points], marker=".", color="tab:purple")
+    ax.set_ylim(0, max(r for _, r in points) * 1.15)

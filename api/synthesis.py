@@ -12,14 +12,16 @@ and where the finished data set goes:
     n: 3
     sampling: {max_new_tokens: 64, temperature: 0.8, top_p: 0.95}
     seed: 1234
-    output: {path: "data/synth/example-{job_id}.parquet"}   # .parquet or .jsonl
+    output: {path: "{data_dir}/synth/example-{job_id}.parquet"}   # .parquet or .jsonl
     limits: {max_chars: 100000, loop_turns: 1000000, seconds: 2}  # per row (the defaults)
 
-A relative seed_data path is taken from the spec file's directory (from the working
-directory for a spec given as a dict), a relative output path from the working directory,
-when the spec is loaded. Sample k of
-row r asks for the seed derived from (spec seed, r, k), and the engine's seeded sampling
-does not depend on the batch, so the same spec gives the same data set every run.
+Every path a spec names (seed_data, output.path) is relative to the spec file's directory
+(to the working directory for a spec given as a dict), made absolute when the spec is
+loaded: whoever submits or writes the data set, and from wherever, the files are the same.
+``{data_dir}`` in output.path is the data directory of the settings that load the spec
+(SPECQ_DATA_DIR). Sample k of row r asks for the seed derived from (spec seed, r, k), and
+the engine's seeded sampling does not depend on the batch, so the same spec gives the same
+data set every run.
 Everything is checked (fields, seed file, output path, every row rendered within the
 limits of api/templates.py) before anything is submitted.
 """
@@ -69,7 +71,7 @@ log = logging.getLogger(__name__)
 
 SEED_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".parquet": "parquet"}
 OUTPUT_FORMATS = {".parquet": "parquet", ".jsonl": "jsonl"}
-OUTPUT_PLACEHOLDERS = ("name", "job_id", "date")
+OUTPUT_PLACEHOLDERS = ("name", "job_id", "date")  # and {data_dir}, filled when loaded
 MAX_SAMPLES_PER_ROW = 100_000
 MAX_TEMPLATE_CHARS = 100_000
 # The columns each output row has besides the seed row's own fields: the sample, its
@@ -151,9 +153,11 @@ def sample_seed(seed: int, row: int, sample: int) -> int:
 # -- loading and checking ------------------------------------------------------------------
 
 
-def load_spec(source: str | os.PathLike | dict[str, Any], where: str | None = None) -> SynthSpec:
+def load_spec(source: str | os.PathLike | dict[str, Any], where: str | None = None,
+              data_dir: Path | None = None) -> SynthSpec:
     """Read and validate a spec (a YAML file, or its content as a dict); SpecError names
-    every bad field. Checks the seed file, the output format and that every row renders."""
+    every bad field. Checks the seed file, the output format and that every row renders.
+    ``data_dir`` fills {data_dir} in output.path (default: the settings' data_dir)."""
     base = Path.cwd()
     if isinstance(source, dict):
         raw, where = dict(source), where or "spec"
@@ -194,7 +198,7 @@ def load_spec(source: str | os.PathLike | dict[str, Any], where: str | None = No
         problems.append(f"{where}: output.format: cannot tell it from {spec.output.path!r}; "
                         f"give parquet or jsonl")
     try:
-        spec.output.path = str(Path(spec.output.path).expanduser().absolute())
+        spec.output.path = _anchored_output(spec.output.path, base, data_dir)
         check_output(output_path(spec, 0), spec.output.resolved_format())
     except OutputError as exc:
         problems.append(f"{where}: output.path: {str(exc).removeprefix('output: ')}")
@@ -206,6 +210,19 @@ def load_spec(source: str | os.PathLike | dict[str, Any], where: str | None = No
         raise SpecError(problems)
     check_rows(spec, where)
     return spec
+
+
+def _anchored_output(path: str, base: Path, data_dir: Path | None) -> str:
+    """output.path with {data_dir} filled in (braces in the directory's name kept literal
+    for the later {job_id} fill) and made absolute from ``base``, the spec's directory."""
+    if "{data_dir}" in path:
+        if data_dir is None:
+            from specq.configs.settings import get_settings
+
+            data_dir = get_settings().data_dir
+        literal = str(data_dir).replace("{", "{{").replace("}", "}}")
+        path = path.replace("{data_dir}", literal)
+    return str(base / Path(path).expanduser())
 
 
 def seed_rows(spec: SynthSpec) -> Iterator[dict[str, Any]]:
@@ -350,7 +367,7 @@ def submit(client: Client, spec: SynthSpec, *, schedule: str | None = None) -> J
 def output_path(spec: SynthSpec, job_id: int) -> Path:
     """The spec's output path with {name}, {job_id} and {date} filled in; SpecError for any
     other placeholder, or one with attributes, conversions or wide format specs."""
-    known = "(known: {name}, {job_id}, {date})"
+    known = "(known: {name}, {job_id}, {date}, {data_dir})"
     try:
         for _, field, spec_, conversion in string.Formatter().parse(spec.output.path):
             if field is None:

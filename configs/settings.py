@@ -1,4 +1,13 @@
-"""Infrastructure settings, read from SPECQ_* environment variables (and a .env file)."""
+"""Infrastructure settings, read from SPECQ_* environment variables (and a .env file).
+
+Paths are anchored once, when the settings are read: a relative SPECQ_DATA_DIR,
+SPECQ_PRESETS_FILE, SPECQ_SCHEDULES_FILE or SQLite file is taken from the working directory
+of the process that reads them and kept absolute from then on, so a command started
+elsewhere, or a worker a bench starts, finds the same files. With no SPECQ_DATA_DIR the data
+directory is the user's data directory (platformdirs: ~/.local/share/specq on Linux, or
+$XDG_DATA_HOME/specq), not the working directory: converted checkpoints, tiny models and the
+embedded database are made once per user and host, wherever specq runs.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +17,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from platformdirs import user_data_dir
 from pydantic import Field, ValidationError, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
@@ -30,7 +40,10 @@ class Settings(BaseSettings):
     database_url: str | None = Field(
         None, description="SQLAlchemy URL; default: SQLite in data_dir (the embedded default)"
     )
-    data_dir: Path = Path("data")
+    data_dir: Path = Field(
+        default_factory=lambda: Path(user_data_dir("specq", appauthor=False)),
+        description="the embedded SQLite database, tiny models, converted checkpoints and "
+        "tokenizers, beat state, synthesis data sets ({data_dir} in a spec)")
     presets_file: Path | None = Field(None, description="extra model-pair presets (YAML)")
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
@@ -109,8 +122,12 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _database_url(cls, value: str | None) -> str | None:
+        """A sqlite or postgresql URL; postgres://, the scheme many hosts hand out, is taken
+        as postgresql+psycopg:// (SQLAlchemy knows no 'postgres' dialect)."""
         if not value:
             return None
+        if value.startswith("postgres://"):
+            value = "postgresql+psycopg://" + value.removeprefix("postgres://")
         try:
             backend = make_url(value).get_backend_name()
         except (ArgumentError, ValueError):
@@ -120,9 +137,25 @@ class Settings(BaseSettings):
             raise ValueError(f"must be a sqlite or postgresql URL, not {backend}")
         return value
 
+    @field_validator("database_url", mode="after")
+    @classmethod
+    def _sqlite_file(cls, value: str | None) -> str | None:
+        """A relative SQLite file is anchored to the working directory, once."""
+        if not value:
+            return value
+        url = make_url(value)
+        if url.get_backend_name() != "sqlite" or not url.database or \
+                url.database == ":memory:" or url.database.startswith("file:"):
+            return value
+        anchored = anchor(Path(url.database))
+        if str(anchored) == url.database:
+            return value
+        return url.set(database=str(anchored)).render_as_string(hide_password=False)
+
     @field_validator("data_dir")
     @classmethod
     def _data_dir(cls, value: Path) -> Path:
+        value = anchor(value)
         if _stat(value) == "file":
             raise ValueError("not a directory")
         return value
@@ -133,7 +166,12 @@ class Settings(BaseSettings):
         # (schedules_file is the beat's alone: load_schedules names it when it is missing)
         if value is not None and _stat(value) != "file":
             raise ValueError("file not found")
-        return value
+        return None if value is None else anchor(value)
+
+    @field_validator("schedules_file")
+    @classmethod
+    def _schedules_file(cls, value: Path) -> Path:
+        return anchor(value)
 
     @field_validator("device")
     @classmethod
@@ -162,6 +200,19 @@ class Settings(BaseSettings):
         if self.database_url:
             return self.database_url
         return f"sqlite:///{(self.data_dir / 'specq.db').resolve()}"
+
+    @property
+    def beat_schedule_file(self) -> Path:
+        """Celery beat's state (the last run of each schedule): `specq beat` keeps it here."""
+        return self.data_dir / "celerybeat-schedule"
+
+
+def anchor(path: Path) -> Path:
+    """``path`` absolute: ~ expanded, a relative one taken from the working directory now."""
+    try:
+        return path.expanduser().absolute()
+    except RuntimeError:  # ~ with no home directory: left for the checks to name
+        return path.absolute()
 
 
 def _stat(path: Path) -> str:
@@ -211,3 +262,77 @@ def subprocess_env(settings: Settings) -> dict[str, str]:
         if value is not None:
             env[f"SPECQ_{name.upper()}"] = str(value)
     return env
+
+
+# -- the settings in effect, for people (`specq config`) ------------------------------------
+
+SECRET_WORDS = ("password", "passwd", "secret", "token", "key")
+
+
+def mask_url(url: str) -> str:
+    """``url`` with its password, and any query value named like a secret, as ***."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+    try:
+        parts = urlsplit(url)
+        netloc = parts.netloc
+        if parts.password is not None:
+            user, _, host = netloc.rpartition("@")
+            netloc = f"{user.partition(':')[0]}:***@{host}"
+        query = parts.query
+        secret_query = any(w in query.lower() for w in SECRET_WORDS)
+        if netloc == parts.netloc and not secret_query:
+            return url  # (urlunsplit would drop the // of sqlite:////abs/path)
+        if secret_query:
+            query = urlencode([(k, "***" if any(w in k.lower() for w in SECRET_WORDS) else v)
+                               for k, v in parse_qsl(query, keep_blank_values=True)],
+                              safe="*")
+        return urlunsplit(parts._replace(netloc=netloc, query=query))
+    except ValueError:  # not a URL that can be taken apart: show none of it
+        return "***"
+
+
+def shown_value(name: str, value: Any) -> str:
+    """A setting's value as `specq config` prints it: URLs without passwords, secrets as ***."""
+    if value is None:
+        return "-"
+    if any(w in name for w in SECRET_WORDS):
+        return "***"
+    text = str(value)
+    return mask_url(text) if name.endswith("_url") or "://" in text else text
+
+
+def setting_sources(env_file: str | os.PathLike = ".env") -> dict[str, str]:
+    """Where each setting came from: 'env' (a SPECQ_ variable), '.env' (the file the
+    settings read, in the working directory) or 'default'."""
+    from dotenv import dotenv_values
+
+    environ = {k.lower() for k in os.environ}
+    try:
+        in_file = {k.lower() for k, v in dotenv_values(env_file).items() if v is not None}
+    except OSError:
+        in_file = set()
+    out = {}
+    for name in Settings.model_fields:
+        key = f"specq_{name}"
+        out[name] = "env" if key in environ else ".env" if key in in_file else "default"
+    return out
+
+
+def settings_in_effect(settings: Settings) -> list[tuple[str, str, str]]:
+    """(SPECQ_NAME, value as shown, source) for every setting, then the values derived from
+    them (the database in use, beat state), secrets hidden."""
+    sources = setting_sources()
+    rows = [(f"SPECQ_{name.upper()}", shown_value(name, getattr(settings, name)), sources[name])
+            for name in Settings.model_fields]
+    rows.append(("database in use", mask_url(settings.sqlalchemy_url),
+                 "SPECQ_DATABASE_URL" if settings.database_url else "SPECQ_DATA_DIR"))
+    rows.append(("beat state", str(settings.beat_schedule_file), "SPECQ_DATA_DIR"))
+    for name in HUB_VARIABLES:  # read by the model stack (a worker, a hub tokenizer)
+        value = os.environ.get(name)
+        rows.append((name, "-" if value is None else shown_value(name.lower(), value),
+                     "env" if value is not None else "unset"))
+    return rows
+
+
+HUB_VARIABLES = ("HF_TOKEN", "HF_HOME")  # the hub's token (hidden) and model cache

@@ -488,16 +488,18 @@ def steps_by_draft_length(session: Session, *, job_id: int) -> list[int]:
                        .where(view.c.job_id == job_id))
 
 
-def draft_length_timeline(session: Session, *, job_id: int) -> list[tuple[Any, list[int]]]:
-    """(last finish, steps_by_draft_length summed) of the job's chunks with written items,
-    oldest first: a timeline at the grain of chunks, read from a few thousand rows for a
-    million items."""
+def chunk_timeline(session: Session, *, job_id: int) -> list[tuple[Any, Any, int, list[int]]]:
+    """(first start, last finish, new tokens, steps_by_draft_length) of the job's chunks with
+    written items, in finishing order: a timeline at the grain of chunks (draft length and
+    throughput over time), read from a few thousand rows for a million items."""
     stmt = (
-        select(Chunk.last_finished, Chunk.steps_by_draft_length)
+        select(Chunk.first_started, Chunk.last_finished, Chunk.new_tokens,
+               Chunk.steps_by_draft_length)
         .where(Chunk.job_id == job_id, Chunk.last_finished.is_not(None))
         .order_by(Chunk.last_finished, Chunk.start)
     )
-    return [(t, list(steps)) for t, steps in session.execute(stmt) if steps is not None]
+    return [(t0, t1, int(tokens or 0), list(steps or []))
+            for t0, t1, tokens, steps in session.execute(stmt)]
 
 
 def elapsed(first: datetime | None, last: datetime | None) -> float | None:

@@ -382,6 +382,9 @@ def test_containers_run_unprivileged():
     # It owns the data directory the services write (SPECQ_DATA_DIR).
     data_dir = {SERVICES[n]["environment"]["SPECQ_DATA_DIR"] for n in OURS}
     assert data_dir == {"/app/data"}
+    # ... and a container run without compose (a worker on another host) uses it too, not
+    # the user's own data directory outside the mounted volume
+    assert re.search(r"^ENV SPECQ_DATA_DIR=/app/data$", DOCKERFILE, re.M)
     assert re.search(rf"(install -d|chown)\b.*\b(-o )?({name}|{uid})\b.*\s/app/data\b",
                      " ".join(lines))
     for where, service in SERVICES.items():

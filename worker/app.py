@@ -1,10 +1,12 @@
 """The Celery app: JSON only, late acks, prefetch 1, no result backend.
 
-`celery -A worker.app worker` (what `specq worker --pair NAME` runs) uses ``app``; a
+`celery -A specq.worker.app worker` (what `specq worker --pair NAME` runs) uses ``app``; a
 producer builds its own with make_app(settings) to send chunk references.
 """
 
 from __future__ import annotations
+
+import os
 
 from celery import Celery
 
@@ -52,6 +54,20 @@ def make_app(settings: Settings, tasks: bool = True) -> Celery:
     return app
 
 
+# The environment a worker runs in. Model-loading progress bars (transformers' "Loading
+# weights", the hub's downloads) are drawn for a terminal: in a worker Celery redirects
+# stderr into its log, where every redraw becomes a WARNING record. The variable is read
+# when huggingface_hub is imported, so it is set before the worker process starts.
+WORKER_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+
+
+def quiet_worker_env() -> None:
+    """Set WORKER_ENV in this process's environment (what it execs inherits), keeping any
+    value the operator set."""
+    for name, value in WORKER_ENV.items():
+        os.environ.setdefault(name, value)
+
+
 def worker_argv(pair: str, settings: Settings, loglevel: str = "info",
                 hostname: str | None = None) -> list[str]:
     """The `celery` command-line arguments of a worker for ``pair``: solo pool (one
@@ -64,7 +80,6 @@ def worker_argv(pair: str, settings: Settings, loglevel: str = "info",
 def run_worker(pair: str, loglevel: str = "info", hostname: str | None = None) -> None:
     """Run a Celery worker for ``pair`` in this process (its engine patched by the caller,
     for the benches' fault-injecting and stand-in workers)."""
-    import os
     import sys
 
     from celery.bin.celery import main as celery_main
@@ -72,13 +87,14 @@ def run_worker(pair: str, loglevel: str = "info", hostname: str | None = None) -
     from specq.worker.constants import WORKER_PAIR_ENV
 
     os.environ[WORKER_PAIR_ENV] = pair
+    quiet_worker_env()
     get_settings.cache_clear()
     sys.argv = ["celery", *worker_argv(pair, get_settings(), loglevel, hostname)]
     celery_main()
 
 
 def __getattr__(name: str) -> Celery:
-    """``app``, made on first use (by `celery -A worker.app` and worker/tasks.py): importing
+    """``app``, made on first use (by `celery -A specq.worker.app` and worker/tasks.py): importing
     this module reads no settings, so a bad SPECQ_ variable is reported by whoever reads
     them first, clearly (api/cli.py), not as a traceback at import."""
     if name == "app":

@@ -7,7 +7,7 @@ target's modules, so it costs no memory beyond its own KV cache, and its cost pe
 is roughly (k layers + embeddings + head) / (all layers + embeddings + head) of a target
 step. It agrees with the target where the first k layers already decide the next token
 (copying, formatting, function words) and less elsewhere; the bench measures both its
-acceptance and its cost (`python -m worker.bench --draft shallow:K`).
+acceptance and its cost (`specq bench --draft shallow:K`).
 
 The draft's cache holds k layers; attention layer ``i < k`` of the target has
 ``layer_idx == i``, so it indexes the draft's own cache correctly.

@@ -270,7 +270,7 @@ def test_a_good_file_is_stored(lite, scratch):
     before = counts(lite)
     job = lite.submit(path, pair="tiny", enqueue=False)
     assert counts(lite) == (before[0] + 1, before[1] + 2)
-    assert [i.custom_id for i in job.results()] == ["a", None]
+    assert [i.custom_id for i in job.results()] == ["a", "request-1"]
 
 
 @FUZZ

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 
 from sqlalchemy import Text, cast, insert, select
 
-from specq.api.client import ItemResult
+from specq.api.client import ItemResult, item_id
 from specq.api.formats import OPENAI_COLUMNS, export, openai_line
 from specq.configs.counters import ARRAYS, SCALARS
 from specq.db import repository as repo
@@ -101,10 +101,11 @@ def test_exports_read_what_the_items_hold(client, tmp_path):
         items = list(repo.iter_items(s, job_id=job.id))
         model = repo.get_job(s, job_id=job.id).pair
     # Job.results as it read Item objects
-    want = [ItemResult(index=it.index, custom_id=it.custom_id, status=it.status,
-                       output=it.output, finish_reason=it.finish_reason, error=it.error,
-                       prompt_tokens=it.prompt_tokens,
-                       counters={c: getattr(it, c) for c in SCALARS + ARRAYS}, worker=it.worker)
+    want = [ItemResult(index=it.index, custom_id=item_id(it.custom_id, it.index),
+                       status=it.status, output=it.output, finish_reason=it.finish_reason,
+                       error=it.error, prompt_tokens=it.prompt_tokens,
+                       counters={c: getattr(it, c) for c in SCALARS + ARRAYS}, worker=it.worker,
+                       prompt=it.prompt, messages=it.messages, params=it.params)
             for it in items]
     assert list(job.results(batch=5)) == want
     assert export(job, tmp_path / "r.jsonl", "jsonl") == 12

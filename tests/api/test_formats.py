@@ -137,3 +137,66 @@ def test_exports_stream(client, tmp_path):
         assert peak < 12e6, f"{fmt}: peak {peak / 1e6:.1f} MB"
     meta = pq.ParquetFile(tmp_path / "big.parquet").metadata
     assert meta.num_rows == n and meta.num_row_groups == n // 1000
+
+
+SUBMITTED = [
+    {"prompt": "Plain one"},
+    {"custom_id": "with-params", "prompt": "Count:", "max_new_tokens": 3, "temperature": 0.5,
+     "top_p": 0.9, "top_k": 4, "stop": ["\n", "zz"], "seed": 2**62},
+    {"messages": [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Hi \u00e9\U0001f600", "name": "ann"}],
+     "temperature": 0},
+    {"custom_id": "7", "prompt": "Only a seed", "seed": 0},
+]
+
+
+def rebuilt(row: dict) -> dict:
+    """The input line an exported row stands for (its id given back only where one was)."""
+    line = {} if row["custom_id"].startswith("request-") else {"custom_id": row["custom_id"]}
+    for key in ("prompt", "messages"):
+        if row[key] is not None:
+            line[key] = row[key]
+    line.update({k: v for k, v in (row["params"] or {}).items() if v is not None})
+    return line
+
+
+def test_exports_round_trip_the_input(client, tmp_path):
+    """JSONL and Parquet rows carry the prompt or messages and the line's own parameters: the
+    submitted lines can be rebuilt from either; --no-input leaves them out."""
+    path = tmp_path / "in.jsonl"
+    path.write_text("".join(json.dumps(x) + "\n" for x in SUBMITTED), encoding="utf-8")
+    job = client.submit(str(path), pair="tiny", enqueue=False, max_new_tokens=8)
+
+    assert export(job, tmp_path / "r.jsonl") == 4
+    rows = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text("utf-8").splitlines()]
+    assert [rebuilt(r) for r in rows] == SUBMITTED
+    assert rows[0]["custom_id"] == "request-0" and rows[0]["params"] is None
+
+    assert export(job, tmp_path / "r.parquet", "parquet") == 4
+    table = pq.read_table(tmp_path / "r.parquet")
+    assert table.schema.equals(result_schema())
+    back = table.to_pylist()
+    for r in back:
+        r["messages"] = None if r["messages"] is None else json.loads(r["messages"])
+    assert [rebuilt(r) for r in back] == SUBMITTED
+
+    assert export(job, tmp_path / "lean.jsonl", input=False) == 4
+    lean = json.loads((tmp_path / "lean.jsonl").read_text().splitlines()[1])
+    assert not {"prompt", "messages", "params"} & set(lean) and lean["custom_id"] == "with-params"
+    export(job, tmp_path / "lean.parquet", "parquet", input=False)
+    assert pq.read_table(tmp_path / "lean.parquet").schema.equals(result_schema(input=False))
+
+
+def test_plain_prompts_get_stable_ids_in_every_format(client, tmp_path):
+    """A list of plain prompts has no custom_id: every format gives request-INDEX, the id an
+    OpenAI output line needs, the same on every export."""
+    job = client.submit(["first", "second", "third"], pair="tiny", enqueue=False)
+    want = ["request-0", "request-1", "request-2"]
+    assert [r.custom_id for r in job.results()] == want
+    for fmt in ("jsonl", "openai"):
+        export(job, tmp_path / f"r.{fmt}", fmt)
+        lines = [json.loads(x) for x in (tmp_path / f"r.{fmt}").read_text().splitlines()]
+        assert [x["custom_id"] for x in lines] == want
+    export(job, tmp_path / "r.parquet", "parquet")
+    assert pq.read_table(tmp_path / "r.parquet").column("custom_id").to_pylist() == want
+    assert [r.prompt for r in job.results()] == ["first", "second", "third"]

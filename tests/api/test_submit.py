@@ -34,7 +34,7 @@ def test_a_file_is_stored_with_its_items(client, tmp_path):
     state = job.status(check_workers=False)
     assert (state.status, state.total, state.pending) == (JobStatus.queued.value, 3, 3)
     items = list(job.results())
-    assert [(i.index, i.custom_id) for i in items] == [(0, "a"), (1, None), (2, "c")]
+    assert [(i.index, i.custom_id) for i in items] == [(0, "a"), (1, "request-1"), (2, "c")]
     with client.sessions() as s:
         job_row = s.get(Job, job.id)
         assert job_row.params["max_new_tokens"] == 8 and job_row.params["temperature"] == 0.5

@@ -101,3 +101,21 @@ def test_seed_formats(tmp_path):
         assert next(requests(spec))["prompt"] == first
     inline = load_spec(spec_file(tmp_path, seed_data=[{"topic": "x"}], chat=True))
     assert next(requests(inline))["messages"] == [{"role": "user", "content": "About x"}]
+
+
+def test_every_path_a_spec_names_is_relative_to_the_spec(tmp_path, monkeypatch):
+    """seed_data and output.path are taken from the spec's directory whatever the working
+    directory; {data_dir} is the data directory of the settings that load it."""
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    path = spec_file(folder, output={"path": "out/{name}-{job_id}.jsonl"})
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    spec = load_spec(path)
+    assert spec.seed_data == str(folder / "seeds.jsonl")
+    assert synthesis.output_path(spec, 7) == folder / "out" / "t-7.jsonl"
+    data = tmp_path / "da{ta}"
+    spec = load_spec(spec_file(folder, output={"path": "{data_dir}/synth/{job_id}.parquet"}),
+                     data_dir=data)
+    assert synthesis.output_path(spec, 3) == data / "synth" / "3.parquet"

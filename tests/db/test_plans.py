@@ -141,7 +141,7 @@ CALLS: dict[str, tuple[Callable[[Any, int], Any], int]] = {
     "metrics": (lambda s, j: (repo.job_figures(s, job_ids=[j]),
                               repo.accepted_by_position(s, job_id=j),
                               repo.steps_by_draft_length(s, job_id=j),
-                              repo.draft_length_timeline(s, job_id=j)), 6 * N // CHUNK),
+                              repo.chunk_timeline(s, job_id=j)), 6 * N // CHUNK),
     # every item of the job, none of the other's, in index order without sorting
     "export": (lambda s, j: next(repo.iter_items(s, job_id=j, batch=1000)), N),
 }

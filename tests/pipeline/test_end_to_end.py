@@ -80,3 +80,12 @@ def test_cancelling_a_running_job_stops_it_at_the_next_chunk(client, tiny_worker
     assert all(s == {"completed"} for s in by_chunk[:first_cut])
     assert by_chunk[first_cut] <= {"completed", "cancelled"}
     assert all(s == {"cancelled"} for s in by_chunk[first_cut + 1:])
+
+
+def test_a_workers_log_has_no_model_loading_progress_bars(client, tiny_fixed_worker):
+    """Celery turns a worker's stderr into WARNING records: transformers' and the hub's
+    progress bars are off in workers (worker/app.py: WORKER_ENV), so none lands there."""
+    job = client.submit(["Rewrite: the log stays quiet"], pair="tiny-fixed", max_new_tokens=4)
+    assert job.wait(progress=False, timeout=120).status == JobStatus.completed.value
+    text = tiny_fixed_worker.log.read_text()
+    assert "Loading weights" not in text and "it/s]" not in text, text[-2000:]

@@ -139,7 +139,7 @@ def test_a_broker_flush_mid_job_loses_nothing(fleet):
 
 
 def test_a_producer_killed_between_commit_and_send_loses_nothing(fleet):
-    code = ("import os, signal; from api.client import Client; "
+    code = ("import os, signal; from specq.api.client import Client; "
             "job = Client().submit([f'killed producer {i}' for i in range(40)], "
             "pair='tiny-lookup', max_new_tokens=8, chunk_size=10, enqueue=False); "
             "print(job.id, flush=True); os.kill(os.getpid(), signal.SIGKILL)")

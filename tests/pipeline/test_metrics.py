@@ -77,6 +77,17 @@ def test_derived_figures_from_known_counters():
     assert nothing.acceptance_by_position == []
 
 
+def test_throughput_over_time_adds_up_to_the_tokens(finished_job):
+    """Each interval's tokens/s x its width, summed, is every token generated; the job's
+    pair and drafting come with its metrics (the report's title)."""
+    m = finished_job.metrics()
+    points = m.throughput_over_time
+    assert 1 <= len(points) <= 3  # at most one interval per chunk (12 items, chunks of 5)
+    width = 2 * points[0][0]
+    assert sum(rate * width for _, rate in points) == pytest.approx(m.new_tokens)
+    assert (m.pair, m.drafter) == ("tiny-fixed", "model") and m.draft_length
+
+
 def test_report_png_and_cli(finished_job, settings, env_for, tmp_path):
     png = draw_report(finished_job.metrics(), tmp_path / "r.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,7 +11,7 @@ prompts and pair:
 `--workload NAME` (or `all`) runs all of it on a built-in prompt set (workloads.py) and
 ends with one table of tokens per target pass and speedups, per workload and drafter.
 
-Run with `python -m worker.bench --help`. The CLI wires it as
+Run with `specq bench --help` (or `python -m specq.worker.bench`). The CLI wires it as
 `add_arguments(subparser)` and `run(args)`.
 """
 
@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m worker.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m specq.worker.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     add_arguments(p)

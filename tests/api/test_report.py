@@ -1,0 +1,88 @@
+"""`specq report` as a reader sees it: the Figure is inspected before it is saved (titles,
+integer tick labels on integer axes, words where a panel has nothing to draw), and the PNG
+is written."""
+
+from __future__ import annotations
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+from specq.api.client import JobMetrics
+from specq.api.report import NEVER_DRAFTED, draw_report, format_metrics, report_figure
+
+DRAFTED = JobMetrics(
+    job_id=12, status="completed", total=40, completed=38, failed=1, cancelled=1, pending=0,
+    wall_time=8.0, draft_steps=60, proposed=180, accepted=110, accepted_by_position=[50, 35, 25],
+    target_passes=160, new_tokens=400, steps_by_draft_length=[40, 10, 20, 60], draft_time=1.0,
+    verify_time=6.0, draft_length_over_time=[2.5, 2.2, 1.8, 2.0, 2.4, 2.6, 1.0, 0.5, 2.0, 2.2],
+    throughput_over_time=[(0.2 + 0.4 * i, 40.0 + 10 * (i % 3)) for i in range(20)],
+    pair="smollm2-135m", drafter="prompt_lookup", draft_mode="adaptive", draft_length=3)
+NEVER = JobMetrics(
+    job_id=13, status="completed", total=4, completed=4, failed=0, cancelled=0, pending=0,
+    wall_time=2.0, target_passes=40, new_tokens=36, steps_by_draft_length=[36],
+    verify_time=1.5, draft_length_over_time=[0.0], throughput_over_time=[(1.0, 18.0)],
+    pair="tiny", drafter="none")
+
+
+def drawn(m: JobMetrics) -> dict:
+    """The report's panels by title, after a draw (tick labels exist only then)."""
+    fig = report_figure(m)
+    FigureCanvasAgg(fig).draw()
+    return {"figure": fig, **{ax.get_title(): ax for ax in fig.axes}}
+
+
+def labels(axis) -> list[str]:
+    return [t.get_text() for t in axis.get_ticklabels() if t.get_visible() and t.get_text()]
+
+
+def texts(ax) -> str:
+    return " ".join(t.get_text() for t in ax.texts)
+
+
+def is_integer(text: str) -> bool:
+    return text.replace("\u2212", "-").lstrip("-").isdigit()
+
+
+def test_titles_name_the_job_pair_and_drafter_and_integer_axes_have_integer_ticks(tmp_path):
+    p = drawn(DRAFTED)
+    title = p["figure"].get_suptitle()
+    for needle in ("job 12", "pair smollm2-135m", "drafter prompt_lookup/adaptive:3",
+                   "acceptance 0.611", "estimated speedup 2.14x", "1 cancelled"):
+        assert needle in title
+    assert set(p) == {"figure", "acceptance by draft position", "steps by draft length g",
+                      "draft length over time", "throughput over time"}
+    assert labels(p["acceptance by draft position"].xaxis) == ["1", "2", "3"]
+    steps = p["steps by draft length g"]
+    assert labels(steps.xaxis) == ["0", "1", "2", "3"]
+    assert all(is_integer(t) for t in labels(steps.yaxis))
+    assert labels(p["draft length over time"].xaxis) == [str(i) for i in range(1, 11)]
+    over_time = p["throughput over time"]
+    assert len(over_time.lines) == 1 and len(over_time.lines[0].get_xdata()) == 20
+    assert "tokens/s" in over_time.get_ylabel()
+
+    png = draw_report(DRAFTED, tmp_path / "r.png")
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+
+
+def test_a_job_that_never_drafted_says_so_instead_of_empty_panels(tmp_path):
+    p = drawn(NEVER)
+    title = p["figure"].get_suptitle()
+    assert "acceptance -" in title and "estimated speedup -" in title
+    for name in ("acceptance by draft position", "draft length over time"):
+        ax = p[name]
+        assert NEVER_DRAFTED in texts(ax), name
+        assert not ax.patches and not ax.lines and labels(ax.xaxis) == [], name
+    assert "never drafted" in texts(p["steps by draft length g"])
+    assert labels(p["steps by draft length g"].xaxis) == ["0"]
+    # a single value is a bar with a note, not a lonely dot
+    one = p["throughput over time"]
+    assert not one.lines and len(one.patches) == 1 and "one chunk" in texts(one)
+    text = format_metrics(NEVER)
+    assert "never drafted" in text and "estimated speedup       -" in text
+    assert draw_report(NEVER, tmp_path / "n.png").stat().st_size > 10_000
+
+
+def test_one_chunk_of_draft_lengths_is_a_bar_with_a_note():
+    m = JobMetrics(**{**DRAFTED.__dict__, "draft_length_over_time": [1.5]})
+    ax = drawn(m)["draft length over time"]
+    assert not ax.lines and len(ax.patches) == 1 and "one chunk: mean g 1.50" in texts(ax)
