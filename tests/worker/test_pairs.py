@@ -32,11 +32,11 @@ def test_tiny_pair_loads_from_disk_and_generates(tmp_path):
     assert len(res.token_ids) >= 1 and res.counters.target_passes >= 1
     lookup = load_pair(get_preset("tiny-lookup"), Settings(data_dir=tmp_path))
     assert isinstance(lookup.drafter, PromptLookup)
-    assert pair.engine().policy.adaptive and pair.engine().policy.default == 4
+    assert pair.engine().policy.adapts and pair.engine().policy.default == 4
     pinned = pair.engine(draft_length=3).policy
-    assert not pinned.adaptive and pinned.default == 3
+    assert not pinned.adapts and pinned.default == 3
     pair.preset = pair.preset.model_copy(update={"adaptive": False})
-    assert not pair.engine().policy.adaptive
+    assert not pair.engine().policy.adapts
 
 
 def test_draft_with_another_vocabulary_is_refused(tmp_path, tiny_dirs):

@@ -62,7 +62,7 @@ def calibrate(engine: SpeculativeEngine, sizes: Iterable[int] | None = None,
     ``batch_sizes(max_batch_size)``), then forget the data the runs showed. A no-op for an
     engine that does not adapt g."""
     policy = engine.policy
-    if not policy.adaptive:
+    if not policy.adapts:
         return
     t0 = time.perf_counter()
     sizes = batch_sizes(engine.max_batch_size) if sizes is None else sorted(set(sizes))

@@ -60,7 +60,12 @@ class DraftInputs:
 
 
 class Drafter(Protocol):
+    """Proposes draft tokens; its capabilities choose how the engine drafts (drafting.py)."""
+
     name: str
+    free: bool  # costs nothing next to a target pass: proposes while g = 0 (shadow.py)
+    scored: bool  # its proposals carry each token's confidence (Proposal.confidence)
+    races: bool  # samples by keyed_race: sampled rows' targets race with the same noise
 
     def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None:
         """New rows join at the end of the batch, their prompts and first tokens known."""
@@ -89,6 +94,8 @@ class Drafter(Protocol):
 class _JobBlind:
     """A drafter that learns nothing from the job's finished rows."""
 
+    free = scored = races = False  # capabilities (Drafter): none unless a drafter says so
+
     def use_job(self, job: Hashable) -> None: ...
     def finish(self, tokens: list[int]) -> None: ...
 
@@ -108,8 +115,8 @@ class NoDraft(_Stateless):
 
     def propose(self, batch: DraftInputs, g: int) -> Proposal:
         B = len(batch.tokens)
-        empty = torch.zeros(B, 0, dtype=torch.long)
-        return Proposal(empty, torch.zeros(B, dtype=torch.long), None)
+        return Proposal(torch.zeros(B, 0, dtype=torch.long), torch.zeros(B, dtype=torch.long),
+                        None)
 
 
 class PromptLookup(_Stateless):

@@ -26,7 +26,6 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 
 # Each constant exists for one reason.
 COST_DECAY = 0.9  # weight of a cost sample against the next one: costs follow the machine's load
@@ -237,23 +236,24 @@ class Calibration:
         return [a / n for a, n in zip(self.accepted, self.judged)]
 
 
-@dataclass
 class DraftLengthPolicy:
     """Picks g each step from the cost table and the acceptance estimate.
 
-    ``adaptive=False`` pins g to ``default``. Costs can be measured before the first
-    request (calibration.py). While g = 0 wins, drafting steps no longer show acceptance,
-    so the policy probes at g = default now and then (PROBE_BUDGET, PROBE_GAP), unless
-    ``idle_acceptance``: a free drafter's proposals are then scored while g = 0 (shadow.py).
+    The estimates and the rules every adaptive choice keeps are here; the regimes are the
+    subclasses below, each a small class: Shadowed (a free drafter scored while g = 0, no
+    probes), Widths (a drafter that scores its own tokens: the width that pays for these
+    very drafts), Pinned (g fixed; with g = 0 the null object of a pair that never drafts).
+    This class itself is the plain regime: the g with the best predicted speedup, and while
+    g = 0 wins drafting steps no longer show acceptance, so it probes at g = default now and
+    then (PROBE_BUDGET, PROBE_GAP). Costs can be measured before the first request
+    (calibration.py).
     """
 
-    default: int = 4
-    max_g: int = 8
-    adaptive: bool = True
-    idle_acceptance: bool = False
+    adapts = True  # g follows the estimates (calibration measures costs only for these)
 
-    def __post_init__(self) -> None:
-        self.max_g = max(self.max_g, self.default)
+    def __init__(self, default: int = 4, max_g: int = 8) -> None:
+        self.default = default
+        self.max_g = max(max_g, default)
         self.costs = CostTable()
         self._batch = 1  # batch size of the latest step
         self.forget_data()
@@ -308,12 +308,10 @@ class DraftLengthPolicy:
     def choose(self, batch: int | None = None,
                confidence: list[list[float]] | None = None) -> int:
         """g for the next step of a batch of this size (by default the latest step's);
-        with ``confidence`` (per row, the drafter's confidence in each token it proposes
-        at max_g), the width that pays best for these very drafts (``width``)."""
+        ``confidence``: per row, the drafter's confidence in each token it proposes at
+        max_g (the Widths regime reads it)."""
         if batch:
             self._batch = batch
-        if not self.adaptive or self.default == 0:
-            return self.default
         b = self.costs.stand_in(self._batch)
         if b is None:
             return 0  # no cost known at all: measure a plain step
@@ -321,8 +319,10 @@ class DraftLengthPolicy:
             return self.default  # measure a draft step and a wide pass
         if self.steps - self._plain_at.get(self._batch, 0) >= PLAIN_REFRESH:
             return 0
-        if confidence is not None:
-            return self.width(confidence)
+        return self._best(confidence)
+
+    def _best(self, confidence: list[list[float]] | None) -> int:
+        """The g with the best predicted speedup; a probe at g = default when g = 0 wins."""
         scores = {g: self.predicted(g) or 0.0 for g in range(self.max_g + 1)}
         best = max(scores, key=scores.get)
         if best == 0:
@@ -353,8 +353,6 @@ class DraftLengthPolicy:
         """While g = 0 wins: a probe at g = default once its extra cost (g draft steps and a
         wide pass instead of a plain step) fits in PROBE_BUDGET of the time since the last
         drafting step, and at least PROBE_GAP steps after it."""
-        if self.idle_acceptance:
-            return False  # acceptance is observed while idle: no probe needed
         t1, tg, td = self.t_verify(1), self.t_verify(self.default + 1), self.t_draft
         extra = (self.default * td + tg) / t1 - 1.0 if t1 and tg and td is not None else 0.0
         return self.steps - self._drafted_at >= max(PROBE_GAP, extra / PROBE_BUDGET)
@@ -401,3 +399,33 @@ class DraftLengthPolicy:
             "steps": self.steps,
             "g_history": list(self.history),
         }
+
+
+class Shadowed(DraftLengthPolicy):
+    """A free drafter's proposals are scored while g = 0 (shadow.py): acceptance is seen
+    without drafting, so no probe is needed."""
+
+    def _probe_due(self) -> bool:
+        return False
+
+
+class Widths(DraftLengthPolicy):
+    """A drafter that scores its own tokens proposes at max_g; each step keeps the width
+    that pays for these very drafts (``width``), judged against the calibration its
+    verdicts teach. A plain step judges each row's first token all the same."""
+
+    def _best(self, confidence: list[list[float]] | None) -> int:
+        return self.width(confidence or [])
+
+
+class Pinned(DraftLengthPolicy):
+    """g fixed at ``default`` (a benchmark's fixed g, a preset's ``adaptive: false``); with
+    default 0 the null object of a pair that never drafts."""
+
+    adapts = False
+
+    def choose(self, batch: int | None = None,
+               confidence: list[list[float]] | None = None) -> int:
+        if batch:
+            self._batch = batch
+        return self.default

@@ -12,10 +12,10 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specq.configs.generation import Request, RequestError, check_length, context_length
-from specq.worker.engine import calibration, shadow
+from specq.worker.engine import calibration
 from specq.worker.engine.batch import KVRows, Row, fill_holes
-from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft, Proposal
-from specq.worker.engine.policy import DraftLengthPolicy
+from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
+from specq.worker.engine.drafting import drafting_for
 from specq.worker.engine.prefix import PrefixStore, prefill
 from specq.worker.engine.rejection import accept_matching, rejection_sample
 from specq.worker.engine.result import Result
@@ -29,7 +29,6 @@ from specq.worker.engine.sampling import (
 )
 
 log = logging.getLogger(__name__)
-_NO_DRAFT = NoDraft()  # the proposal of a step that does not draft
 ADMIT_SHARE = 4  # refills wait for 1 / ADMIT_SHARE of the batch to be free, then share a
 # prefill: a pass per finished row would stall the batch once per row
 
@@ -73,26 +72,8 @@ class Step:
     tokens: list[list[int]] = field(default_factory=list)
     t_step: float = 0.0  # seconds of the whole step, drafting through the cache fix-up
     # per row with a scored proposal: the confidences of the draft tokens the target
-    # judged and how many it accepted (policy.Calibration.add)
+    # judged and how many it accepted (drafting.Scored; policy.Calibration.add)
     judged: list[tuple[list[float], int]] = field(default_factory=list)
-
-
-def _verdicts(full: Proposal, g: int, accepted: list[int],
-              tokens: list[list[int]]) -> list[tuple[list[float], int]]:
-    """The target's verdicts on a scored proposal made at max_g and cut to g.
-
-    Drafting rows: the kept drafts' confidences and the accepted count. A plain step
-    (g = 0) judges each row's first draft token all the same: the target emitted one token,
-    and a point-mass draft is accepted exactly when it equals the target's own draw.
-    """
-    first = full.token_ids[:, :1].tolist()
-    judged = []
-    for conf, k, toks, d in zip(full.confidences, accepted, tokens, first):
-        if conf and g:
-            judged.append((conf[:g], k))
-        elif conf:
-            judged.append((conf[:1], int(d[0] == toks[0])))
-    return judged
 
 
 class SpeculativeEngine:
@@ -130,22 +111,12 @@ class SpeculativeEngine:
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
-        self.drafter = drafter or NoDraft()
-        self.max_batch_size = max_batch_size
-        # free rows that trigger a refill (by default a quarter of the batch: _room_for)
-        self.admit_group = min(admit_group or -(-max_batch_size // ADMIT_SHARE), max_batch_size)
+        self.drafting = drafting_for(drafter or NoDraft(), default=draft_length,
+                                     max_g=max_draft_length, adaptive=adaptive)
+        self.drafter, self.policy = self.drafting.drafter, self.drafting.policy
+        self._admit_group = admit_group  # None: a quarter of the batch (ADMIT_SHARE)
+        self.max_batch_size = max_batch_size  # the property sets admit_group too
         self.on_step = on_step
-        default = 0 if self.drafter.name == "none" else draft_length
-        # a drafter that scores its drafts proposes at max_g, cut per step (policy.width)
-        self.scored = adaptive and default > 0 and getattr(self.drafter, "scored", False)
-        # another that costs nothing is scored while the engine does not draft (shadow.py)
-        self.shadowing = (adaptive and default > 0 and getattr(self.drafter, "free", False)
-                          and not self.scored)
-        # a drafter that samples by keyed_race: the target's own draws race with its noise
-        self.race = getattr(self.drafter, "races", False)
-        self.policy = DraftLengthPolicy(default=default, max_g=max_draft_length,
-                                        adaptive=adaptive and default > 0,
-                                        idle_acceptance=self.shadowing or self.scored)
         self.context = model_context(target)
         eos = target.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -158,6 +129,19 @@ class SpeculativeEngine:
         # shared prefixes' keys and values: they depend on the tokens alone, so they
         # outlive a failed generation
         self.prefixes = PrefixStore() if share_prefixes else None
+
+    @property
+    def max_batch_size(self) -> int:
+        return self._max_batch_size
+
+    @max_batch_size.setter
+    def max_batch_size(self, rows: int) -> None:
+        """Rows at most; the refill group follows (worker/attempts.py halves the batch after
+        an out-of-memory error: a group fixed at the old size would wait for an empty batch,
+        and continuous batching would quietly turn static)."""
+        self._max_batch_size = rows
+        self.admit_group = min(getattr(self, "_admit_group", None) or -(-rows // ADMIT_SHARE),
+                               rows)
 
     # -- the loop -------------------------------------------------------------------
 
@@ -304,7 +288,7 @@ class SpeculativeEngine:
         inputs = DraftInputs([r.tokens for r in self.rows], *params,
                              greedy=bool((params[1] <= 0).all()))
         clock = StepClock(dev)
-        g, full = self._propose(inputs)
+        g, full = self.drafting.propose(inputs, self.rows)
         prop = full.cut(g)
         n = int(prop.num_draft.max()) if g else 0  # prompt lookup may find less than g anywhere
         draft_ids = prop.token_ids[:, :n].to(dev)  # [B, n]
@@ -331,25 +315,7 @@ class SpeculativeEngine:
         self.drafter.compact()
         t_draft, t_verify = clock.phases()
         return Step(g, prop.num_draft.tolist(), accepted_l, t_draft, t_verify, n + 1, tokens,
-                    clock.elapsed(), _verdicts(full, g, accepted_l, tokens) if self.scored else [])
-
-    def _propose(self, inputs: DraftInputs) -> tuple[int, Proposal]:
-        """This step's g and the drafter's proposal (the engine keeps its first g tokens).
-
-        A scored drafter proposes at max_g and the policy picks the width these drafts
-        pay at. Otherwise the policy picks g first; while it is 0, a free drafter's
-        proposals are held, to be scored against the tokens the target emits (shadow.py).
-        """
-        B = len(self.rows)
-        if self.scored:
-            full = self.drafter.propose(inputs, self.policy.max_g)
-            return self.policy.choose(batch=B, confidence=full.confidences), full
-        g = self.policy.choose(batch=B)
-        if self.shadowing and g:
-            shadow.drop(self.rows)
-        elif self.shadowing:
-            shadow.hold(self.drafter, self.rows, self.policy.default)
-        return g, (self.drafter.propose(inputs, g) if g else _NO_DRAFT.propose(inputs, 0))
+                    clock.elapsed())
 
     def _accept(self, logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: torch.Tensor,
                 draft_probs: torch.Tensor | None, params: tuple[torch.Tensor, ...],
@@ -379,13 +345,13 @@ class SpeculativeEngine:
         """The target's own draw at each position, keyed by (seed, position) only: raced
         when the drafter races (its drafts then match the draws as often as they can),
         else inverse-CDF. probs: [B, T, V]; seeds: [B]; pos: [B, T] -> tokens [B, T]"""
-        if self.race:
+        if self.drafter.races:
             return keyed_race(probs, seeds, pos)
         return sample(probs, keyed_uniform(seeds, pos, SAMPLE))
 
     def _apply(self, step: Step) -> None:
-        """Hand a step's tokens to the rows and count it: the rows' counters, the policy,
-        the free drafter's held proposals, and ``on_step``."""
+        """Hand a step's tokens to the rows and count it: the rows' counters, the drafting
+        (its policy learns from the step: drafting.py), and ``on_step``."""
         B = len(self.rows)
         emitted = []
         for row, toks, n_draft, k in zip(self.rows, step.tokens, step.num_draft, step.accepted):
@@ -396,11 +362,7 @@ class SpeculativeEngine:
             c.target_passes += 1
             c.draft_time += step.t_draft / B
             c.verify_time += (step.t_step - step.t_draft) / B
-        self.policy.observe(step.g, step.num_draft, step.accepted, step.t_draft, step.t_verify,
-                            step.verify_tokens)
-        if self.shadowing and not step.g:
-            self.policy.observe_acceptance(*shadow.score(self.rows, emitted))
-        self.policy.observe_confidence(step.judged)
+        self.drafting.observe(step, self.rows, emitted)
         if self.on_step:
             self.on_step(step)
 

@@ -184,6 +184,7 @@ class SuffixDrafter:
     name = "suffix"
     free = True  # costs little next to a target pass: may propose while g = 0 (shadow.py)
     scored = True  # its proposals carry per-token confidence (Proposal.confidence)
+    races = False
 
     def __init__(self, max_tokens: int = MAX_TOKENS) -> None:
         self.max_tokens = max_tokens

@@ -131,12 +131,9 @@ class Reference:
     prefix), memoised by request; ``raced`` samples as an engine whose drafter races."""
 
     def __init__(self, target, tokenizer) -> None:
-        self.engines = {}
-        for raced in (False, True):
-            engine = SpeculativeEngine(target, tokenizer, NoDraft(), max_batch_size=1,
-                                       share_prefixes=False)
-            engine.race = raced
-            self.engines[raced] = engine
+        self.engines = {raced: SpeculativeEngine(target, tokenizer, drafter,
+                                                 max_batch_size=1, share_prefixes=False)
+                        for raced, drafter in ((False, NoDraft()), (True, _Racing()))}
         self.memo: dict[tuple, list[int]] = {}
 
     def __call__(self, req: Request, raced: bool) -> list[int]:
@@ -146,6 +143,12 @@ class Reference:
             assert res.error is None, res.error
             self.memo[key] = res.token_ids
         return self.memo[key]
+
+
+class _Racing(NoDraft):
+    """No draft, but the target samples as it does beside a drafter that races."""
+
+    races = True
 
 
 def _drafter(kind: str, models, share: bool):

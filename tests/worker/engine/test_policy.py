@@ -12,6 +12,8 @@ from specq.worker.engine.policy import (
     PROBE_GAP,
     Calibration,
     DraftLengthPolicy,
+    Pinned,
+    Widths,
     expected_tokens,
     measured_speedup,
     theorem_speedup,
@@ -54,7 +56,7 @@ def test_policy_speculates_when_it_pays_and_stops_when_it_does_not():
     _feed(cheap, 4, alpha_hits=0, t_draft=0.0, t_verify_by_n=lambda n: 0.1 + 0.001 * n,
           steps=30 + 2 * PROBE_GAP)
     assert 4 in list(cheap.history)[2:], "it probes again now and then"
-    pinned = DraftLengthPolicy(default=3, adaptive=False)
+    pinned = Pinned(default=3)
     assert _feed(pinned, 3, 0, 0.05, lambda n: 0.1 * n) == 3
 
 
@@ -263,9 +265,9 @@ def test_history_is_bounded():
 
 
 def _costed(batch=4):
-    """A policy whose target pass over n tokens per row costs 0.1 + 0.02 n (n >= 2) and
-    0.1 for n = 1, at this batch size."""
-    policy = DraftLengthPolicy(default=4, max_g=8)
+    """A scored drafter's policy whose target pass over n tokens per row costs 0.1 + 0.02 n
+    (n >= 2) and 0.1 for n = 1, at this batch size."""
+    policy = Widths(default=4, max_g=8)
     policy.record_costs(batch, {1: [0.10] * 2, 2: [0.14] * 2, 5: [0.20] * 2}, [0.0] * 2)
     policy.choose(batch=batch)
     return policy
