@@ -9,7 +9,7 @@ from __future__ import annotations
 from celery import Celery
 
 from specq.configs.settings import Settings, get_settings
-from specq.worker.constants import queue_name
+from specq.worker.constants import broker_keyprefix, queue_name
 
 
 def make_app(settings: Settings, tasks: bool = True) -> Celery:
@@ -39,6 +39,7 @@ def make_app(settings: Settings, tasks: bool = True) -> Celery:
             "socket_timeout": settings.broker_timeout,
             "socket_connect_timeout": settings.broker_timeout,
             "health_check_interval": 10,
+            "global_keyprefix": broker_keyprefix(settings),
         },
         broker_connection_timeout=settings.broker_timeout,
         broker_connection_retry_on_startup=True,

@@ -23,6 +23,13 @@ def queue_name(pair: str, settings: Settings | None = None) -> str:
     return f"{(settings or get_settings()).queue_prefix}.{pair}"
 
 
+def broker_keyprefix(settings: Settings | None = None) -> str:
+    """What every key Celery and kombu keep on the broker begins with (kombu's
+    ``global_keyprefix``: queues, ``unacked``, bindings), as specq's own keys do: two
+    deployments with different queue prefixes can share one Redis database."""
+    return f"{(settings or get_settings()).queue_prefix}:"
+
+
 def synth_queue(settings: Settings | None = None) -> str:
     """The queue of the beat process's own tasks (firing schedules, writing data sets)."""
     return f"{(settings or get_settings()).queue_prefix}.synth"

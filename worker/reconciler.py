@@ -82,7 +82,8 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
     # the broker first: a message taken by a worker after this read shows as its lease
     client = dispatch.broker_client(settings)
     try:
-        held = dispatch.held(client, queues, recent=settings.reconcile_grace)
+        held = dispatch.held(client, queues, recent=settings.reconcile_grace,
+                             settings=settings)
     finally:
         client.close()
     with sessions() as s:

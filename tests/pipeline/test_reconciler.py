@@ -9,23 +9,28 @@ import time
 import uuid
 
 import redis
-from kombu.transport.redis import Channel
+from kombu.transport.redis import PRIORITY_STEPS
 
 from specq.api.client import Client
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus
 from specq.db.outcomes import Outcome
+from specq.worker.dispatch import queue_keys
 from specq.worker.reconciler import reconcile
 
 
-def _queued(r: redis.Redis, queue: str) -> dict[int, list[int]]:
+def _key(queue: str, settings, step: int) -> str:
+    """The Redis list of ``queue`` at priority ``step`` (behind the deployment's prefix)."""
+    return dict(zip(PRIORITY_STEPS, queue_keys(queue, settings)))[step]
+
+
+def _queued(r: redis.Redis, queue: str, settings) -> dict[int, list[int]]:
     """Chunk starts waiting on each priority list of ``queue``."""
     out = {}
-    for step in (0, 3, 6, 9):
-        key = f"{queue}{Channel.sep}{step}" if step else queue
+    for step in PRIORITY_STEPS:
         out[step] = sorted(json.loads(base64.b64decode(json.loads(m)["body"]))[0][1]
-                           for m in r.lrange(key, 0, -1))
+                           for m in r.lrange(_key(queue, settings, step), 0, -1))
     return {k: v for k, v in out.items() if v}
 
 
@@ -37,23 +42,23 @@ def test_lost_chunks_are_sent_again_a_dead_workers_first(settings):
                         max_new_tokens=4, chunk_size=10)
     queue = f"{own.queue_prefix}.tiny-lookup"
     r = redis.Redis.from_url(own.broker_url)
-    assert _queued(r, queue) == {6: [0, 10, 20]}
+    assert _queued(r, queue, own) == {6: [0, 10, 20]}
     report = reconcile(own, job_id=job.id)
     assert (report.candidates, report.on_broker, len(report.resent)) == (3, 3, 0)
 
     with client.sessions.begin() as s:  # a worker took chunk 0, then died
         assert chunks.claim(s, job_id=job.id, start=0, owner="dead", ttl=0.2) == 1
-    r.delete(queue, f"{queue}{Channel.sep}6")  # and the broker lost every message
+    r.delete(*queue_keys(queue, own))  # and the broker lost every message
     time.sleep(0.3)
     report = reconcile(own, job_id=job.id)
     assert sorted((c.start, c.started) for c in report.resent) == [
         (0, True), (10, False), (20, False)]
-    assert _queued(r, queue) == {0: [0], 6: [10, 20]}  # the dead worker's chunk goes first
+    assert _queued(r, queue, own) == {0: [0], 6: [10, 20]}  # the dead worker's chunk goes first
     assert len(reconcile(own, job_id=job.id).resent) == 0  # all on the broker again
 
     with client.sessions.begin() as s:  # a live lease is left alone, messages or not
         assert chunks.claim(s, job_id=job.id, start=10, owner="alive", ttl=60) == 1
-    r.delete(queue, f"{queue}{Channel.sep}6", f"{queue}{Channel.sep}0")
+    r.delete(*queue_keys(queue, own))
     assert [c.start for c in reconcile(own, job_id=job.id).resent] == [0, 20]
     r.close()
     client.job(job.id).cancel()
