@@ -43,13 +43,14 @@ from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
 from specq.db.session import migrate, session_factory
-from specq.worker.constants import INSPECT_TIMEOUT, PRIORITIES, queue_name
+from specq.worker.constants import PRIORITIES, queue_name
 
 if TYPE_CHECKING:
     from celery import Celery
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+RUNNABLE = (JobStatus.queued.value, JobStatus.in_progress.value)  # waiting for workers
 
 
 @dataclass
@@ -333,15 +334,47 @@ class Client:
         return [JobSummary.from_row(r) for r in rows]
 
     def workers_for(self, pair: str) -> list[str] | None:
-        """Hostnames of the workers consuming ``pair``'s queue; None if the broker is down."""
-        queue = queue_name(pair, self.settings)
-        inspect = self.celery.control.inspect(timeout=INSPECT_TIMEOUT)
+        """Hostnames of the live workers serving ``pair``; None if the broker cannot be
+        reached. A worker is listed once its pair is loaded and warm, for as long as it
+        lives, busy or not (worker/presence.py): waiting for a name here waits for a
+        worker that is ready to take chunks."""
+        serving = self._serving(pair)
+        return None if serving is None else serving[0]
+
+    def _serving(self, pair: str) -> tuple[list[str], str | None] | None:
+        """(live workers of ``pair``, why the last one that tried could not start), or
+        None when the broker cannot be reached: one connection, every call bounded by
+        broker_timeout."""
+        import redis
+
+        from specq.worker import dispatch, presence
+
         try:
-            replies = _bounded(inspect.active_queues, INSPECT_TIMEOUT + 2) or {}
-        except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
+            client = dispatch.broker_client(self.settings)
+            try:
+                workers = presence.present(client, self.settings, pair)
+                failure = None if workers else presence.start_failure(client, self.settings,
+                                                                       pair)
+                return workers, failure
+            finally:
+                client.close()
+        except (redis.RedisError, OSError) as exc:
             log.warning("broker %s: %s", _shown(self.settings.broker_url), exc)
             return None
-        return sorted(h for h, qs in replies.items() if any(q.get("name") == queue for q in qs))
+
+    def serving_note(self, pair: str) -> str | None:
+        """Why nothing may run ``pair``'s chunks now (no live worker, a failed start, no
+        broker), or None."""
+        serving = self._serving(pair)
+        if serving is None:
+            return "the broker cannot be reached"
+        workers, failure = serving
+        if workers:
+            return None
+        queue = queue_name(pair, self.settings)
+        note = (f"no worker is consuming queue {queue!r}; start one with "
+                f"`specq worker --pair {pair}`")
+        return f"{note} ({failure})" if failure else note
 
 
 class Job:
@@ -397,16 +430,14 @@ class Job:
             cancelled=counts[ItemStatus.cancelled.value], pending=counts[ItemStatus.pending.value],
             created_at=job.created_at, finished_at=job.finished_at, error=job.error,
         )
-        # only a queued job asks: once a chunk runs a worker evidently serves the pair, and
-        # a solo worker busy with a chunk cannot answer the broadcast anyway
-        if check_workers and state.status == JobStatus.queued.value and state.pending:
-            workers = self.client.workers_for(job.pair)
-            queue = queue_name(job.pair, self.client.settings)
-            if workers is None:
-                state.note = "the broker cannot be reached"
-            elif not workers:
-                state.note = (f"no worker is consuming queue {queue!r}; start one with "
-                              f"`specq worker --pair {job.pair}`")
+        notes = []
+        if check_workers and state.status in RUNNABLE and state.pending:
+            notes.append(self.client.serving_note(job.pair))
+        if state.error and not state.finished:  # kept by a worker a chunk failed on
+            notes.append(f"its chunks fail on the workers (error); each is sent again, "
+                         f"{self.client.settings.max_chunk_runs} times at most "
+                         f"(SPECQ_MAX_CHUNK_RUNS), then its pending items fail")
+        state.note = "; ".join(n for n in notes if n) or None
         return state
 
     def wait(

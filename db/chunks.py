@@ -41,6 +41,7 @@ class ChunkRef:
     queue: str
     started: bool = False  # a worker took it before (and died, or gave up on it)
     priority: str = "normal"  # its job's: high | normal | low
+    sends: int = 0  # messages sent for it so far (unclaimed reads it)
 
 
 def insert_chunks(session: Session, *, job_id: int, total: int, chunk_size: int,
@@ -121,7 +122,7 @@ def unclaimed(session: Session, *, grace: float, job_id: int | None = None) -> l
     re-sending."""
     c = Chunk.__table__.c
     stmt = (
-        select(c.job_id, c.start, c.end, Job.queue, c.runs > 0, Job.priority)
+        select(c.job_id, c.start, c.end, Job.queue, c.runs > 0, Job.priority, c.sends)
         .join(Job, Job.id == c.job_id)
         .where(Job.status.in_(UNFINISHED), Job.queue.is_not(None), c.done.is_(False),
                or_(c.lease_owner.is_(None), c.lease_until < db_now()),
@@ -218,7 +219,8 @@ def mark_sent(session: Session, *, refs: Iterable[ChunkRef]) -> None:
 
 def reopen(session: Session, *, job_id: int, indices: Iterable[int]) -> list[ChunkRef]:
     """Mark the chunks holding these item indices not done (items went back to pending);
-    they count as sent now. Returns them."""
+    they count as sent now, once, and as never run: a retry gives each max_chunk_runs
+    runs and sends again, as it gives each item max_attempts attempts. Returns them."""
     job = session.get(Job, job_id)
     starts = sorted({i - i % job.chunk_size for i in indices})
     c = Chunk.__table__.c
@@ -227,7 +229,7 @@ def reopen(session: Session, *, job_id: int, indices: Iterable[int]) -> list[Chu
         part = starts[i:i + 1000]
         session.execute(update(Chunk.__table__)
                         .where(c.job_id == job_id, c.start.in_(part))
-                        .values(done=False, sent_at=db_now()))
+                        .values(done=False, sent_at=db_now(), sends=1, runs=0))
         refs += [ChunkRef(job_id, s, min(s + job.chunk_size, job.total), job.queue,
                           priority=job.priority) for s in part]
     return refs

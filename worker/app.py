@@ -50,6 +50,8 @@ def make_app(settings: Settings, tasks: bool = True) -> Celery:
         task_send_sent_event=True,
         task_create_missing_queues=True,
     )
+    if tasks:  # the pair loads, or the worker exits, before it consumes (worker/tasks.py)
+        app.steps["worker"].add("specq.worker.tasks:PairStartUp")
     return app
 
 

@@ -6,7 +6,6 @@ from specq.configs.settings import Settings, get_settings
 
 GENERATE_TASK = "specq.generate_chunk"  # args: job_id, start, end (item indices, end exclusive)
 WORKER_PAIR_ENV = "SPECQ_WORKER_PAIR"  # set by `specq worker --pair`; read through Settings
-INSPECT_TIMEOUT = 1.0  # seconds to wait for workers to say which queues they consume
 FIRE_TASK = "specq.fire_schedule"  # args: schedule name (api/beat.py)
 COLLECT_TASK = "specq.collect_runs"  # writes finished synthesis runs' data sets
 RECONCILE_TASK = "specq.reconcile"  # re-sends lost chunks (worker/reconciler.py)

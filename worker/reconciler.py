@@ -7,7 +7,10 @@ broker, a producer killed between storing a job and sending it, a submission mad
 the broker was down, a worker killed mid-chunk (its lease runs out within
 ``lease_seconds``), and a task that gave up on a long database outage. Re-sending is
 always safe: a worker claims a chunk's lease before running it and writes each item once.
-It also ends jobs none of whose items is pending (their last writer died before it could),
+A chunk sent ``max_chunk_runs`` times that is lost again is not sent once more: its pending
+items fail, with the reason its job keeps (a chunk that fails on every worker before its
+items reach the engine, say, whose messages vanish without a lease). It also ends jobs none
+of whose items is pending (their last writer died before it could),
 and keeps every unfinished job's turn on its queue: a job with chunks not sent yet and
 fewer than ``dispatch_window`` messages on the broker gets its next chunks sent (a producer
 that died before sending any, a submission while the broker was down, a flushed broker).
@@ -34,6 +37,7 @@ from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.chunks import UNFINISHED, ChunkRef
 from specq.db.models import Job
+from specq.db.outcomes import Outcome
 from specq.db.session import session_factory
 from specq.worker import dispatch
 from specq.worker.constants import PRIORITY_RESENT
@@ -46,6 +50,7 @@ class ReconcileReport:
     candidates: int = 0  # chunks not done, not leased, not sent recently
     on_broker: int = 0  # of those, still held by the broker
     resent: list[ChunkRef] = field(default_factory=list)
+    abandoned: list[ChunkRef] = field(default_factory=list)  # sent max_chunk_runs times
     fed: list[ChunkRef] = field(default_factory=list)  # first sends, to fill a job's window
     settled: dict[int, str] = field(default_factory=dict)  # job id -> status it ended in
 
@@ -55,7 +60,7 @@ class ReconcileReport:
             by_job[r.job_id] = by_job.get(r.job_id, 0) + 1
         return {"candidates": self.candidates, "on_broker": self.on_broker,
                 "resent": len(self.resent), "resent_by_job": by_job, "fed": len(self.fed),
-                "settled": self.settled}
+                "abandoned": len(self.abandoned), "settled": self.settled}
 
 
 def reconcile(settings: Settings, *, job_id: int | None = None,
@@ -91,6 +96,13 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
     report.candidates = len(candidates)
     lost = [c for c in candidates if (c.job_id, c.start) not in held]
     report.on_broker = len(candidates) - len(lost)
+    report.abandoned = [c for c in lost if c.sends >= settings.max_chunk_runs]
+    for c in report.abandoned:
+        with sessions.begin() as s:
+            abandon_chunk(s, c)
+        with sessions.begin() as s:
+            report.settled[c.job_id] = repo.settle_job(s, job_id=c.job_id).value
+    lost = [c for c in lost if c.sends < settings.max_chunk_runs]
     app = app or make_app(settings, tasks=False)
     if lost:
         # a chunk a worker had started (and died on) goes before every chunk waiting its
@@ -119,6 +131,27 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
     if report.fed:
         log.info("reconciler: %d chunks sent to fill their jobs' turns", len(report.fed))
     return report
+
+
+def abandon_chunk(s: Session, ref: ChunkRef) -> int:
+    """Fail the pending items of a chunk sent ``ref.sends`` times that never finished,
+    each with its own last error or the job's; the chunk is done. Returns how many."""
+    job = repo.lock_job(s, job_id=ref.job_id)
+    rows = repo.pending_items(s, job_id=ref.job_id, start=ref.start, end=ref.end)
+    why = f"; last failure: {job.error}" if job is not None and job.error else ""
+    fail_pending(s, ref.job_id, rows, f"chunk abandoned: sent {ref.sends} times and never "
+                 f"finished (SPECQ_MAX_CHUNK_RUNS){why}")
+    chunks.mark_done(s, job_id=ref.job_id, start=ref.start)
+    log.error("job %d: chunk [%d, %d) abandoned after %d sends; %d items failed%s",
+              ref.job_id, ref.start, ref.end, ref.sends, len(rows), why)
+    return len(rows)
+
+
+def fail_pending(s: Session, job_id: int, rows: list, error: str) -> None:
+    """Fail these pending items for good (each with its own last error, else ``error``).
+    Call under the job's lock."""
+    repo.write_outcomes(s, job_id=job_id, outcomes=[
+        Outcome.failure(it.index, it.error or error) for it in rows])
 
 
 def lock_key(settings: Settings) -> str:

@@ -87,17 +87,53 @@ def test_a_job_keeps_its_turn_on_the_queue(settings):
     r = redis.Redis.from_url(own.broker_url)
     job = client.submit([f"turn {i}" for i in range(50)], pair="tiny-lookup",
                         max_new_tokens=4, chunk_size=10, enqueue=False)  # the producer died
-    assert _queued(r, queue) == {}
+    assert _queued(r, queue, own) == {}
     report = reconcile(own, job_id=job.id)
-    assert [c.start for c in report.fed] == [0, 10] and _queued(r, queue) == {6: [0, 10]}
+    assert [c.start for c in report.fed] == [0, 10] and _queued(r, queue, own) == {6: [0, 10]}
     assert reconcile(own, job_id=job.id).fed == []  # its turn is on the queue
     with client.sessions.begin() as s:  # a worker took chunk 0's message (the oldest)
         chunks.claim(s, job_id=job.id, start=0, owner="w", ttl=60)
-    r.rpop(f"{queue}{Channel.sep}6")  # and died before it could send the next
+    r.rpop(_key(queue, own, 6))  # and died before it could send the next
     assert [c.start for c in reconcile(own, job_id=job.id).fed] == [20]
     urgent = client.submit(["urgent"], pair="tiny-lookup", max_new_tokens=4,
                            priority="high")
-    assert _queued(r, queue)[3] == [0]  # sent at once, on the high-priority list
+    assert _queued(r, queue, own)[3] == [0]  # sent at once, on the high-priority list
     r.close()
     client.job(job.id).cancel()
     client.job(urgent.id).cancel()
+
+
+def test_a_chunk_sent_max_chunk_runs_times_fails_with_its_jobs_error(settings):
+    """Messages that vanish without a lease (a worker that fails the chunk before its items
+    reach the engine) count: after max_chunk_runs sends the chunk is not sent again, its
+    items fail with the error the job keeps, and a retry gives it max_chunk_runs more."""
+    own = settings.model_copy(update={"queue_prefix": f"rec-{uuid.uuid4().hex[:6]}",
+                                      "reconcile_grace": 0.0, "max_chunk_runs": 3})
+    client = Client(own)
+    job = client.submit([f"lost {i}" for i in range(3)], pair="tiny-lookup",
+                        max_new_tokens=4, chunk_size=10)
+    queue = f"{own.queue_prefix}.tiny-lookup"
+    r = redis.Redis.from_url(own.broker_url)
+    with client.sessions.begin() as s:
+        repo.note_job_error(s, job_id=job.id, error="chunk [0, 3) failed on worker w: boom")
+    state = job.status(check_workers=False)
+    assert state.error.endswith("boom") and "SPECQ_MAX_CHUNK_RUNS" in state.note
+    for _ in range(2):  # a worker takes the message and fails before any lease: lost
+        r.delete(*queue_keys(queue, own))
+        report = reconcile(own, job_id=job.id)
+        assert [c.start for c in report.resent] == [0] and report.abandoned == []
+    r.delete(*queue_keys(queue, own))
+    report = reconcile(own, job_id=job.id)
+    assert [c.start for c in report.abandoned] == [0] and report.resent == []
+    assert report.settled[job.id] == "completed" and _queued(r, queue, own) == {}
+    state = job.status(check_workers=False)
+    assert (state.failed, state.pending) == (3, 0)
+    assert {it.error for it in job.results()} == {
+        "chunk abandoned: sent 3 times and never finished (SPECQ_MAX_CHUNK_RUNS); last "
+        "failure: chunk [0, 3) failed on worker w: boom"}
+
+    assert job.retry() == [0, 1, 2]  # fixed: the chunk starts its count again
+    assert _queued(r, queue, own) == {6: [0]}
+    assert reconcile(own, job_id=job.id).abandoned == []
+    r.close()
+    client.job(job.id).cancel()
