@@ -21,7 +21,7 @@ from specq.api import formats
 from specq.api.client import Client
 from specq.api.formats import FORMATS, OutputError, check_output
 from specq.api.inputs import InputError, check_count, check_job_id, describe, show
-from specq.configs.presets import PresetError
+from specq.configs.presets import PairError, PresetError
 from specq.configs.settings import describe_settings, get_settings
 from specq.worker.constants import PRIORITIES
 
@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except (InputError, OutputError, PresetError) as exc:
         return _fail([str(exc)], 2)
+    except PairError as exc:  # a model that cannot be found, fetched or read
+        return _fail([str(exc)], 1)
     except ValidationError as exc:  # SPECQ_* settings, read when first needed
         return _fail(describe_settings(exc) if exc.title == "Settings" else describe(exc), 2)
     except (KeyError, TimeoutError, RuntimeError) as exc:
@@ -259,6 +261,12 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("migrate", help="create or upgrade the database schema (alembic)")
     s.set_defaults(func=cmd_migrate)
 
+    s = sub.add_parser("cache-tokenizer",
+                       help="fetch a pair's tokenizer and context length into the data "
+                            "directory, where submit reads them to check prompt lengths")
+    s.add_argument("--pair", required=True)
+    s.set_defaults(func=cmd_cache_tokenizer)
+
     for name, (_, text) in HEAVY.items():
         s = sub.add_parser(name, help=text, add_help=False)  # `specq NAME -h`: its own help
         s.set_defaults(func=cmd_heavy, heavy=name)
@@ -300,8 +308,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     print(f"job {job.id}: {state.total} items on pair {state.pair}, {state.status}")
     if job.enqueue_error:
         print(f"warning: {job.enqueue_error}", file=sys.stderr)
-    if state.note:
-        print(f"note: {state.note}")
+    for note in (job.unchecked, state.note):
+        if note:
+            print(f"note: {note}")
     if args.wait:
         _print_state(job.wait(progress=True))
     return 0
@@ -474,8 +483,9 @@ def cmd_synth_run(args: argparse.Namespace) -> int:
     state = job.status()
     print(f"job {job.id}: {state.total} samples of {spec.name} on pair {state.pair}, "
           f"{state.status}", file=sys.stderr)
-    if state.note:
-        print(f"note: {state.note}", file=sys.stderr)
+    for note in (job.unchecked, state.note):
+        if note:
+            print(f"note: {note}", file=sys.stderr)
     if not args.wait:
         print(f"`specq synth write {job.id}` writes the data set once it completes (`specq "
               f"beat` does it by itself)", file=sys.stderr)
@@ -542,6 +552,20 @@ def cmd_worker(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     os.execv(sys.executable, [sys.executable, "-m", "celery", *argv])
     return 0  # not reached
+
+
+def cmd_cache_tokenizer(args: argparse.Namespace) -> int:
+    """The one command that asks the hub for a submitter: workers write the same folder
+    when they start (configs/tokenizer_cache.py)."""
+    from specq.api.tokenizer import cache_from_hub, target_context
+    from specq.configs.presets import get_preset
+
+    settings = get_settings()
+    preset = get_preset(args.pair, settings.presets_file)
+    folder = cache_from_hub(preset, settings)
+    print(f"pair {preset.name}: tokenizer of {preset.target.label} (context "
+          f"{target_context(preset, settings)} tokens) in {folder}", file=sys.stderr)
+    return 0
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

@@ -33,7 +33,13 @@ from specq.api.inputs import (
     open_source,
     parse_entries,
 )
-from specq.api.tokenizer import PromptTokenizer, prompt_tokenizer, target_context
+from specq.api.tokenizer import (
+    PromptTokenizer,
+    TokenizerUnavailable,
+    prompt_tokenizer,
+    target_context,
+    unchecked_note,
+)
 from specq.configs.counters import ARRAYS, SCALARS, Counters
 from specq.configs.counters import kinds as counter_kinds
 from specq.configs.generation import RequestError, SamplingParams, fits_by_size
@@ -249,7 +255,7 @@ class Client:
         chunk_size = (self.settings.chunk_size if chunk_size is None
                       else check_count("chunk_size", chunk_size))
         name, entries = open_source(source)
-        total = self._validate(entries, defaults, preset)
+        total, unchecked = self._validate(entries, defaults, preset)
         if total == 0:
             raise InputError([f"{name or 'prompts'}: no prompts"])
         t1 = time.perf_counter()
@@ -269,6 +275,9 @@ class Client:
         log.info("job %d: %d items validated in %.2f s, stored in %.2f s",
                  job.id, total, t1 - t0, t2 - t1)
         handle = Job(self, job.id)
+        handle.unchecked = unchecked
+        if unchecked:
+            log.info("job %d: %s", job.id, unchecked)
         if enqueue:
             handle.enqueue()
         return handle
@@ -279,10 +288,16 @@ class Client:
         except UnknownPair as exc:
             raise InputError([f"pair: {exc}"]) from None
 
-    def _validate(self, entries: Any, defaults: dict[str, Any], preset: PairPreset) -> int:
-        """Every entry checked; the count. The target's tokenizer is loaded only when a
-        prompt may not fit by its size alone."""
-        context = target_context(preset, self.settings)
+    def _validate(self, entries: Any, defaults: dict[str, Any], preset: PairPreset
+                  ) -> tuple[int, str | None]:
+        """Every entry checked; the count, and why prompt lengths were not checked (None
+        when they were). The target's tokenizer is loaded only when a prompt may not fit
+        by its size alone, and only from files on this machine (api/tokenizer.py)."""
+        unchecked: str | None = None
+        try:
+            context: int | None = target_context(preset, self.settings)
+        except TokenizerUnavailable as exc:
+            context, unchecked = None, unchecked_note(preset, exc)
         tokenizer: PromptTokenizer | None = None
         problems: list[str] = []
         seen: dict[str, str] = {}
@@ -299,16 +314,18 @@ class Client:
                                         f"{seen[cid]}")
                     seen[cid] = where
                 try:
-                    if not fits_by_size(got.request, context):
+                    if context is not None and not fits_by_size(got.request, context):
                         tokenizer = tokenizer or prompt_tokenizer(preset, self.settings)
                         tokenizer.encode(got.request, context)
                 except RequestError as exc:
                     problems.append(f"{where}: {exc}")
+                except TokenizerUnavailable as exc:
+                    context, unchecked = None, unchecked_note(preset, exc)
             if len(problems) >= MAX_PROBLEMS:
                 raise InputError(problems, truncated=True)
         if problems:
             raise InputError(problems)
-        return total
+        return total, unchecked
 
     # -- reading --------------------------------------------------------------------
 
@@ -384,6 +401,7 @@ class Job:
         self.client = client
         self.id = job_id
         self.enqueue_error: str | None = None  # why the last enqueue() sent nothing
+        self.unchecked: str | None = None  # why submit() did not check prompt lengths
 
     def __repr__(self) -> str:
         return f"Job({self.id})"
