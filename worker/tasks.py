@@ -28,12 +28,12 @@ from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
 from specq.db.session import session_factory
-from specq.worker import dispatch, threads
+from specq.worker import dispatch, presence, threads
 from specq.worker.app import app
 from specq.worker.attempts import ChunkItem, Stopped, generate_with_retries
 from specq.worker.backoff import Backoff, retry_db
 from specq.worker.constants import GENERATE_TASK, WORKER_PAIR_ENV
-from specq.worker.device import DeviceLost
+from specq.worker.device import DeviceLost, is_device_lost
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.keeper import ChunkKeeper
 from specq.worker.pairs import Pair, cache_tokenizer, load_pair, resolve_device
@@ -110,10 +110,9 @@ class PairStartUp(bootsteps.StartStopStep):
         log.info("pair %s ready in %.1f s (%s)", settings.worker_pair, sum(phases.values()),
                  ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
         _cache_tokenizer(settings)
-        from specq.worker.presence import Heartbeat
-
-        self.background.append(Heartbeat(settings, settings.worker_pair, hostname).start())
-        _forget_start_failure(settings)
+        self.background.append(presence.Heartbeat(settings, settings.worker_pair, hostname).start())
+        _on_broker(settings, lambda r: presence.clear_start_failure(
+            r, settings, settings.worker_pair), "an earlier failed start is not cleared")
         if settings.reconcile_every > 0:
             from specq.worker.reconciler import Background
 
@@ -152,36 +151,29 @@ def start_up(settings: Settings) -> dict[str, float]:
 def _exit_unstarted(settings: Settings, hostname: str, exc: BaseException) -> NoReturn:
     """Log why the pair cannot start, leave it where `specq status` finds it, and exit:
     status 75 when the device failed (its supervisor may restart it), 1 otherwise."""
-    from specq.worker.device import is_device_lost
-
     code = EXIT_DEVICE_LOST if is_device_lost(exc) else EXIT_START_FAILED
     error = f"{type(exc).__name__}: {exc}"
     log.critical("pair %s cannot start on this worker: %s. The worker exits (status %d) "
                  "without taking any chunk.", settings.worker_pair, error, code,
                  exc_info=not isinstance(exc, PairError))
     if settings.worker_pair:
-        try:
-            from specq.worker import dispatch, presence
-
-            client = dispatch.broker_client(settings)
-            presence.record_start_failure(client, settings, settings.worker_pair, hostname,
-                                          error)
-            client.close()
-        except Exception as err:  # noqa: BLE001 (the broker's errors vary; the log has it)
-            log.warning("the failure is not recorded on the broker (%s)", err)
+        _on_broker(settings, lambda r: presence.record_start_failure(
+            r, settings, settings.worker_pair, hostname, error),
+            "the failed start is not recorded on the broker")
     raise SystemExit(code)
 
 
-def _forget_start_failure(settings: Settings) -> None:
-    """A worker of the pair started: an earlier one's failure is history."""
-    from specq.worker import dispatch, presence
-
+def _on_broker(settings: Settings, call: Callable[[Any], None], failed: str) -> None:
+    """call(a Redis client on the broker), best effort: a broker away costs a note in
+    `specq status`, not the worker its start (``failed`` is logged)."""
     try:
         client = dispatch.broker_client(settings)
-        presence.clear_start_failure(client, settings, settings.worker_pair)
-        client.close()
-    except Exception as exc:  # noqa: BLE001
-        log.info("an earlier start failure is not cleared (%s)", exc)
+        try:
+            call(client)
+        finally:
+            client.close()
+    except Exception as exc:  # noqa: BLE001 (the broker's errors vary by transport)
+        log.warning("%s (%s)", failed, exc)
 
 
 def _cache_tokenizer(settings: Settings) -> None:
