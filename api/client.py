@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
-from tqdm import tqdm
 
 from specq.api.inputs import (
     MAX_PROBLEMS,
@@ -466,6 +465,8 @@ class Job:
         state = self.status()
         if state.note:
             log.warning("job %d: %s", self.id, state.note)
+        from tqdm import tqdm  # only waiting draws a bar
+
         bar = tqdm(total=state.total, desc=f"job {self.id}", unit="item", disable=not progress)
         last_check = time.monotonic()
         try:
