@@ -451,9 +451,9 @@ class Job:
         if check_workers and state.status in RUNNABLE and state.pending:
             notes.append(self.client.serving_note(job.pair))
         if state.error and not state.finished:  # kept by a worker a chunk failed on
-            notes.append(f"its chunks fail on the workers (error); each is sent again, "
-                         f"{self.client.settings.max_chunk_runs} times at most "
-                         f"(SPECQ_MAX_CHUNK_RUNS), then its pending items fail")
+            notes.append(f"a chunk of this job failed on a worker (error); a failed chunk "
+                         f"is sent again, {self.client.settings.max_chunk_runs} times at "
+                         f"most (SPECQ_MAX_CHUNK_RUNS), then its pending items fail")
         state.note = "; ".join(n for n in notes if n) or None
         return state
 
