@@ -68,9 +68,14 @@ def test_a_worker_that_cannot_load_its_pair_exits_without_consuming(settings, tm
 
 
 def test_a_ready_worker_logs_its_start_phases(tiny_worker):
-    text = tiny_worker.log.read_text()
+    # Celery's own "ready." follows the worker's presence (announced once the pair is warm,
+    # just before the consumer starts): wait for it, then read the order
+    def logged() -> str | None:
+        text = tiny_worker.log.read_text()
+        return text if " ready." in text else None
+
+    text = _until(logged, 60, "Celery's ready line")
     assert "pair tiny ready in" in text and "calibrate" in text, tiny_worker.output()
-    # the ready line comes before Celery's: nothing was consumed before the pair was warm
     assert text.index("pair tiny ready in") < text.index(" ready.")
 
 
