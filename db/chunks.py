@@ -116,10 +116,18 @@ def pending_count(session: Session, *, job_id: int, start: int, end: int) -> int
     )
 
 
-def unclaimed(session: Session, *, grace: float, job_id: int | None = None) -> list[ChunkRef]:
+def deployment(queue_prefix: str) -> Any:
+    """The jobs of the deployment whose queues are named ``queue_prefix``.PAIR: its
+    reconciler sends their chunks, and only theirs (another deployment sharing the database
+    keeps its messages behind another key prefix, where this one cannot see them)."""
+    return Job.queue.startswith(f"{queue_prefix}.", autoescape=True)
+
+
+def unclaimed(session: Session, *, grace: float, job_id: int | None = None,
+              queue_prefix: str | None = None) -> list[ChunkRef]:
     """Chunks of unfinished jobs that were sent, are not done, that no live lease holds,
     and whose last message was sent more than ``grace`` seconds ago: the candidates for
-    re-sending."""
+    re-sending (of one deployment's jobs with ``queue_prefix``)."""
     c = Chunk.__table__.c
     stmt = (
         select(c.job_id, c.start, c.end, Job.queue, c.runs > 0, Job.priority, c.sends)
@@ -131,6 +139,8 @@ def unclaimed(session: Session, *, grace: float, job_id: int | None = None) -> l
     )
     if job_id is not None:
         stmt = stmt.where(c.job_id == job_id)
+    if queue_prefix is not None:
+        stmt = stmt.where(deployment(queue_prefix))
     return [ChunkRef(*row) for row in session.execute(stmt)]
 
 
@@ -173,8 +183,10 @@ def unsend(session: Session, *, refs: Iterable[ChunkRef]) -> None:
         )
 
 
-def unsent_jobs(session: Session, *, job_id: int | None = None) -> list[int]:
-    """Unfinished jobs with a queue that have chunks no message was sent for yet."""
+def unsent_jobs(session: Session, *, job_id: int | None = None,
+                queue_prefix: str | None = None) -> list[int]:
+    """Unfinished jobs with a queue that have chunks no message was sent for yet (of one
+    deployment's jobs with ``queue_prefix``)."""
     c = Chunk.__table__.c
     stmt = (select(Job.id).where(Job.status.in_(UNFINISHED), Job.queue.is_not(None))
             .where(select(c.start).where(c.job_id == Job.id, c.sent_at.is_(None),
@@ -182,6 +194,8 @@ def unsent_jobs(session: Session, *, job_id: int | None = None) -> list[int]:
             .order_by(Job.id))
     if job_id is not None:
         stmt = stmt.where(Job.id == job_id)
+    if queue_prefix is not None:
+        stmt = stmt.where(deployment(queue_prefix))
     return list(session.scalars(stmt))
 
 

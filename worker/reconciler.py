@@ -16,7 +16,10 @@ fewer than ``dispatch_window`` messages on the broker gets its next chunks sent 
 that died before sending any, a submission while the broker was down, a flushed broker).
 
 It runs in every worker (a thread; one run per ``reconcile_every`` seconds fleet-wide,
-under a Redis lock), in the beat process, and by hand: `specq reconcile [JOB]`.
+under a Redis lock), in the beat process, and by hand: `specq reconcile [JOB]`. It sends
+the chunks of its own deployment's jobs only (queues named ``queue_prefix``.PAIR): every
+key on the broker is behind that prefix, so another deployment's messages are out of its
+sight, and sending that deployment's chunks would put them where its workers never look.
 """
 
 from __future__ import annotations
@@ -77,7 +80,8 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
             if job_id is None or jid == job_id:
                 report.settled[jid] = repo.settle_job(s, job_id=jid).value
     with sessions() as s:
-        stmt = (select(Job.queue).where(Job.status.in_(UNFINISHED), Job.queue.is_not(None))
+        stmt = (select(Job.queue).where(Job.status.in_(UNFINISHED), Job.queue.is_not(None),
+                                        chunks.deployment(settings.queue_prefix))
                 .distinct())
         if job_id is not None:
             stmt = stmt.where(Job.id == job_id)
@@ -92,7 +96,8 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
     finally:
         client.close()
     with sessions() as s:
-        candidates = chunks.unclaimed(s, grace=settings.reconcile_grace, job_id=job_id)
+        candidates = chunks.unclaimed(s, grace=settings.reconcile_grace, job_id=job_id,
+                                      queue_prefix=settings.queue_prefix)
     report.candidates = len(candidates)
     lost = [c for c in candidates if (c.job_id, c.start) not in held]
     report.on_broker = len(candidates) - len(lost)
@@ -116,7 +121,8 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
             f"job {j}: {n}" for j, n in report.as_dict()["resent_by_job"].items()))
     waiting = Counter(j for j, _ in held) + Counter(c.job_id for c in lost)
     with sessions() as s:
-        short = [j for j in chunks.unsent_jobs(s, job_id=job_id)
+        short = [j for j in chunks.unsent_jobs(s, job_id=job_id,
+                                               queue_prefix=settings.queue_prefix)
                  if waiting[j] < settings.dispatch_window]
     for jid in short:
         with sessions.begin() as s:

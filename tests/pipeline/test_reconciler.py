@@ -137,3 +137,25 @@ def test_a_chunk_sent_max_chunk_runs_times_fails_with_its_jobs_error(settings):
     assert reconcile(own, job_id=job.id).abandoned == []
     r.close()
     client.job(job.id).cancel()
+
+
+def test_a_deployment_reconciles_its_own_jobs_only(settings):
+    """Two deployments on one database and one Redis database, their keys behind their own
+    prefixes: the reconciler of one cannot see the other's messages, so it leaves the other's
+    jobs alone (it would send their chunks where no worker of theirs looks)."""
+    mine, theirs = (settings.model_copy(update={"queue_prefix": f"rec-{uuid.uuid4().hex[:6]}",
+                                                "reconcile_grace": 0.0, "dispatch_window": 1})
+                    for _ in range(2))
+    job = Client(theirs).submit([f"theirs {i}" for i in range(20)], pair="tiny-lookup",
+                                max_new_tokens=4, chunk_size=10)
+    r = redis.Redis.from_url(theirs.broker_url)
+    queue = f"{theirs.queue_prefix}.tiny-lookup"
+    assert _queued(r, queue, theirs) == {6: [0]}
+    report = reconcile(mine)  # sees none of their messages, and must not think them lost
+    assert job.id not in {c.job_id for c in report.resent + report.fed + report.abandoned}
+    assert report.candidates == 0
+    r.delete(*queue_keys(queue, theirs))  # their broker lost the message: theirs re-send it
+    assert [c.start for c in reconcile(theirs, job_id=job.id).resent] == [0]
+    assert _queued(r, queue, theirs) == {6: [0]}
+    r.close()
+    job.cancel()
