@@ -211,10 +211,13 @@ def cancel_unsent(session: Session, *, job_id: int) -> int:
                (items.index - items.index % size).in_(unsent))
         .values(status=ItemStatus.cancelled.value, finished_at=utcnow())
     ).rowcount
+    # only these chunks' counts changed; the rows of running chunks are their workers' to
+    # lock (a worker giving its lease back locks its chunk, then the job: recounting every
+    # chunk under the job's lock here deadlocked with it)
+    recount(session, job_id=job_id, unsent=True)
     session.execute(update(Chunk.__table__)
                     .where(c.job_id == job_id, c.sent_at.is_(None), c.done.is_(False))
                     .values(done=True))
-    recount(session, job_id=job_id)
     return n
 
 
@@ -287,9 +290,11 @@ def add_sums(session: Session, *, job_id: int, outcomes: Iterable[Any]) -> None:
         more.into(rows[k])
 
 
-def recount(session: Session, *, job_id: int, start: int | None = None) -> None:
-    """Count the items of the job's chunks (or of the one at ``start``) by status again
-    (after items were cancelled: db/repository.py: cancel_pending)."""
+def recount(session: Session, *, job_id: int, start: int | None = None,
+            unsent: bool = False) -> None:
+    """Count the items of the job's chunks (or of the one at ``start``, or of those not sent
+    yet with ``unsent``) by status again (after items were cancelled:
+    db/repository.py: cancel_pending)."""
     c, i = Chunk.__table__.c, Item.__table__.c
 
     def count(status: ItemStatus) -> Any:
@@ -302,6 +307,8 @@ def recount(session: Session, *, job_id: int, start: int | None = None) -> None:
         cancelled=count(ItemStatus.cancelled))
     if start is not None:
         stmt = stmt.where(c.start == start)
+    if unsent:
+        stmt = stmt.where(c.sent_at.is_(None), c.done.is_(False))
     session.execute(stmt)
 
 
