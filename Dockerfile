@@ -9,13 +9,14 @@ ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # volume mounted at /app/data keeps tiny models, converted checkpoints, beat state, data sets.
 ENV SPECQ_DATA_DIR=/app/data
 WORKDIR /app
-# The user owns its home (Hugging Face and torch caches) and the data directory (tiny models,
-# beat state, synthesis data sets; a new named volume mounted there copies this ownership),
-# and nothing else: the code and site-packages stay root's, read-only to the services.
+# The user owns its home (torch caches), the data directory (tiny models, beat state,
+# synthesis data sets) and /app/models (the workers' Hugging Face cache, HF_HOME in
+# compose); a new named volume mounted on either copies this ownership. Nothing else: the
+# code and site-packages stay root's, read-only to the services.
 RUN groupadd --gid 10001 specq \
  && useradd --uid 10001 --gid specq --create-home --home-dir /home/specq \
       --shell /usr/sbin/nologin specq \
- && install -d -o specq -g specq -m 0750 /app/data
+ && install -d -o specq -g specq -m 0750 /app/data /app/models
 # torch first, from the index of the chosen build (an open torch requirement would pull CUDA).
 RUN pip install torch --index-url "https://download.pytorch.org/whl/${TORCH}"
 COPY pyproject.toml README.md alembic.ini ./

@@ -22,7 +22,7 @@ from specq.api.client import Client
 from specq.api.figures import drafted, drafting, item_counts, shown
 from specq.api.formats import FORMATS, OutputError, check_output
 from specq.api.inputs import InputError, check_count, check_job_id, describe, show
-from specq.configs.presets import PresetError
+from specq.configs.presets import PairError, PresetError
 from specq.configs.settings import describe_settings, get_settings
 from specq.worker.constants import PRIORITIES
 
@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         return _reader_gone()
     except (InputError, OutputError, PresetError) as exc:
         return _fail([str(exc)], 2)
+    except PairError as exc:  # a model that cannot be found, fetched or read
+        return _fail([str(exc)], 1)
     except ValidationError as exc:  # SPECQ_* settings, read when first needed
         return _fail(describe_settings(exc) if exc.title == "Settings" else describe(exc), 2)
     except (KeyError, TimeoutError, RuntimeError) as exc:
@@ -332,6 +334,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="a JSON object: name -> value, source")
     s.set_defaults(func=cmd_config)
 
+    s = sub.add_parser("cache-tokenizer",
+                       help="fetch a pair's tokenizer and context length into the data "
+                            "directory, where submit reads them to check prompt lengths")
+    s.add_argument("--pair", required=True)
+    s.set_defaults(func=cmd_cache_tokenizer)
+
     for name, (_, text) in HEAVY.items():
         s = sub.add_parser(name, help=text, add_help=False)  # `specq NAME -h`: its own help
         s.set_defaults(func=cmd_heavy, heavy=name)
@@ -372,8 +380,9 @@ def cmd_submit(args: argparse.Namespace) -> int:
     state = job.status(check_workers=job.enqueue_error is None)
     print(f"job {job.id}: {state.total} items on pair {state.pair}, {state.status}")
     # (a broker that cannot be reached was logged as a warning by Job.enqueue)
-    if state.note:
-        print(f"note: {state.note}")
+    for note in (job.unchecked, state.note):
+        if note:
+            print(f"note: {note}")
     if args.wait:
         _print_state(job.wait(progress=True))
     return 0
@@ -558,8 +567,9 @@ def cmd_synth_run(args: argparse.Namespace) -> int:
     state = job.status()
     print(f"job {job.id}: {state.total} samples of {spec.name} on pair {state.pair}, "
           f"{state.status}", file=sys.stderr)
-    if state.note:
-        print(f"note: {state.note}", file=sys.stderr)
+    for note in (job.unchecked, state.note):
+        if note:
+            print(f"note: {note}", file=sys.stderr)
     if not args.wait:
         print(f"`specq synth write {job.id}` writes the data set once it completes (`specq "
               f"beat` does it by itself)", file=sys.stderr)
@@ -641,6 +651,20 @@ def cmd_config(args: argparse.Namespace) -> int:
     width = max(len(name) for name, _, _ in rows)
     for name, value, source in rows:
         print(f"{name:<{width}}  {value}  ({source})")
+    return 0
+
+
+def cmd_cache_tokenizer(args: argparse.Namespace) -> int:
+    """The one command that asks the hub for a submitter: workers write the same folder
+    when they start (configs/tokenizer_cache.py)."""
+    from specq.api.tokenizer import cache_from_hub, target_context
+    from specq.configs.presets import get_preset
+
+    settings = get_settings()
+    preset = get_preset(args.pair, settings.presets_file)
+    folder = cache_from_hub(preset, settings)
+    print(f"pair {preset.name}: tokenizer of {preset.target.label} (context "
+          f"{target_context(preset, settings)} tokens) in {folder}", file=sys.stderr)
     return 0
 
 

@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
-from tqdm import tqdm
 
 from specq.api.inputs import (
     MAX_PROBLEMS,
@@ -33,7 +32,13 @@ from specq.api.inputs import (
     open_source,
     parse_entries,
 )
-from specq.api.tokenizer import PromptTokenizer, prompt_tokenizer, target_context
+from specq.api.tokenizer import (
+    PromptTokenizer,
+    TokenizerUnavailable,
+    prompt_tokenizer,
+    target_context,
+    unchecked_note,
+)
 from specq.configs.counters import ARRAYS, SCALARS, Counters
 from specq.configs.counters import kinds as counter_kinds
 from specq.configs.generation import RequestError, SamplingParams, fits_by_size
@@ -43,13 +48,14 @@ from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
 from specq.db.session import migrate, session_factory
-from specq.worker.constants import INSPECT_TIMEOUT, PRIORITIES, queue_name
+from specq.worker.constants import PRIORITIES, queue_name
 
 if TYPE_CHECKING:
     from celery import Celery
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+RUNNABLE = (JobStatus.queued.value, JobStatus.in_progress.value)  # waiting for workers
 
 
 @dataclass
@@ -280,7 +286,7 @@ class Client:
         chunk_size = (self.settings.chunk_size if chunk_size is None
                       else check_count("chunk_size", chunk_size))
         name, entries = open_source(source)
-        total = self._validate(entries, defaults, preset)
+        total, unchecked = self._validate(entries, defaults, preset)
         if total == 0:
             raise InputError([f"{name or 'prompts'}: no prompts"])
         t1 = time.perf_counter()
@@ -300,6 +306,9 @@ class Client:
         log.info("job %d: %d items validated in %.2f s, stored in %.2f s",
                  job.id, total, t1 - t0, t2 - t1)
         handle = Job(self, job.id)
+        handle.unchecked = unchecked
+        if unchecked:
+            log.info("job %d: %s", job.id, unchecked)
         if enqueue:
             handle.enqueue()
         return handle
@@ -310,10 +319,16 @@ class Client:
         except UnknownPair as exc:
             raise InputError([f"pair: {exc}"]) from None
 
-    def _validate(self, entries: Any, defaults: dict[str, Any], preset: PairPreset) -> int:
-        """Every entry checked; the count. The target's tokenizer is loaded only when a
-        prompt may not fit by its size alone."""
-        context = target_context(preset, self.settings)
+    def _validate(self, entries: Any, defaults: dict[str, Any], preset: PairPreset
+                  ) -> tuple[int, str | None]:
+        """Every entry checked; the count, and why prompt lengths were not checked (None
+        when they were). The target's tokenizer is loaded only when a prompt may not fit
+        by its size alone, and only from files on this machine (api/tokenizer.py)."""
+        unchecked: str | None = None
+        try:
+            context: int | None = target_context(preset, self.settings)
+        except TokenizerUnavailable as exc:
+            context, unchecked = None, unchecked_note(preset, exc)
         tokenizer: PromptTokenizer | None = None
         problems: list[str] = []
         seen: dict[str, str] = {}
@@ -330,16 +345,18 @@ class Client:
                                         f"{seen[cid]}")
                     seen[cid] = where
                 try:
-                    if not fits_by_size(got.request, context):
+                    if context is not None and not fits_by_size(got.request, context):
                         tokenizer = tokenizer or prompt_tokenizer(preset, self.settings)
                         tokenizer.encode(got.request, context)
                 except RequestError as exc:
                     problems.append(f"{where}: {exc}")
+                except TokenizerUnavailable as exc:
+                    context, unchecked = None, unchecked_note(preset, exc)
             if len(problems) >= MAX_PROBLEMS:
                 raise InputError(problems, truncated=True)
         if problems:
             raise InputError(problems)
-        return total
+        return total, unchecked
 
     # -- reading --------------------------------------------------------------------
 
@@ -365,15 +382,47 @@ class Client:
         return [JobSummary.from_row(r) for r in rows]
 
     def workers_for(self, pair: str) -> list[str] | None:
-        """Hostnames of the workers consuming ``pair``'s queue; None if the broker is down."""
-        queue = queue_name(pair, self.settings)
-        inspect = self.celery.control.inspect(timeout=INSPECT_TIMEOUT)
+        """Hostnames of the live workers serving ``pair``; None if the broker cannot be
+        reached. A worker is listed once its pair is loaded and warm, for as long as it
+        lives, busy or not (worker/presence.py): waiting for a name here waits for a
+        worker that is ready to take chunks."""
+        serving = self._serving(pair)
+        return None if serving is None else serving[0]
+
+    def _serving(self, pair: str) -> tuple[list[str], str | None] | None:
+        """(live workers of ``pair``, why the last one that tried could not start), or
+        None when the broker cannot be reached: one connection, every call bounded by
+        broker_timeout."""
+        import redis
+
+        from specq.worker import dispatch, presence
+
         try:
-            replies = _bounded(inspect.active_queues, INSPECT_TIMEOUT + 2) or {}
-        except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
+            client = dispatch.broker_client(self.settings)
+            try:
+                workers = presence.present(client, self.settings, pair)
+                failure = None if workers else presence.start_failure(client, self.settings,
+                                                                       pair)
+                return workers, failure
+            finally:
+                client.close()
+        except (redis.RedisError, OSError) as exc:
             log.warning("broker %s: %s", _shown(self.settings.broker_url), exc)
             return None
-        return sorted(h for h, qs in replies.items() if any(q.get("name") == queue for q in qs))
+
+    def serving_note(self, pair: str) -> str | None:
+        """Why nothing may run ``pair``'s chunks now (no live worker, a failed start, no
+        broker), or None."""
+        serving = self._serving(pair)
+        if serving is None:
+            return "the broker cannot be reached"
+        workers, failure = serving
+        if workers:
+            return None
+        queue = queue_name(pair, self.settings)
+        note = (f"no worker is consuming queue {queue!r}; start one with "
+                f"`specq worker --pair {pair}`")
+        return f"{note} ({failure})" if failure else note
 
 
 class Job:
@@ -383,6 +432,7 @@ class Job:
         self.client = client
         self.id = job_id
         self.enqueue_error: str | None = None  # why the last enqueue() sent nothing
+        self.unchecked: str | None = None  # why submit() did not check prompt lengths
 
     def __repr__(self) -> str:
         return f"Job({self.id})"
@@ -431,16 +481,14 @@ class Job:
             created_at=job.created_at, finished_at=job.finished_at, error=job.error,
             engine_faults=faults[0], first_fault=faults[1], items_isolated=faults[2],
         )
-        # only a queued job asks: once a chunk runs a worker evidently serves the pair, and
-        # a solo worker busy with a chunk cannot answer the broadcast anyway
-        if check_workers and state.status == JobStatus.queued.value and state.pending:
-            workers = self.client.workers_for(job.pair)
-            queue = queue_name(job.pair, self.client.settings)
-            if workers is None:
-                state.note = "the broker cannot be reached"
-            elif not workers:
-                state.note = (f"no worker is consuming queue {queue!r}; start one with "
-                              f"`specq worker --pair {job.pair}`")
+        notes = []
+        if check_workers and state.status in RUNNABLE and state.pending:
+            notes.append(self.client.serving_note(job.pair))
+        if state.error and not state.finished:  # kept by a worker a chunk failed on
+            notes.append(f"a chunk of this job failed on a worker (error); a failed chunk "
+                         f"is sent again, {self.client.settings.max_chunk_runs} times at "
+                         f"most (SPECQ_MAX_CHUNK_RUNS), then its pending items fail")
+        state.note = "; ".join(n for n in notes if n) or None
         return state
 
     def wait(
@@ -451,6 +499,8 @@ class Job:
         state = self.status()
         if state.note:
             log.warning("job %d: %s", self.id, state.note)
+        from tqdm import tqdm  # only waiting draws a bar
+
         # items finished before the wait began are its start (initial), not progress: the
         # rate counts only what finishes while it watches
         bar = tqdm(total=state.total, initial=state.done, desc=f"job {self.id}", unit="item",

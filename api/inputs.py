@@ -27,7 +27,7 @@ from specq.configs.generation import INT32_MAX, Request, SamplingParams, merge
 SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 LINE_FIELDS = frozenset({"custom_id", "prompt", "messages"}) | SAMPLING_FIELDS
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
-OPENAI_IGNORED = frozenset({"model", "user", "n", "stream"})  # accepted, not used
+OPENAI_IGNORED = frozenset({"model", "user", "stream"})  # accepted, not used
 OPENAI_RENAMED = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 MAX_PROBLEMS = 20
 MAX_CUSTOM_ID = 512  # items.custom_id is a String(512) column
@@ -339,6 +339,9 @@ def _openai(raw: dict[str, Any]) -> dict[str, Any]:
     for key, value in body.items():
         if key in OPENAI_IGNORED or key == kind:
             continue
+        if key == "n":
+            _one_choice(value)
+            continue
         name = OPENAI_RENAMED.get(key, key)
         if name not in SAMPLING_FIELDS:
             raise _Problem(f"body.{show(key)}: not supported")
@@ -357,6 +360,19 @@ def _openai(raw: dict[str, Any]) -> dict[str, Any]:
         raise _Problem(f"{field}: {err['msg'].removeprefix('Value error, ')}") from None
     return {"custom_id": _custom_id(raw["custom_id"]), "prompt": body.get("prompt"),
             "messages": body.get("messages"), "params": params or None}
+
+
+def _one_choice(n: Any) -> None:
+    """OpenAI's ``n``: choices per request. One is served (each item has one output);
+    more would come back as one answer, silently, so it is refused."""
+    if n is None:  # OpenAI's default, 1
+        return
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise _Problem(f"body.n: must be a positive integer, got {show(n)}")
+    if n != 1:
+        raise _Problem(f"body.n: {n} choices per request are not served (one output per "
+                       f"item); send the request {n} times with distinct custom_ids and "
+                       f"seeds instead")
 
 
 def _custom_id(value: Any) -> str | None:

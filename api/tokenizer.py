@@ -1,31 +1,34 @@
-"""The target's tokenizer and context, for checking prompts without the model stack.
+"""The target's tokenizer and context, for checking prompts without the model stack and
+without the hub.
 
 A submission tokenizes only the prompts that may not fit (configs/generation.py:
 fits_by_size); for those it needs the target's tokenizer. It is read with the
-`tokenizers` library from the model's tokenizer.json (a local directory, or the hub), its
-chat template from tokenizer_config.json or chat_template.jinja and rendered as
-transformers renders it (a sandboxed Jinja2 environment), and the context length from
-config.json or a GGUF file's metadata: no torch, no transformers. A model whose tokenizer
-lives only inside a GGUF file is converted once with transformers (installed with
-specq[worker]) and kept under SPECQ_DATA_DIR/tokenizers for every later submission.
+`tokenizers` library from files on this machine: the folder a worker (or `specq
+cache-tokenizer`) wrote in the data directory (configs/tokenizer_cache.py), else the model's
+own directory, else the hub's local cache. Its chat template comes from
+tokenizer_config.json or chat_template.jinja, rendered as transformers renders it (a
+sandboxed Jinja2 environment), and the context length from that folder, config.json or a
+GGUF file's metadata: no torch, no transformers, no request to the hub. When none is here
+the submission says its prompts were not checked (TokenizerUnavailable) and goes on. A
+model whose tokenizer lives only inside a GGUF file is converted once with transformers
+(installed with specq[worker]) into the same folder.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
+import os
+import shutil
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from jinja2 import TemplateError
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
+from specq.configs import tokenizer_cache
 from specq.configs.generation import Request, RequestError, check_length, context_length
+from specq.configs.hub import hub_problem
 from specq.configs.presets import ModelSource, PairError, PairPreset, locate
 from specq.configs.settings import Settings
 
@@ -69,7 +72,12 @@ class PromptTokenizer:
 
 @lru_cache(maxsize=16)
 def _compile(template: str) -> Any:
-    """A chat template compiled as transformers compiles it."""
+    """A chat template compiled as transformers compiles it (Jinja2 is imported here: a
+    submission of plain prompts never needs it, and `specq submit` starts faster)."""
+    from jinja2 import TemplateError
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     def raise_exception(message: str) -> None:
         raise TemplateError(message)
 
@@ -89,24 +97,43 @@ def _compile(template: str) -> Any:
 # -- finding the files ------------------------------------------------------------------
 
 
+class TokenizerUnavailable(PairError):
+    """The target's tokenizer or context is not on this machine (a hub model that no worker
+    or operator cached here, a package not installed here): prompts are not checked."""
+
+
 def target_context(preset: PairPreset, settings: Settings) -> int:
-    """The target's context length, from its config (no weights, no tokenizer)."""
+    """The target's context length, from files on this machine (no weights, no hub);
+    TokenizerUnavailable when there are none."""
     return _context(preset.target.model_dump_json(), str(settings.data_dir))
 
 
 def prompt_tokenizer(preset: PairPreset, settings: Settings) -> PromptTokenizer:
-    """The target's tokenizer, loaded once per process."""
+    """The target's tokenizer, loaded once per process, from files on this machine;
+    TokenizerUnavailable when there are none."""
     return _tokenizer(preset.target.model_dump_json(), str(settings.data_dir),
                       preset.trust_remote_code)
+
+
+def unchecked_note(preset: PairPreset, exc: TokenizerUnavailable) -> str:
+    """What a submission says when it cannot check prompt lengths, and how to fix it."""
+    return (f"prompt lengths not checked: {exc}; start a worker for pair {preset.name} once "
+            f"with this data directory, or run `specq cache-tokenizer --pair {preset.name}`"
+            f" (prompts that do not fit fail one by one on the workers)")
 
 
 @lru_cache(maxsize=8)
 def _context(source_json: str, data_dir: str) -> int:
     source = ModelSource.model_validate_json(source_json)
-    where, kwargs = locate(source, Path(data_dir))
+    cached = tokenizer_cache.cache_dir(source, Path(data_dir))
+    context = tokenizer_cache.read_context(cached) if tokenizer_cache.is_complete(cached) \
+        else None
+    if context is not None:
+        return context
+    where, _ = _local(source, Path(data_dir))
     if source.gguf_file:
-        return _gguf_context(Path(where) / source.gguf_file)
-    return context_length(json.loads(_file(where, "config.json", kwargs).read_text()))
+        return _gguf_context(where / source.gguf_file)
+    return context_length(json.loads(_file(where, "config.json").read_text()))
 
 
 @lru_cache(maxsize=8)
@@ -114,46 +141,118 @@ def _tokenizer(source_json: str, data_dir: str, trust_remote_code: bool) -> Prom
     from tokenizers import Tokenizer
 
     source = ModelSource.model_validate_json(source_json)
-    where, kwargs = locate(source, Path(data_dir))
-    if source.gguf_file:  # the tokenizer is inside the GGUF file: converted once, kept
-        folder = Path(data_dir) / "tokenizers" / hashlib.sha1(source_json.encode()).hexdigest()
-        if not (folder / "tokenizer.json").exists():
-            _export(where, kwargs, folder, trust_remote_code)
-        where, kwargs = str(folder), {}
-    tokenizer = Tokenizer.from_file(str(_file(where, "tokenizer.json", kwargs)))
-    config = json.loads(_file(where, "tokenizer_config.json", kwargs).read_text())
+    where = tokenizer_cache.cache_dir(source, Path(data_dir))
+    if not all((where / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        local, kwargs = _local(source, Path(data_dir))
+        if source.gguf_file:  # the tokenizer is inside the GGUF file: converted once, kept
+            _export(str(local), kwargs, where, trust_remote_code)
+        else:
+            where = local
+    tokenizer = Tokenizer.from_file(str(_file(where, "tokenizer.json")))
+    config = json.loads(_file(where, "tokenizer_config.json").read_text())
     template = config.get("chat_template")
     if isinstance(template, list):  # named templates: the default one
         template = next((t["template"] for t in template if t.get("name") == "default"), None)
-    if template is None:
-        jinja = _file(where, "chat_template.jinja", kwargs, required=False)
-        template = jinja.read_text() if jinja else None
+    if template is None and (where / "chat_template.jinja").is_file():
+        template = (where / "chat_template.jinja").read_text()
     special = {k: v.get("content", "") if isinstance(v, dict) else v
                for k, v in config.items() if k in SPECIAL and v is not None}
     return PromptTokenizer(tokenizer, template, special)
 
 
-def _file(where: str, name: str, kwargs: dict, required: bool = True) -> Path | None:
-    """A file of a model: in its directory, or fetched from the hub (tokenizer and config
-    files only: kilobytes)."""
-    local = Path(where) / name
-    if local.is_file():
-        return local
+def _local(source: ModelSource, data_dir: Path) -> tuple[Path, dict]:
+    """A folder on this machine holding the model's config and tokenizer files (its own
+    directory, or the hub's local cache, which is read without asking the hub), and the
+    from_pretrained arguments; TokenizerUnavailable when there is none."""
+    try:
+        where, kwargs = locate(source, data_dir)
+    except PairError as exc:  # e.g. the package that ships it is not installed here
+        raise TokenizerUnavailable(str(exc)) from None
     if Path(where).is_dir():
-        if required:
-            raise PairError(f"{where}: no {name}")
-        return None
+        return Path(where), kwargs
+    needed = [source.gguf_file] if source.gguf_file else \
+        ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    snapshot = _hub_cache(where, needed, kwargs.get("revision"))
+    if snapshot is None:
+        raise TokenizerUnavailable(f"no cached tokenizer for {where} (a hub model)")
+    return snapshot, kwargs
+
+
+def _hub_cache(repo: str, names: list[str], revision: str | None) -> Path | None:
+    """The folder of the hub's local cache (HF_HOME) that holds all of ``names`` for
+    ``repo``, or None. Reads the disk only."""
+    from huggingface_hub import try_to_load_from_cache
+
+    folders = set()
+    for name in names:
+        try:
+            found = try_to_load_from_cache(repo, name, revision=revision)
+        except Exception:  # noqa: BLE001 (a name the hub library refuses: not cached)
+            return None
+        if not isinstance(found, str):
+            return None
+        folders.add(Path(found).parent)
+    return folders.pop() if len(folders) == 1 else None
+
+
+def _file(where: Path, name: str) -> Path:
+    path = where / name
+    if not path.is_file():
+        raise TokenizerUnavailable(f"{where}: no {name}")
+    return path
+
+
+def cache_from_hub(preset: PairPreset, settings: Settings) -> Path:
+    """Fetch the target's tokenizer and context length into the data directory (where
+    submissions look: configs/tokenizer_cache.py), from its own files or from the hub:
+    `specq cache-tokenizer`, for a submitting machine that shares no data directory
+    with a worker. PairError says why not (the hub unreachable, the model missing or
+    gated). Returns the folder."""
+    source, data_dir = preset.target, Path(settings.data_dir)
+    folder = tokenizer_cache.cache_dir(source, data_dir)
+    where, kwargs = locate(source, data_dir)
+    tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if source.gguf_file:  # the tokenizer lives in the GGUF file: transformers converts it
+        local = Path(where) if Path(where).is_dir() else \
+            _download(where, source.gguf_file, kwargs).parent
+        _export(str(local), kwargs, tmp, preset.trust_remote_code, replace=True)
+        context = _gguf_context(local / source.gguf_file)
+    else:
+        for name in ("config.json", "tokenizer.json", "tokenizer_config.json",
+                     "chat_template.jinja", "special_tokens_map.json"):
+            required = name in tokenizer_cache.NEEDED or name == "config.json"
+            path = Path(where) / name if Path(where).is_dir() else \
+                _download(where, name, kwargs, required)
+            if path is not None and path.is_file():
+                shutil.copyfile(path, tmp / name)
+            elif required:
+                raise PairError(f"{where}: no {name}")
+        context = context_length(json.loads((tmp / "config.json").read_text()))
+        (tmp / "config.json").unlink()
+    tokenizer_cache.write_context(tmp, context, source.label)
+    tokenizer_cache.install(tmp, folder)
+    _context.cache_clear()
+    _tokenizer.cache_clear()
+    return folder
+
+
+def _download(repo: str, name: str, kwargs: dict, required: bool = True) -> Path | None:
+    """One file of a hub model (asking the hub: `specq cache-tokenizer` only)."""
     from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     try:
-        return Path(hf_hub_download(where, name, revision=kwargs.get("revision")))
-    except EntryNotFoundError:
-        if required:
-            raise PairError(f"{where}: no {name} on the hub") from None
-        return None
-    except Exception as exc:  # noqa: BLE001 (offline, no such repository, no access)
-        raise PairError(f"{where}: cannot fetch {name}: {type(exc).__name__}: {exc}") from None
+        return Path(hf_hub_download(repo, name, revision=kwargs.get("revision")))
+    except EntryNotFoundError as exc:
+        if not required and not isinstance(exc, LocalEntryNotFoundError):
+            return None
+        raise PairError(hub_problem(exc, repo, name) or str(exc)) from None
+    except Exception as exc:  # noqa: BLE001 (the hub's and the network's errors vary)
+        problem = hub_problem(exc, repo, name)
+        raise PairError(problem or f"{repo}: cannot fetch {name}: {type(exc).__name__}: "
+                        f"{exc}") from None
 
 
 def _gguf_context(path: Path) -> int:
@@ -174,18 +273,23 @@ def _gguf_value(reader: Any, key: str) -> Any:
         else part[0]
 
 
-def _export(where: str, kwargs: dict, folder: Path, trust_remote_code: bool) -> None:
-    """Convert a GGUF file's tokenizer to tokenizer.json with transformers, once."""
+def _export(where: str, kwargs: dict, folder: Path, trust_remote_code: bool,
+            replace: bool = False) -> None:
+    """Convert a GGUF file's tokenizer to tokenizer.json with transformers, once (into
+    ``folder`` itself with ``replace``, else beside it and renamed)."""
     try:
         from transformers import AutoTokenizer
     except ImportError:
-        raise PairError(
+        raise TokenizerUnavailable(
             f"{where}: the tokenizer lives in a GGUF file; convert it once on a machine with "
             f"the model stack (pip install 'specq[worker]'), or copy {folder} from one"
         ) from None
     log.info("converting the tokenizer of %s %s to %s", where, kwargs.get("gguf_file"), folder)
     tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code,
                                               **kwargs)
-    tmp = folder.with_name(folder.name + ".tmp")
+    if replace:
+        tokenizer.save_pretrained(folder)
+        return
+    tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
     tokenizer.save_pretrained(tmp)
-    tmp.rename(folder)
+    tokenizer_cache.install(tmp, folder)

@@ -41,6 +41,7 @@ class ChunkRef:
     queue: str
     started: bool = False  # a worker took it before (and died, or gave up on it)
     priority: str = "normal"  # its job's: high | normal | low
+    sends: int = 0  # messages sent for it so far (unclaimed reads it)
 
 
 def insert_chunks(session: Session, *, job_id: int, total: int, chunk_size: int,
@@ -115,13 +116,21 @@ def pending_count(session: Session, *, job_id: int, start: int, end: int) -> int
     )
 
 
-def unclaimed(session: Session, *, grace: float, job_id: int | None = None) -> list[ChunkRef]:
+def deployment(queue_prefix: str) -> Any:
+    """The jobs of the deployment whose queues are named ``queue_prefix``.PAIR: its
+    reconciler sends their chunks, and only theirs (another deployment sharing the database
+    keeps its messages behind another key prefix, where this one cannot see them)."""
+    return Job.queue.startswith(f"{queue_prefix}.", autoescape=True)
+
+
+def unclaimed(session: Session, *, grace: float, job_id: int | None = None,
+              queue_prefix: str | None = None) -> list[ChunkRef]:
     """Chunks of unfinished jobs that were sent, are not done, that no live lease holds,
     and whose last message was sent more than ``grace`` seconds ago: the candidates for
-    re-sending."""
+    re-sending (of one deployment's jobs with ``queue_prefix``)."""
     c = Chunk.__table__.c
     stmt = (
-        select(c.job_id, c.start, c.end, Job.queue, c.runs > 0, Job.priority)
+        select(c.job_id, c.start, c.end, Job.queue, c.runs > 0, Job.priority, c.sends)
         .join(Job, Job.id == c.job_id)
         .where(Job.status.in_(UNFINISHED), Job.queue.is_not(None), c.done.is_(False),
                or_(c.lease_owner.is_(None), c.lease_until < db_now()),
@@ -130,6 +139,8 @@ def unclaimed(session: Session, *, grace: float, job_id: int | None = None) -> l
     )
     if job_id is not None:
         stmt = stmt.where(c.job_id == job_id)
+    if queue_prefix is not None:
+        stmt = stmt.where(deployment(queue_prefix))
     return [ChunkRef(*row) for row in session.execute(stmt)]
 
 
@@ -172,8 +183,10 @@ def unsend(session: Session, *, refs: Iterable[ChunkRef]) -> None:
         )
 
 
-def unsent_jobs(session: Session, *, job_id: int | None = None) -> list[int]:
-    """Unfinished jobs with a queue that have chunks no message was sent for yet."""
+def unsent_jobs(session: Session, *, job_id: int | None = None,
+                queue_prefix: str | None = None) -> list[int]:
+    """Unfinished jobs with a queue that have chunks no message was sent for yet (of one
+    deployment's jobs with ``queue_prefix``)."""
     c = Chunk.__table__.c
     stmt = (select(Job.id).where(Job.status.in_(UNFINISHED), Job.queue.is_not(None))
             .where(select(c.start).where(c.job_id == Job.id, c.sent_at.is_(None),
@@ -181,6 +194,8 @@ def unsent_jobs(session: Session, *, job_id: int | None = None) -> list[int]:
             .order_by(Job.id))
     if job_id is not None:
         stmt = stmt.where(Job.id == job_id)
+    if queue_prefix is not None:
+        stmt = stmt.where(deployment(queue_prefix))
     return list(session.scalars(stmt))
 
 
@@ -196,10 +211,13 @@ def cancel_unsent(session: Session, *, job_id: int) -> int:
                (items.index - items.index % size).in_(unsent))
         .values(status=ItemStatus.cancelled.value, finished_at=utcnow())
     ).rowcount
+    # only these chunks' counts changed; the rows of running chunks are their workers' to
+    # lock (a worker giving its lease back locks its chunk, then the job: recounting every
+    # chunk under the job's lock here deadlocked with it)
+    recount(session, job_id=job_id, unsent=True)
     session.execute(update(Chunk.__table__)
                     .where(c.job_id == job_id, c.sent_at.is_(None), c.done.is_(False))
                     .values(done=True))
-    recount(session, job_id=job_id)
     return n
 
 
@@ -218,7 +236,8 @@ def mark_sent(session: Session, *, refs: Iterable[ChunkRef]) -> None:
 
 def reopen(session: Session, *, job_id: int, indices: Iterable[int]) -> list[ChunkRef]:
     """Mark the chunks holding these item indices not done (items went back to pending);
-    they count as sent now. Returns them."""
+    they count as sent now, once, and as never run: a retry gives each max_chunk_runs
+    runs and sends again, as it gives each item max_attempts attempts. Returns them."""
     job = session.get(Job, job_id)
     starts = sorted({i - i % job.chunk_size for i in indices})
     c = Chunk.__table__.c
@@ -227,7 +246,7 @@ def reopen(session: Session, *, job_id: int, indices: Iterable[int]) -> list[Chu
         part = starts[i:i + 1000]
         session.execute(update(Chunk.__table__)
                         .where(c.job_id == job_id, c.start.in_(part))
-                        .values(done=False, sent_at=db_now()))
+                        .values(done=False, sent_at=db_now(), sends=1, runs=0))
         refs += [ChunkRef(job_id, s, min(s + job.chunk_size, job.total), job.queue,
                           priority=job.priority) for s in part]
     return refs
@@ -297,9 +316,11 @@ def add_sums(session: Session, *, job_id: int, outcomes: Iterable[Any]) -> None:
         more.into(rows[k])
 
 
-def recount(session: Session, *, job_id: int, start: int | None = None) -> None:
-    """Count the items of the job's chunks (or of the one at ``start``) by status again
-    (after items were cancelled: db/repository.py: cancel_pending)."""
+def recount(session: Session, *, job_id: int, start: int | None = None,
+            unsent: bool = False) -> None:
+    """Count the items of the job's chunks (or of the one at ``start``, or of those not sent
+    yet with ``unsent``) by status again (after items were cancelled:
+    db/repository.py: cancel_pending)."""
     c, i = Chunk.__table__.c, Item.__table__.c
 
     def count(status: ItemStatus) -> Any:
@@ -312,6 +333,8 @@ def recount(session: Session, *, job_id: int, start: int | None = None) -> None:
         cancelled=count(ItemStatus.cancelled))
     if start is not None:
         stmt = stmt.where(c.start == start)
+    if unsent:
+        stmt = stmt.where(c.sent_at.is_(None), c.done.is_(False))
     session.execute(stmt)
 
 

@@ -156,6 +156,13 @@ def set_job_status(
     session.execute(update(Job).where(Job.id == job_id).values(**values))
 
 
+def note_job_error(session: Session, *, job_id: int, error: str) -> None:
+    """Keep ``error`` on an unfinished job without ending it: why its chunks fail on the
+    workers (`specq status` shows it while the reconciler sends them again)."""
+    session.execute(update(Job).where(Job.id == job_id, Job.finished_at.is_(None))
+                    .values(error=error[:10000]))
+
+
 def start_job(session: Session, *, job_id: int) -> None:
     """queued → in_progress, at the first chunk a worker takes."""
     session.execute(

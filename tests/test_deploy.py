@@ -142,15 +142,32 @@ def test_readonly_role_is_made_after_every_migration():
     assert service["environment"]["READONLY_PASSWORD"].startswith("${READONLY_PASSWORD:?")
 
 
-def test_one_worker_per_gpu():
+def test_one_worker_per_gpu_and_a_cpu_one_each_under_a_profile():
+    """GPU workers reserve one device each under the profiles gpu/gpu1, a CPU worker
+    reserves none under the profile cpu: a plain `docker compose up -d` starts no worker
+    and asks for no GPU."""
     workers = [n for n in OURS if SERVICES[n]["command"][:2] == ["specq", "worker"]]
+    gpu = [n for n in workers if "deploy" in SERVICES[n]]
     devices = []
-    for name in workers:
+    for name in gpu:
         (reservation,) = SERVICES[name]["deploy"]["resources"]["reservations"]["devices"]
         assert reservation["driver"] == "nvidia" and reservation["capabilities"] == ["gpu"]
         devices += reservation["device_ids"]
-        assert "${SPECQ_PAIR" in " ".join(SERVICES[name]["command"])  # pair from the env
-    assert len(devices) == len(set(devices)) == len(workers) >= 2
+        assert {"gpu", "gpu1"} & set(SERVICES[name]["profiles"]), name
+    assert len(devices) == len(set(devices)) == len(gpu) >= 2
+    assert "gpu" in SERVICES["worker-gpu0"]["profiles"]
+    assert [n for n in workers if n not in gpu] == ["worker-cpu"]
+    cpu = SERVICES["worker-cpu"]
+    assert cpu["profiles"] == ["cpu"] and cpu["environment"]["SPECQ_DEVICE"] == "cpu"
+    for name in workers:
+        assert SERVICES[name].get("profiles"), f"{name} starts without a profile"
+        assert "${SPECQ_" in " ".join(SERVICES[name]["command"])  # pair from the env
+        env = SERVICES[name]["environment"]
+        # a gated model's token, optional, and a model cache on its own volume
+        assert env["HF_TOKEN"] == "${HF_TOKEN:-}"
+        assert any(v.endswith(f":{env['HF_HOME']}") and v.split(":")[0] in COMPOSE["volumes"]
+                   for v in SERVICES[name]["volumes"])
+    assert "/app/models" in DOCKERFILE  # owned by the image's user, as the volume copies it
 
 
 @pytest.mark.parametrize("name", OURS)

@@ -11,7 +11,7 @@ import os
 from celery import Celery
 
 from specq.configs.settings import Settings, get_settings
-from specq.worker.constants import queue_name
+from specq.worker.constants import broker_keyprefix, queue_name
 
 
 def make_app(settings: Settings, tasks: bool = True) -> Celery:
@@ -41,6 +41,7 @@ def make_app(settings: Settings, tasks: bool = True) -> Celery:
             "socket_timeout": settings.broker_timeout,
             "socket_connect_timeout": settings.broker_timeout,
             "health_check_interval": 10,
+            "global_keyprefix": broker_keyprefix(settings),
         },
         broker_connection_timeout=settings.broker_timeout,
         broker_connection_retry_on_startup=True,
@@ -51,6 +52,8 @@ def make_app(settings: Settings, tasks: bool = True) -> Celery:
         task_send_sent_event=True,
         task_create_missing_queues=True,
     )
+    if tasks:  # the pair loads, or the worker exits, before it consumes (worker/tasks.py)
+        app.steps["worker"].add("specq.worker.tasks:PairStartUp")
     return app
 
 

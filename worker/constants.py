@@ -6,7 +6,6 @@ from specq.configs.settings import Settings, get_settings
 
 GENERATE_TASK = "specq.generate_chunk"  # args: job_id, start, end (item indices, end exclusive)
 WORKER_PAIR_ENV = "SPECQ_WORKER_PAIR"  # set by `specq worker --pair`; read through Settings
-INSPECT_TIMEOUT = 1.0  # seconds to wait for workers to say which queues they consume
 FIRE_TASK = "specq.fire_schedule"  # args: schedule name (api/beat.py)
 COLLECT_TASK = "specq.collect_runs"  # writes finished synthesis runs' data sets
 RECONCILE_TASK = "specq.reconcile"  # re-sends lost chunks (worker/reconciler.py)
@@ -21,6 +20,13 @@ PRIORITIES = {"high": 3, "normal": 6, "low": 9}
 def queue_name(pair: str, settings: Settings | None = None) -> str:
     """The Celery queue that workers serving ``pair`` consume."""
     return f"{(settings or get_settings()).queue_prefix}.{pair}"
+
+
+def broker_keyprefix(settings: Settings | None = None) -> str:
+    """What every key Celery and kombu keep on the broker begins with (kombu's
+    ``global_keyprefix``: queues, ``unacked``, bindings), as specq's own keys do: two
+    deployments with different queue prefixes can share one Redis database."""
+    return f"{(settings or get_settings()).queue_prefix}:"
 
 
 def synth_queue(settings: Settings | None = None) -> str:

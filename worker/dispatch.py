@@ -5,7 +5,8 @@ do. Producers send a job's chunks once; the reconciler (worker/reconciler.py) re
 broker to tell a chunk whose message is waiting from one whose message was lost.
 Reading the broker is specific to Redis, the broker specq runs on (kombu's layout: a list
 per queue and priority step, and an ``unacked`` hash of delivered messages indexed by
-delivery time in ``unacked_index``).
+delivery time in ``unacked_index``, every key behind the deployment's prefix:
+worker/constants.py: broker_keyprefix).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kombu.transport.redis import PRIORITY_STEPS, Channel
 
 from specq.configs.settings import Settings
 from specq.db.chunks import ChunkRef
-from specq.worker.constants import GENERATE_TASK, PRIORITIES
+from specq.worker.constants import GENERATE_TASK, PRIORITIES, broker_keyprefix
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +54,29 @@ def broker_client(settings: Settings) -> redis.Redis:
                                 socket_connect_timeout=settings.broker_timeout)
 
 
-def held(client: redis.Redis, queues: Iterable[str], recent: float) -> set[tuple[int, int]]:
+def queue_keys(queue: str, settings: Settings) -> list[str]:
+    """The Redis lists of ``queue``, one per priority step, highest priority first."""
+    prefix = broker_keyprefix(settings)
+    return [f"{prefix}{queue}{Channel.sep}{step}" if step else f"{prefix}{queue}"
+            for step in PRIORITY_STEPS]
+
+
+def held(client: redis.Redis, queues: Iterable[str], recent: float,
+         settings: Settings) -> set[tuple[int, int]]:
     """(job id, start) of every chunk message waiting on these queues, or delivered to a
     worker less than ``recent`` seconds ago (it may not have taken its lease yet)."""
     out: set[tuple[int, int]] = set()
     for queue in queues:
-        for step in PRIORITY_STEPS:
-            key = f"{queue}{Channel.sep}{step}" if step else queue
+        for key in queue_keys(queue, settings):
             for raw in client.lrange(key, 0, -1):
                 ref = _chunk_of(raw)
                 if ref:
                     out.add(ref)
-    tags = client.zrangebyscore(Channel.unacked_index_key, time.time() - recent, "+inf")
+    prefix = broker_keyprefix(settings)
+    tags = client.zrangebyscore(prefix + Channel.unacked_index_key, time.time() - recent,
+                                "+inf")
     if tags:
-        for raw in client.hmget(Channel.unacked_key, tags):
+        for raw in client.hmget(prefix + Channel.unacked_key, tags):
             try:
                 ref = _chunk_of(json.loads(raw)[0]) if raw else None
             except (ValueError, TypeError, IndexError):

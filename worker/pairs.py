@@ -17,6 +17,9 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from specq.configs import tokenizer_cache
+from specq.configs.generation import context_length
+from specq.configs.hub import hub_problem
 from specq.configs.presets import ModelSource, PairError, PairPreset, locate
 from specq.configs.settings import Settings, get_settings
 from specq.worker.engine.drafters import Drafter, DraftModel, NoDraft, PromptLookup
@@ -30,9 +33,24 @@ CONVERTED = "converted"  # under the data dir: GGUF checkpoints saved as safeten
 
 
 def resolve_device(device: str) -> torch.device:
+    """The device SPECQ_DEVICE names; PairError, saying why, when this process cannot use
+    it (checked before any weights load, so a worker on the wrong host fails at once)."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    resolved = torch.device(device)
+    if resolved.type == "cuda":
+        if torch.version.cuda is None and torch.version.hip is None:
+            raise PairError(f"SPECQ_DEVICE={device}: this torch ({torch.__version__}) is built "
+                            f"without CUDA; install a CUDA build or use SPECQ_DEVICE=cpu")
+        count = torch.cuda.device_count()
+        if count == 0:
+            raise PairError(f"SPECQ_DEVICE={device}: no CUDA device is visible (driver, "
+                            f"CUDA_VISIBLE_DEVICES, or the container's GPU reservation)")
+        if resolved.index is not None and resolved.index >= count:
+            raise PairError(f"SPECQ_DEVICE={device}: only {count} CUDA device(s) visible")
+    if resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise PairError(f"SPECQ_DEVICE={device}: MPS is not available on this host")
+    return resolved
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -56,11 +74,18 @@ def load_model(
     if saved is not None and (saved / "config.json").is_file():
         where, kwargs = str(saved), {}
     log.info("loading %s %s on %s as %s", where, kwargs.get("gguf_file", ""), device, dtype)
-    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code, **kwargs)
-    model = AutoModelForCausalLM.from_pretrained(
-        where, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa",
-        **kwargs,
-    )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code,
+                                                  **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa",
+            **kwargs,
+        )
+    except OSError as exc:  # transformers' wrapping of the hub's and the disk's errors
+        problem = hub_problem(exc, where)
+        if problem is None:
+            raise
+        raise PairError(problem) from exc
     if saved is not None and kwargs:
         _save_converted(model, tokenizer, saved)
     model.to(device).eval()
@@ -166,6 +191,20 @@ def load_pair(preset: PairPreset, settings: Settings | None = None) -> Pair:
     else:
         drafter = NoDraft()
     return Pair(preset, target, tokenizer, drafter)
+
+
+def cache_tokenizer(pair: Pair, data_dir: Path) -> Path:
+    """Write the target's tokenizer and context length where submitters look for them
+    (configs/tokenizer_cache.py), so that submitting needs neither the model stack nor the
+    hub. Returns the folder."""
+    folder = tokenizer_cache.cache_dir(pair.preset.target, data_dir)
+    tmp = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    pair.tokenizer.save_pretrained(tmp)
+    tokenizer_cache.write_context(tmp, context_length(pair.target.config.to_dict()),
+                                  pair.preset.target.label)
+    tokenizer_cache.install(tmp, folder)
+    return folder
 
 
 def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:

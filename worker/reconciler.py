@@ -7,13 +7,19 @@ broker, a producer killed between storing a job and sending it, a submission mad
 the broker was down, a worker killed mid-chunk (its lease runs out within
 ``lease_seconds``), and a task that gave up on a long database outage. Re-sending is
 always safe: a worker claims a chunk's lease before running it and writes each item once.
-It also ends jobs none of whose items is pending (their last writer died before it could),
+A chunk sent ``max_chunk_runs`` times that is lost again is not sent once more: its pending
+items fail, with the reason its job keeps (a chunk that fails on every worker before its
+items reach the engine, say, whose messages vanish without a lease). It also ends jobs none
+of whose items is pending (their last writer died before it could),
 and keeps every unfinished job's turn on its queue: a job with chunks not sent yet and
 fewer than ``dispatch_window`` messages on the broker gets its next chunks sent (a producer
 that died before sending any, a submission while the broker was down, a flushed broker).
 
 It runs in every worker (a thread; one run per ``reconcile_every`` seconds fleet-wide,
-under a Redis lock), in the beat process, and by hand: `specq reconcile [JOB]`.
+under a Redis lock), in the beat process, and by hand: `specq reconcile [JOB]`. It sends
+the chunks of its own deployment's jobs only (queues named ``queue_prefix``.PAIR): every
+key on the broker is behind that prefix, so another deployment's messages are out of its
+sight, and sending that deployment's chunks would put them where its workers never look.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.chunks import UNFINISHED, ChunkRef
 from specq.db.models import Job
+from specq.db.outcomes import Outcome
 from specq.db.session import session_factory
 from specq.worker import dispatch
 from specq.worker.constants import PRIORITY_RESENT
@@ -46,6 +53,7 @@ class ReconcileReport:
     candidates: int = 0  # chunks not done, not leased, not sent recently
     on_broker: int = 0  # of those, still held by the broker
     resent: list[ChunkRef] = field(default_factory=list)
+    abandoned: list[ChunkRef] = field(default_factory=list)  # sent max_chunk_runs times
     fed: list[ChunkRef] = field(default_factory=list)  # first sends, to fill a job's window
     settled: dict[int, str] = field(default_factory=dict)  # job id -> status it ended in
 
@@ -55,7 +63,7 @@ class ReconcileReport:
             by_job[r.job_id] = by_job.get(r.job_id, 0) + 1
         return {"candidates": self.candidates, "on_broker": self.on_broker,
                 "resent": len(self.resent), "resent_by_job": by_job, "fed": len(self.fed),
-                "settled": self.settled}
+                "abandoned": len(self.abandoned), "settled": self.settled}
 
 
 def reconcile(settings: Settings, *, job_id: int | None = None,
@@ -72,7 +80,8 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
             if job_id is None or jid == job_id:
                 report.settled[jid] = repo.settle_job(s, job_id=jid).value
     with sessions() as s:
-        stmt = (select(Job.queue).where(Job.status.in_(UNFINISHED), Job.queue.is_not(None))
+        stmt = (select(Job.queue).where(Job.status.in_(UNFINISHED), Job.queue.is_not(None),
+                                        chunks.deployment(settings.queue_prefix))
                 .distinct())
         if job_id is not None:
             stmt = stmt.where(Job.id == job_id)
@@ -82,14 +91,23 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
     # the broker first: a message taken by a worker after this read shows as its lease
     client = dispatch.broker_client(settings)
     try:
-        held = dispatch.held(client, queues, recent=settings.reconcile_grace)
+        held = dispatch.held(client, queues, recent=settings.reconcile_grace,
+                             settings=settings)
     finally:
         client.close()
     with sessions() as s:
-        candidates = chunks.unclaimed(s, grace=settings.reconcile_grace, job_id=job_id)
+        candidates = chunks.unclaimed(s, grace=settings.reconcile_grace, job_id=job_id,
+                                      queue_prefix=settings.queue_prefix)
     report.candidates = len(candidates)
     lost = [c for c in candidates if (c.job_id, c.start) not in held]
     report.on_broker = len(candidates) - len(lost)
+    report.abandoned = [c for c in lost if c.sends >= settings.max_chunk_runs]
+    for c in report.abandoned:
+        with sessions.begin() as s:
+            abandon_chunk(s, c)
+        with sessions.begin() as s:
+            report.settled[c.job_id] = repo.settle_job(s, job_id=c.job_id).value
+    lost = [c for c in lost if c.sends < settings.max_chunk_runs]
     app = app or make_app(settings, tasks=False)
     if lost:
         # a chunk a worker had started (and died on) goes before every chunk waiting its
@@ -103,7 +121,8 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
             f"job {j}: {n}" for j, n in report.as_dict()["resent_by_job"].items()))
     waiting = Counter(j for j, _ in held) + Counter(c.job_id for c in lost)
     with sessions() as s:
-        short = [j for j in chunks.unsent_jobs(s, job_id=job_id)
+        short = [j for j in chunks.unsent_jobs(s, job_id=job_id,
+                                               queue_prefix=settings.queue_prefix)
                  if waiting[j] < settings.dispatch_window]
     for jid in short:
         with sessions.begin() as s:
@@ -118,6 +137,27 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
     if report.fed:
         log.info("reconciler: %d chunks sent to fill their jobs' turns", len(report.fed))
     return report
+
+
+def abandon_chunk(s: Session, ref: ChunkRef) -> int:
+    """Fail the pending items of a chunk sent ``ref.sends`` times that never finished,
+    each with its own last error or the job's; the chunk is done. Returns how many."""
+    job = repo.lock_job(s, job_id=ref.job_id)
+    rows = repo.pending_items(s, job_id=ref.job_id, start=ref.start, end=ref.end)
+    why = f"; last failure: {job.error}" if job is not None and job.error else ""
+    fail_pending(s, ref.job_id, rows, f"chunk abandoned: sent {ref.sends} times and never "
+                 f"finished (SPECQ_MAX_CHUNK_RUNS){why}")
+    chunks.mark_done(s, job_id=ref.job_id, start=ref.start)
+    log.error("job %d: chunk [%d, %d) abandoned after %d sends; %d items failed%s",
+              ref.job_id, ref.start, ref.end, ref.sends, len(rows), why)
+    return len(rows)
+
+
+def fail_pending(s: Session, job_id: int, rows: list, error: str) -> None:
+    """Fail these pending items for good (each with its own last error, else ``error``).
+    Call under the job's lock."""
+    repo.write_outcomes(s, job_id=job_id, outcomes=[
+        Outcome.failure(it.index, it.error or error) for it in rows])
 
 
 def lock_key(settings: Settings) -> str:

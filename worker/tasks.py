@@ -11,38 +11,38 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any
+from typing import Any, NoReturn
 
-from celery.signals import worker_init, worker_process_init, worker_shutdown
+from celery import bootsteps
 from sqlalchemy.orm import Session, sessionmaker
 
 from specq.configs.generation import Request
-from specq.configs.presets import get_preset
+from specq.configs.presets import PairError, get_preset
 from specq.configs.settings import Settings, get_settings
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
-from specq.db.outcomes import Outcome
 from specq.db.session import session_factory
-from specq.worker import dispatch, threads
+from specq.worker import dispatch, presence, threads
 from specq.worker.app import app
 from specq.worker.attempts import ChunkItem, Stopped, generate_with_retries
 from specq.worker.backoff import Backoff, retry_db
 from specq.worker.constants import GENERATE_TASK, WORKER_PAIR_ENV
-from specq.worker.device import DeviceLost
+from specq.worker.device import DeviceLost, is_device_lost
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.keeper import ChunkKeeper
-from specq.worker.pairs import Pair, load_pair, resolve_device
+from specq.worker.pairs import Pair, cache_tokenizer, load_pair, resolve_device
+from specq.worker.reconciler import fail_pending
 
 log = logging.getLogger(__name__)
 
 EXIT_DEVICE_LOST = 75  # the worker's exit status when its device is unusable (EX_TEMPFAIL)
+EXIT_START_FAILED = 1  # ... when its pair cannot be loaded for any other reason
 
 
 @dataclass
@@ -79,26 +79,49 @@ def worker_engine() -> SpeculativeEngine:
     return worker_pair().engine()
 
 
-_started = threading.Event()
-_background: list[Any] = []
+class PairStartUp(bootsteps.StartStopStep):
+    """The pair loaded, warmed and calibrated before the worker consumes anything.
 
+    A worker bootstep (worker/app.py adds it to the worker's blueprint): it starts after
+    Celery has set up logging and before the consumer, the last step, takes a message. A
+    pair that cannot start (a device this torch cannot use, a model that cannot be
+    loaded) makes the worker exit, its error logged and kept where `specq status` finds
+    it (worker/presence.py), without taking any chunk. Once the pair is ready the worker
+    announces itself (worker/presence.py), writes the target's tokenizer where
+    submitters look for it, and starts its reconciler thread.
+    """
 
-@worker_init.connect
-@worker_process_init.connect
-def _load_at_start(**_: Any) -> None:
-    """Get the engine ready before the worker takes any chunk (start_up), then start the
-    reconciler thread."""
-    settings = get_settings()
-    if not settings.worker_pair or _started.is_set():
-        return
-    _started.set()
-    phases = start_up(settings)
-    log.info("pair %s ready in %.1f s (%s)", settings.worker_pair, sum(phases.values()),
-             ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
-    if settings.reconcile_every > 0:
-        from specq.worker.reconciler import Background
+    label = "specq pair"
 
-        _background.append(Background(settings).start())
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.background: list[Any] = []
+
+    def start(self, parent: Any) -> None:
+        settings = get_settings()
+        hostname = parent.hostname
+        try:
+            if not settings.worker_pair:
+                raise PairError(f"{WORKER_PAIR_ENV} is not set; start workers with "
+                                f"`specq worker --pair NAME`")
+            phases = start_up(settings)
+        except Exception as exc:  # noqa: BLE001 (anything that stops a load stops the worker)
+            _exit_unstarted(settings, hostname, exc)
+        log.info("pair %s ready in %.1f s (%s)", settings.worker_pair, sum(phases.values()),
+                 ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
+        _cache_tokenizer(settings)
+        self.background.append(presence.Heartbeat(settings, settings.worker_pair, hostname).start())
+        _on_broker(settings, lambda r: presence.clear_start_failure(
+            r, settings, settings.worker_pair), "an earlier failed start is not cleared")
+        if settings.reconcile_every > 0:
+            from specq.worker.reconciler import Background
+
+            self.background.append(Background(settings).start())
+
+    def stop(self, parent: Any) -> None:
+        for b in reversed(self.background):
+            b.stop()
+        self.background.clear()
 
 
 def start_up(settings: Settings) -> dict[str, float]:
@@ -125,10 +148,44 @@ def start_up(settings: Settings) -> dict[str, float]:
     return phases
 
 
-@worker_shutdown.connect
-def _stop_background(**_: Any) -> None:
-    for b in _background:
-        b.stop()
+def _exit_unstarted(settings: Settings, hostname: str, exc: BaseException) -> NoReturn:
+    """Log why the pair cannot start, leave it where `specq status` finds it, and exit:
+    status 75 when the device failed (its supervisor may restart it), 1 otherwise."""
+    code = EXIT_DEVICE_LOST if is_device_lost(exc) else EXIT_START_FAILED
+    error = f"{type(exc).__name__}: {exc}"
+    log.critical("pair %s cannot start on this worker: %s. The worker exits (status %d) "
+                 "without taking any chunk.", settings.worker_pair, error, code,
+                 exc_info=not isinstance(exc, PairError))
+    if settings.worker_pair:
+        _on_broker(settings, lambda r: presence.record_start_failure(
+            r, settings, settings.worker_pair, hostname, error),
+            "the failed start is not recorded on the broker")
+    raise SystemExit(code)
+
+
+def _on_broker(settings: Settings, call: Callable[[Any], None], failed: str) -> None:
+    """call(a Redis client on the broker), best effort: a broker away costs a note in
+    `specq status`, not the worker its start (``failed`` is logged)."""
+    try:
+        client = dispatch.broker_client(settings)
+        try:
+            call(client)
+        finally:
+            client.close()
+    except Exception as exc:  # noqa: BLE001 (the broker's errors vary by transport)
+        log.warning("%s (%s)", failed, exc)
+
+
+def _cache_tokenizer(settings: Settings) -> None:
+    """Best effort: a data directory this worker cannot write costs submitters their
+    prompt checks (they say so), not the worker its start."""
+    try:
+        folder = cache_tokenizer(worker_pair(), settings.data_dir)
+        log.info("tokenizer for submitters' prompt checks in %s", folder)
+    except Exception as exc:  # noqa: BLE001 (a full disk, a read-only mount, ...)
+        log.warning("the tokenizer was not written to %s (%s: %s); submitters skip prompt "
+                    "length checks unless it is cached there", settings.data_dir,
+                    type(exc).__name__, exc)
 
 
 @app.task(name=GENERATE_TASK, bind=True)
@@ -147,7 +204,24 @@ def generate_chunk(self, job_id: int, start: int, end: int) -> dict[str, Any]:
                      exc.__cause__ or exc, EXIT_DEVICE_LOST, start, end, job_id)
         logging.shutdown()
         os._exit(EXIT_DEVICE_LOST)
+    except Exception as exc:
+        _note_failure(settings, job_id, start, end, self.request.hostname, exc)
+        raise
     return report.as_dict()
+
+
+def _note_failure(settings: Settings, job_id: int, start: int, end: int,
+                  hostname: str | None, exc: Exception) -> None:
+    """A chunk that failed outside the engine (whose faults are items' attempts): keep why
+    on its job, where `specq status` shows it. The reconciler sends the chunk again, up to
+    max_chunk_runs sends in all (worker/reconciler.py)."""
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    error = f"chunk [{start}, {end}) failed on worker {hostname}: {type(exc).__name__}: {first}"
+    try:
+        with session_factory(settings.sqlalchemy_url).begin() as s:
+            repo.note_job_error(s, job_id=job_id, error=error)
+    except Exception as err:  # noqa: BLE001 (the database away: the log says it)
+        log.warning("job %d: the failure is not recorded (%s)", job_id, err)
 
 
 # -- the chunk ---------------------------------------------------------------------------
@@ -273,10 +347,8 @@ def _abandon(s: Session, job_id: int, rows: list, runs: int) -> None:
     """Fail the pending items of a chunk that took ``runs`` leases and never finished
     (each of its workers died on it: a prompt that crashes the process, say)."""
     repo.lock_job(s, job_id=job_id)
-    error = (f"chunk abandoned: {runs - 1} workers took it and none finished it (killed or "
-             f"crashed while running it)")
-    repo.write_outcomes(s, job_id=job_id, outcomes=[
-        Outcome.failure(it.index, it.error or error) for it in rows])
+    fail_pending(s, job_id, rows, f"chunk abandoned: {runs - 1} workers took it and none "
+                 f"finished it (killed or crashed while running it)")
 
 
 def _cancel(sessions: sessionmaker[Session], job_id: int, start: int, end: int

@@ -151,7 +151,8 @@ BODY_FIELDS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new
 def bad_openai_line(draw) -> tuple[str, bytes]:
     """(what the error must name, an OpenAI Batch request line with one thing wrong)."""
     line = json.loads(json.dumps(OPENAI_BASE))
-    kind = draw(st.sampled_from(["top", "param", "param", "messages", "stop", "unsupported"]))
+    kind = draw(st.sampled_from(["top", "param", "param", "messages", "stop", "n",
+                                 "unsupported"]))
     if kind == "top":
         field = draw(st.sampled_from(["custom_id", "method", "url", "body"]))
         if field == "custom_id":
@@ -176,6 +177,10 @@ def bad_openai_line(draw) -> tuple[str, bytes]:
         line["body"]["stop"] = draw(bad_value("stop").filter(lambda v: not isinstance(v, str))
                                     | st.just("") | UNSTORABLE_TEXT)
         return "stop", json.dumps(line).encode()
+    if kind == "n":  # one choice per request is served; more is refused, not dropped
+        line["body"]["n"] = draw(st.integers(min_value=2) | st.integers(max_value=0)
+                                 | st.booleans() | st.floats() | st.text())
+        return "body.n", json.dumps(line).encode()
     key = draw(st.sampled_from(["logit_bias", "tools", "response_format", "logprobs"]))
     line["body"][key] = draw(JSON)
     return key, json.dumps(line).encode()
@@ -290,6 +295,17 @@ def test_a_bad_openai_batch_line_is_named_and_nothing_is_stored(lite, scratch, c
     good = json.dumps({**OPENAI_BASE, "custom_id": "r0"}).encode()
     path.write_bytes(good + b"\n" + line + b"\n")
     only_problem(refused(lite, path), "line 2", names)
+
+
+def test_openai_n_above_one_is_refused_by_line_and_one_is_served(lite, scratch):
+    path = scratch / "n.jsonl"
+    lines = [{**OPENAI_BASE, "custom_id": f"r{i}", "body": {**OPENAI_BASE["body"], **extra}}
+             for i, extra in enumerate([{"n": 1}, {"n": None}, {}, {"n": 3}])]
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    problem = only_problem(refused(lite, path), "line 4", "body.n")
+    assert "3 choices per request are not served" in problem
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines[:3]))
+    assert lite.submit(path, pair="tiny", enqueue=False).status(check_workers=False).total == 3
 
 
 @FUZZ

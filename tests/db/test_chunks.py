@@ -243,3 +243,33 @@ def test_an_exception_clears_its_own_launch_mark_only(sessions):
     with sessions() as s:
         assert [s.get(Item, (job_id, i)).launch for i in (0, 1)] == [None, "w#2"]
         assert s.get(Chunk, (job_id, 0)).faults == 1
+
+
+def test_cancelling_a_running_job_waits_for_no_running_chunk(pg_url):
+    """A worker giving its lease back locks its chunk, then the job (settling it); a cancel
+    locks the job, then the chunks whose items it cancels: only those not sent yet, never a
+    running one, so the two cannot deadlock."""
+    from sqlalchemy import text
+
+    from specq.db.session import migrate, session_factory
+
+    migrate(pg_url)
+    sessions = session_factory(pg_url)
+    job_id = _job(sessions, n=8, chunk_size=4)
+    with sessions.begin() as s:
+        assert [r.start for r in chunks.take_unsent(s, job_id=job_id, n=1)] == [0]
+        chunks.claim(s, job_id=job_id, start=0, owner="w", ttl=60)
+        repo.start_job(s, job_id=job_id)
+    worker = sessions()
+    worker.begin()
+    chunks.release(worker, job_id=job_id, start=0, end=4, owner="w")  # chunk 0's row: locked
+    with sessions.begin() as s:
+        s.execute(text("SET LOCAL lock_timeout = '10s'"))  # a wait on chunk 0 fails, not hangs
+        assert repo.request_cancel(s, job_id=job_id) == JobStatus.cancelling
+    repo.settle_job(worker, job_id=job_id)
+    worker.commit()
+    worker.close()
+    with sessions() as s:
+        counts = dict(s.execute(select(Chunk.start, Chunk.cancelled)
+                                .where(Chunk.job_id == job_id)).all())
+    assert counts == {0: 0, 4: 4}

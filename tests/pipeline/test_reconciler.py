@@ -9,23 +9,28 @@ import time
 import uuid
 
 import redis
-from kombu.transport.redis import Channel
+from kombu.transport.redis import PRIORITY_STEPS
 
 from specq.api.client import Client
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus
 from specq.db.outcomes import Outcome
+from specq.worker.dispatch import queue_keys
 from specq.worker.reconciler import reconcile
 
 
-def _queued(r: redis.Redis, queue: str) -> dict[int, list[int]]:
+def _key(queue: str, settings, step: int) -> str:
+    """The Redis list of ``queue`` at priority ``step`` (behind the deployment's prefix)."""
+    return dict(zip(PRIORITY_STEPS, queue_keys(queue, settings)))[step]
+
+
+def _queued(r: redis.Redis, queue: str, settings) -> dict[int, list[int]]:
     """Chunk starts waiting on each priority list of ``queue``."""
     out = {}
-    for step in (0, 3, 6, 9):
-        key = f"{queue}{Channel.sep}{step}" if step else queue
+    for step in PRIORITY_STEPS:
         out[step] = sorted(json.loads(base64.b64decode(json.loads(m)["body"]))[0][1]
-                           for m in r.lrange(key, 0, -1))
+                           for m in r.lrange(_key(queue, settings, step), 0, -1))
     return {k: v for k, v in out.items() if v}
 
 
@@ -37,23 +42,23 @@ def test_lost_chunks_are_sent_again_a_dead_workers_first(settings):
                         max_new_tokens=4, chunk_size=10)
     queue = f"{own.queue_prefix}.tiny-lookup"
     r = redis.Redis.from_url(own.broker_url)
-    assert _queued(r, queue) == {6: [0, 10, 20]}
+    assert _queued(r, queue, own) == {6: [0, 10, 20]}
     report = reconcile(own, job_id=job.id)
     assert (report.candidates, report.on_broker, len(report.resent)) == (3, 3, 0)
 
     with client.sessions.begin() as s:  # a worker took chunk 0, then died
         assert chunks.claim(s, job_id=job.id, start=0, owner="dead", ttl=0.2) == 1
-    r.delete(queue, f"{queue}{Channel.sep}6")  # and the broker lost every message
+    r.delete(*queue_keys(queue, own))  # and the broker lost every message
     time.sleep(0.3)
     report = reconcile(own, job_id=job.id)
     assert sorted((c.start, c.started) for c in report.resent) == [
         (0, True), (10, False), (20, False)]
-    assert _queued(r, queue) == {0: [0], 6: [10, 20]}  # the dead worker's chunk goes first
+    assert _queued(r, queue, own) == {0: [0], 6: [10, 20]}  # the dead worker's chunk goes first
     assert len(reconcile(own, job_id=job.id).resent) == 0  # all on the broker again
 
     with client.sessions.begin() as s:  # a live lease is left alone, messages or not
         assert chunks.claim(s, job_id=job.id, start=10, owner="alive", ttl=60) == 1
-    r.delete(queue, f"{queue}{Channel.sep}6", f"{queue}{Channel.sep}0")
+    r.delete(*queue_keys(queue, own))
     assert [c.start for c in reconcile(own, job_id=job.id).resent] == [0, 20]
     r.close()
     client.job(job.id).cancel()
@@ -82,17 +87,75 @@ def test_a_job_keeps_its_turn_on_the_queue(settings):
     r = redis.Redis.from_url(own.broker_url)
     job = client.submit([f"turn {i}" for i in range(50)], pair="tiny-lookup",
                         max_new_tokens=4, chunk_size=10, enqueue=False)  # the producer died
-    assert _queued(r, queue) == {}
+    assert _queued(r, queue, own) == {}
     report = reconcile(own, job_id=job.id)
-    assert [c.start for c in report.fed] == [0, 10] and _queued(r, queue) == {6: [0, 10]}
+    assert [c.start for c in report.fed] == [0, 10] and _queued(r, queue, own) == {6: [0, 10]}
     assert reconcile(own, job_id=job.id).fed == []  # its turn is on the queue
     with client.sessions.begin() as s:  # a worker took chunk 0's message (the oldest)
         chunks.claim(s, job_id=job.id, start=0, owner="w", ttl=60)
-    r.rpop(f"{queue}{Channel.sep}6")  # and died before it could send the next
+    r.rpop(_key(queue, own, 6))  # and died before it could send the next
     assert [c.start for c in reconcile(own, job_id=job.id).fed] == [20]
     urgent = client.submit(["urgent"], pair="tiny-lookup", max_new_tokens=4,
                            priority="high")
-    assert _queued(r, queue)[3] == [0]  # sent at once, on the high-priority list
+    assert _queued(r, queue, own)[3] == [0]  # sent at once, on the high-priority list
     r.close()
     client.job(job.id).cancel()
     client.job(urgent.id).cancel()
+
+
+def test_a_chunk_sent_max_chunk_runs_times_fails_with_its_jobs_error(settings):
+    """Messages that vanish without a lease (a worker that fails the chunk before its items
+    reach the engine) count: after max_chunk_runs sends the chunk is not sent again, its
+    items fail with the error the job keeps, and a retry gives it max_chunk_runs more."""
+    own = settings.model_copy(update={"queue_prefix": f"rec-{uuid.uuid4().hex[:6]}",
+                                      "reconcile_grace": 0.0, "max_chunk_runs": 3})
+    client = Client(own)
+    job = client.submit([f"lost {i}" for i in range(3)], pair="tiny-lookup",
+                        max_new_tokens=4, chunk_size=10)
+    queue = f"{own.queue_prefix}.tiny-lookup"
+    r = redis.Redis.from_url(own.broker_url)
+    with client.sessions.begin() as s:
+        repo.note_job_error(s, job_id=job.id, error="chunk [0, 3) failed on worker w: boom")
+    state = job.status(check_workers=False)
+    assert state.error.endswith("boom") and "SPECQ_MAX_CHUNK_RUNS" in state.note
+    for _ in range(2):  # a worker takes the message and fails before any lease: lost
+        r.delete(*queue_keys(queue, own))
+        report = reconcile(own, job_id=job.id)
+        assert [c.start for c in report.resent] == [0] and report.abandoned == []
+    r.delete(*queue_keys(queue, own))
+    report = reconcile(own, job_id=job.id)
+    assert [c.start for c in report.abandoned] == [0] and report.resent == []
+    assert report.settled[job.id] == "completed" and _queued(r, queue, own) == {}
+    state = job.status(check_workers=False)
+    assert (state.failed, state.pending) == (3, 0)
+    assert {it.error for it in job.results()} == {
+        "chunk abandoned: sent 3 times and never finished (SPECQ_MAX_CHUNK_RUNS); last "
+        "failure: chunk [0, 3) failed on worker w: boom"}
+
+    assert job.retry() == [0, 1, 2]  # fixed: the chunk starts its count again
+    assert _queued(r, queue, own) == {6: [0]}
+    assert reconcile(own, job_id=job.id).abandoned == []
+    r.close()
+    client.job(job.id).cancel()
+
+
+def test_a_deployment_reconciles_its_own_jobs_only(settings):
+    """Two deployments on one database and one Redis database, their keys behind their own
+    prefixes: the reconciler of one cannot see the other's messages, so it leaves the other's
+    jobs alone (it would send their chunks where no worker of theirs looks)."""
+    mine, theirs = (settings.model_copy(update={"queue_prefix": f"rec-{uuid.uuid4().hex[:6]}",
+                                                "reconcile_grace": 0.0, "dispatch_window": 1})
+                    for _ in range(2))
+    job = Client(theirs).submit([f"theirs {i}" for i in range(20)], pair="tiny-lookup",
+                                max_new_tokens=4, chunk_size=10)
+    r = redis.Redis.from_url(theirs.broker_url)
+    queue = f"{theirs.queue_prefix}.tiny-lookup"
+    assert _queued(r, queue, theirs) == {6: [0]}
+    report = reconcile(mine)  # sees none of their messages, and must not think them lost
+    assert job.id not in {c.job_id for c in report.resent + report.fed + report.abandoned}
+    assert report.candidates == 0
+    r.delete(*queue_keys(queue, theirs))  # their broker lost the message: theirs re-send it
+    assert [c.start for c in reconcile(theirs, job_id=job.id).resent] == [0]
+    assert _queued(r, queue, theirs) == {6: [0]}
+    r.close()
+    job.cancel()
