@@ -21,10 +21,13 @@ RUN groupadd --gid 10001 specq \
 RUN pip install torch --index-url "https://download.pytorch.org/whl/${TORCH}"
 COPY pyproject.toml README.md alembic.ini ./
 COPY api api
-COPY configs configs
-COPY db db
+COPY broker broker
 COPY worker worker
-COPY specq specq
+COPY db db
+COPY configs configs
+COPY schema schema
+COPY bench bench
+COPY src src
 RUN pip install ".[worker,flower]"
 # alembic.ini (script_location db/migrations) and the sources stay in /app, the working dir.
 # Numeric, so that a runtime that refuses root (Kubernetes runAsNonRoot) can check it.

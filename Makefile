@@ -26,7 +26,7 @@ test: venv services
 	$(PY) -m pytest -q
 
 lint: venv
-	$(VENV)/bin/ruff check specq worker api db configs tests
+	$(VENV)/bin/ruff check src api broker worker db configs schema bench tests
 
 # the engine's differential fuzz at length: 3,000 fresh mixes (the suite runs 300 fixed ones)
 fuzz: venv

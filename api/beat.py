@@ -12,7 +12,7 @@ seconds, and the same process (no GPU, no model) runs them:
   than the schedule's ``stuck_after`` it is stuck: the firing logs an error saying so and
   (``on_stuck: cancel``, the default) cancels it and starts a new run.
 - collect(): write the data set of every finished synthesis run that has none yet.
-- reconcile (RECONCILE_TASK, every SPECQ_RECONCILE_EVERY seconds): worker/reconciler.py.
+- reconcile (RECONCILE_TASK, every SPECQ_RECONCILE_EVERY seconds): broker/reconciler.py.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from celery import Celery
 
 from specq.api.client import Client
 from specq.api.synthesis import load_spec, submit, write_output
+from specq.broker.app import make_app
+from specq.broker.names import COLLECT_TASK, FIRE_TASK, RECONCILE_TASK, synth_queue
+from specq.broker.reconciler import reconcile, reconcile_if_due
 from specq.configs.schedules import Schedule, load_schedules
 from specq.configs.settings import Settings, get_settings
 from specq.db import repository as repo
 from specq.db.models import utcnow
-from specq.worker.app import make_app
-from specq.worker.constants import COLLECT_TASK, FIRE_TASK, RECONCILE_TASK, synth_queue
-from specq.worker.reconciler import reconcile, reconcile_if_due
 
 log = logging.getLogger(__name__)
 

@@ -22,9 +22,9 @@ from specq.api.client import Client
 from specq.api.figures import drafted, drafting, item_counts, shown
 from specq.api.formats import FORMATS, OutputError, check_output
 from specq.api.inputs import InputError, check_count, check_job_id, describe, show
+from specq.broker.names import PRIORITIES
 from specq.configs.presets import PairError, PresetError
 from specq.configs.settings import describe_settings, get_settings
-from specq.worker.constants import PRIORITIES
 
 SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
 
@@ -32,14 +32,14 @@ SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "se
 # Commands whose modules load the model stack (torch, transformers): imported only when
 # one of them runs, so that every other command starts in a fraction of a second.
 HEAVY = {
-    "bench": ("specq.worker.bench", "when does speculation pay? methods side by side"),
-    "bench-pipeline": ("specq.api.pipeline_bench",
+    "bench": ("specq.bench", "when does speculation pay? methods side by side"),
+    "bench-pipeline": ("specq.bench.pipeline",
                        "the job path's overhead over the engine alone"),
-    "bench-startup": ("specq.worker.startup",
+    "bench-startup": ("specq.bench.startup",
                       "a worker's start, phase by phase: import, load, warm-up, calibration"),
-    "bench-chaos": ("specq.api.chaos", "one job through kills, a broker flush, outages and "
+    "bench-chaos": ("specq.bench.chaos", "one job through kills, a broker flush, outages and "
                     "engine faults: lost, duplicated, wrongly failed"),
-    "bench-fleet": ("specq.api.fleet_bench", "the control plane at scale: a big job, many "
+    "bench-fleet": ("specq.bench.fleet", "the control plane at scale: a big job, many "
                     "workers, a stand-in engine; rates, waits, memory, a small job behind it"),
 }
 
@@ -495,7 +495,7 @@ def cmd_retry(args: argparse.Namespace) -> int:
 
 def cmd_reconcile(args: argparse.Namespace) -> int:
     """Re-send lost chunks now (workers and the beat do it every SPECQ_RECONCILE_EVERY s)."""
-    from specq.worker.reconciler import reconcile
+    from specq.broker.reconciler import reconcile
 
     settings = get_settings()
     if args.job is not None:
@@ -605,8 +605,8 @@ def cmd_synth_write(args: argparse.Namespace) -> int:
 def cmd_beat(args: argparse.Namespace) -> int:
     """Replace this process with Celery beat (embedded in a worker on the synth queue, which
     runs the firings and writes the data sets: no GPU, no model)."""
+    from specq.broker.names import synth_queue
     from specq.configs.schedules import load_schedules
-    from specq.worker.constants import synth_queue
 
     settings = get_settings()
     schedules = load_schedules(settings.schedules_file)  # a bad schedule fails here, clearly
@@ -625,9 +625,9 @@ def cmd_beat(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     """Replace this process with a Celery worker consuming the pair's queue only."""
     _need_model_stack("specq worker")
+    from specq.broker.names import WORKER_PAIR_ENV
     from specq.configs.presets import get_preset
-    from specq.worker.app import quiet_worker_env, worker_argv
-    from specq.worker.constants import WORKER_PAIR_ENV
+    from specq.worker.launch import quiet_worker_env, worker_argv
 
     settings = get_settings()
     get_preset(args.pair, settings.presets_file)  # an unknown pair fails here, clearly

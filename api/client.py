@@ -39,16 +39,16 @@ from specq.api.tokenizer import (
     target_context,
     unchecked_note,
 )
-from specq.configs.counters import ARRAYS, SCALARS, Counters
-from specq.configs.counters import kinds as counter_kinds
-from specq.configs.generation import RequestError, SamplingParams, fits_by_size
+from specq.broker.names import PRIORITIES, queue_name
 from specq.configs.presets import PairPreset, UnknownPair, get_preset
 from specq.configs.settings import Settings, get_settings
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
 from specq.db.session import migrate, session_factory
-from specq.worker.constants import PRIORITIES, queue_name
+from specq.schema.counters import ARRAYS, SCALARS, Counters
+from specq.schema.counters import kinds as counter_kinds
+from specq.schema.generation import RequestError, SamplingParams, fits_by_size
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -137,7 +137,7 @@ class JobSummary(JobState):
 
 @dataclass(kw_only=True)
 class JobMetrics(Counters):
-    """A job's counters (configs/counters.py) summed over its items in SQL, and its item
+    """A job's counters (schema/counters.py) summed over its items in SQL, and its item
     counts; every rate is derived from them (acceptance rate and mean acceptance length
     as for one request)."""
 
@@ -247,7 +247,7 @@ class Client:
 
     @cached_property
     def celery(self) -> Celery:
-        from specq.worker.app import make_app  # the broker side, when a call needs it
+        from specq.broker.app import make_app  # the broker side, when a call needs it
 
         return make_app(self.settings, tasks=False)
 
@@ -384,7 +384,7 @@ class Client:
     def workers_for(self, pair: str) -> list[str] | None:
         """Hostnames of the live workers serving ``pair``; None if the broker cannot be
         reached. A worker is listed once its pair is loaded and warm, for as long as it
-        lives, busy or not (worker/presence.py): waiting for a name here waits for a
+        lives, busy or not (broker/presence.py): waiting for a name here waits for a
         worker that is ready to take chunks."""
         serving = self._serving(pair)
         return None if serving is None else serving[0]
@@ -395,7 +395,7 @@ class Client:
         broker_timeout."""
         import redis
 
-        from specq.worker import dispatch, presence
+        from specq.broker import dispatch, presence
 
         try:
             client = dispatch.broker_client(self.settings)
@@ -450,7 +450,7 @@ class Job:
         with self.client.sessions.begin() as s:
             refs = chunks.take_unsent(s, job_id=self.id, n=settings.dispatch_window)
         try:
-            from specq.worker import dispatch
+            from specq.broker import dispatch
 
             sent = _bounded(lambda: dispatch.send(self.client.celery, refs, settings),
                             seconds=settings.broker_timeout * 3 + len(refs) / 1000)
@@ -581,7 +581,7 @@ class Job:
             refs = chunks.reopen(s, job_id=self.id, indices=indices)
         if refs:
             try:
-                from specq.worker import dispatch
+                from specq.broker import dispatch
 
                 _bounded(lambda: dispatch.send(self.client.celery, refs, self.client.settings),
                          seconds=self.client.settings.broker_timeout * 3 + len(refs) / 1000)

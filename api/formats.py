@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Literal
 
 from specq.api.client import INPUT_COLUMNS, ItemResult, Job, item_id
-from specq.configs.counters import ARRAYS, SCALARS, acceptance_rate
-from specq.configs.counters import kinds as counter_kinds
-from specq.configs.generation import SamplingParams
 from specq.db import repository as repo
 from specq.db.models import ItemStatus
+from specq.schema.counters import ARRAYS, SCALARS, acceptance_rate
+from specq.schema.counters import kinds as counter_kinds
+from specq.schema.generation import SamplingParams
 
 if TYPE_CHECKING:  # pyarrow is imported where Parquet is written: the CLI starts faster
     import pyarrow as pa
@@ -159,7 +159,7 @@ def write_batches(sink: Sink, rows: Iterable[dict[str, Any]], batch: int = BATCH
 # -- the rows of each format --------------------------------------------------------------
 
 def counter_fields(names: tuple[str, ...] = SCALARS + ARRAYS) -> list[tuple[str, pa.DataType]]:
-    """Parquet columns of these counters, typed as configs/counters.py defines them."""
+    """Parquet columns of these counters, typed as schema/counters.py defines them."""
     import pyarrow as pa
 
     arrow = {"int": pa.int64(), "float": pa.float64(), "array": pa.list_(pa.int64())}

@@ -21,8 +21,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from specq.configs.errors import InputError, describe
-from specq.configs.generation import INT32_MAX, Request, SamplingParams, merge
+from specq.schema.errors import InputError, describe
+from specq.schema.generation import INT32_MAX, Request, SamplingParams, merge
 
 SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 LINE_FIELDS = frozenset({"custom_id", "prompt", "messages"}) | SAMPLING_FIELDS

@@ -63,9 +63,9 @@ from specq.api.formats import (
 )
 from specq.api.inputs import InputError, describe, show, storable, text_problem
 from specq.api.templates import BoundedSandbox, RenderLimits
-from specq.configs.counters import SCALARS, acceptance_rate
-from specq.configs.generation import INT32_MAX, SamplingParams
 from specq.db import repository as repo
+from specq.schema.counters import SCALARS, acceptance_rate
+from specq.schema.generation import INT32_MAX, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ OUTPUT_PLACEHOLDERS = ("name", "job_id", "date")  # and {data_dir}, filled when 
 MAX_SAMPLES_PER_ROW = 100_000
 MAX_TEMPLATE_CHARS = 100_000
 # The columns each output row has besides the seed row's own fields: the sample, its
-# outcome, every scalar counter (configs/counters.py) and the acceptance rate.
+# outcome, every scalar counter (schema/counters.py) and the acceptance rate.
 SAMPLE_SCHEMA = [
     ("row_index", pa.int64()), ("sample_index", pa.int64()), ("seed", pa.int64()),
     ("custom_id", pa.string()), ("prompt", pa.string()), ("output", pa.string()),
@@ -119,7 +119,7 @@ class SynthSpec(BaseModel):
     seed: int = Field(0, ge=0, lt=2**63, strict=True)
     output: OutputSpec
     chunk_size: int | None = Field(None, ge=1, le=INT32_MAX, strict=True)
-    priority: Literal["high", "normal", "low"] = "normal"  # worker/constants.py: PRIORITIES
+    priority: Literal["high", "normal", "low"] = "normal"  # broker/names.py: PRIORITIES
     limits: RenderLimits = Field(default_factory=RenderLimits)
 
     @model_validator(mode="before")

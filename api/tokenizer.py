@@ -1,7 +1,7 @@
 """The target's tokenizer and context, for checking prompts without the model stack and
 without the hub.
 
-A submission tokenizes only the prompts that may not fit (configs/generation.py:
+A submission tokenizes only the prompts that may not fit (schema/generation.py:
 fits_by_size); for those it needs the target's tokenizer. It is read with the
 `tokenizers` library from files on this machine: the folder a worker (or `specq
 cache-tokenizer`) wrote in the data directory (configs/tokenizer_cache.py), else the model's
@@ -27,10 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from specq.configs import tokenizer_cache
-from specq.configs.generation import Request, RequestError, check_length, context_length
 from specq.configs.hub import hub_problem
 from specq.configs.presets import ModelSource, PairError, PairPreset, locate
 from specq.configs.settings import Settings
+from specq.schema.generation import Request, RequestError, check_length, context_length
 
 log = logging.getLogger(__name__)
 

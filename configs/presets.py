@@ -95,17 +95,9 @@ def locate(source: ModelSource, data_dir: Path) -> tuple[str, dict]:
         kwargs["revision"] = source.revision
     if source.gguf_file:
         kwargs["gguf_file"] = source.gguf_file
-    if source.tiny:
-        kind, root = source.tiny, data_dir / "tiny"
-        built = root / (kind if kind == "target" else f"draft-{kind}")
-        if (built / "config.json").exists():  # built before: no need for torch here
-            return str(built), kwargs
-        from specq.worker.tiny import build_tiny_pair
-
-        dirs = build_tiny_pair(root)
-        if kind not in dirs:
-            raise PairError(f"tiny: unknown model {kind!r}; known: {', '.join(dirs)}")
-        return str(dirs[kind]), kwargs
+    if source.tiny:  # built there by the worker that loads it (worker/tiny.py)
+        kind = source.tiny
+        return str(data_dir / "tiny" / (kind if kind == "target" else f"draft-{kind}")), kwargs
     if source.package:
         try:
             dist = importlib.metadata.distribution(source.package)

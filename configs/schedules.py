@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from specq.configs.errors import InputError, describe
+from specq.schema.errors import InputError, describe
 
 
 class ScheduleError(InputError):

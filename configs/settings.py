@@ -49,7 +49,7 @@ class Settings(BaseSettings):
     dtype: str = "auto"  # auto (float32 on CPU, bfloat16 on GPU) | float32 | bfloat16 | float16
     chunk_size: int = Field(64, ge=1, le=INT32_MAX)
     max_batch_size: int = Field(16, ge=1, le=65536)
-    # The job pipeline (worker/app.py, api/client.py).
+    # The job pipeline (broker/app.py, api/client.py).
     queue_prefix: str = Field("specq", description="prefix of every Celery queue name")
     visibility_timeout: int = Field(
         3600, ge=1, le=INT32_MAX,
@@ -62,7 +62,7 @@ class Settings(BaseSettings):
         "take turns and a small job starts within a few chunks of a huge one")
     worker_pair: str | None = Field(None, min_length=1, max_length=200,
                                     description="the pair a worker serves (specq worker)")
-    # Faults (worker/keeper.py, worker/reconciler.py; README "Failures and recovery").
+    # Faults (worker/keeper.py, broker/reconciler.py; README "Failures and recovery").
     max_attempts: int = Field(
         3, ge=1, le=1000, description="engine failures an item survives before it fails")
     lease_seconds: float = Field(

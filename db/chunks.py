@@ -4,7 +4,7 @@ dispatch records. Keyword-only functions over a Session, like db/repository.py.
 The database is the truth about what is left to do; the broker only carries references.
 A worker runs a chunk under a lease it renews by heartbeat; the reconciler re-sends a
 chunk that is not done, whose lease (if any) has run out, and whose last message was
-sent more than a grace period ago and is no longer on the broker (worker/reconciler.py).
+sent more than a grace period ago and is no longer on the broker (broker/reconciler.py).
 
 A job's chunks are not all sent at once: a few wait on the broker (take_unsent marks the
 next ones sent), and each chunk a worker starts sends the next (worker/tasks.py). The
@@ -23,9 +23,9 @@ from typing import Any
 from sqlalchemy import and_, bindparam, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from specq.configs.counters import ARRAYS, SCALARS
 from specq.db.clock import db_now
 from specq.db.models import Chunk, Item, ItemStatus, Job, JobStatus, utcnow
+from specq.schema.counters import ARRAYS, SCALARS
 
 PENDING = ItemStatus.pending.value
 UNFINISHED = tuple(s.value for s in JobStatus if not s.finished and s != JobStatus.validating)

@@ -22,7 +22,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
-from specq.configs.counters import kinds as counter_kinds
+from specq.schema.counters import kinds as counter_kinds
 
 
 class JobStatus(str, Enum):
@@ -81,7 +81,7 @@ class Job(Base):
     total: Mapped[int] = mapped_column(Integer, default=0)  # number of items
     chunk_size: Mapped[int] = mapped_column(Integer)
     queue: Mapped[str | None] = mapped_column(String(300))  # the broker queue of its chunks
-    # high | normal | low: its chunks' message priority on the queue (worker/constants.py)
+    # high | normal | low: its chunks' message priority on the queue (broker/names.py)
     priority: Mapped[str] = mapped_column(String(8), default="normal")
     source: Mapped[str | None] = mapped_column(Text)  # the submitted file, if any
     # Synthesis runs (api/synthesis.py): the spec that produced the job, the beat schedule
@@ -161,7 +161,7 @@ class Chunk(Base):
     no item of the range was pending when its last run ended. ``sent_at`` (database
     clock): when a message for it was last sent to the broker (or is about to be); NULL
     while it waits its turn: a job keeps only a few messages on the broker at a time
-    (worker/dispatch.py). The reconciler re-sends a chunk that was sent, is not done, not
+    (broker/dispatch.py). The reconciler re-sends a chunk that was sent, is not done, not
     leased, and that no message on the broker holds.
     """
 
@@ -206,7 +206,7 @@ class Chunk(Base):
     isolated: Mapped[int] = mapped_column(Integer, default=0)
 
 
-# The counter columns, one per field of configs/counters.py: Counters, on items (each
+# The counter columns, one per field of schema/counters.py: Counters, on items (each
 # item's) and on chunks (their items' sums). Rates are derived, never stored: INTEGER,
 # FLOAT, or a JSON array per draft position or length.
 _COUNTER_TYPES = {"int": Integer, "float": Float, "array": JSON}

@@ -6,8 +6,8 @@ from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
-from specq.configs.counters import ARRAYS, SCALARS, Counters
 from specq.db.models import ItemStatus
+from specq.schema.counters import ARRAYS, SCALARS, Counters
 
 NOT_COLUMNS = ("index", "counters", "isolated")  # Outcome fields that are no item column
 

@@ -19,11 +19,11 @@ from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.types import JSON
 
-from specq.configs.counters import ARRAYS, SCALARS
 from specq.db import chunks, views
 from specq.db.models import Chunk, Item, ItemStatus, Job, JobStatus, utcnow
 from specq.db.outcomes import COLUMNS as OUTCOME_COLUMNS
 from specq.db.outcomes import Outcome
+from specq.schema.counters import ARRAYS, SCALARS
 
 PENDING = ItemStatus.pending.value
 OUTCOME_COUNTERS = SCALARS + ARRAYS

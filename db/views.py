@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from sqlalchemy import Column, DateTime, Float, Integer, MetaData, String, Table, Text
 
-from specq.configs.counters import kinds
+from specq.schema.counters import kinds
 
 VIEWS = MetaData()
 
-# The scalar counters of configs/counters.py (a new one needs a migration that adds it to
+# The scalar counters of schema/counters.py (a new one needs a migration that adds it to
 # the views: tests/db/test_views.py compares these tables with the views), then the two
 # the views derive from steps_by_draft_length.
 COUNTERS = (

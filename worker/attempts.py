@@ -36,10 +36,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from specq.configs.generation import Request, merge
 from specq.configs.settings import Settings
 from specq.db.models import ItemStatus, utcnow
 from specq.db.outcomes import Outcome
+from specq.schema.generation import Request, merge
 from specq.worker import device
 from specq.worker.engine.result import Result
 from specq.worker.engine.speculative import SpeculativeEngine

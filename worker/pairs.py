@@ -18,10 +18,10 @@ from transformers import (
 )
 
 from specq.configs import tokenizer_cache
-from specq.configs.generation import context_length
 from specq.configs.hub import hub_problem
 from specq.configs.presets import ModelSource, PairError, PairPreset, locate
 from specq.configs.settings import Settings, get_settings
+from specq.schema.generation import context_length
 from specq.worker.engine.drafters import Drafter, DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.engine.suffix import SuffixDrafter
@@ -69,6 +69,13 @@ def load_model(
     data_dir: Path,
     trust_remote_code: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    if source.tiny:  # test models: built from fixed seeds on first use
+        from specq.worker.tiny import DRAFT_KINDS, build_tiny_pair
+
+        if source.tiny not in ("target", *DRAFT_KINDS):
+            raise PairError(f"tiny: unknown model {source.tiny!r}; known: target, "
+                            f"{', '.join(DRAFT_KINDS)}")
+        build_tiny_pair(data_dir / "tiny")
     where, kwargs = locate(source, data_dir)
     saved = _converted(where, kwargs, dtype, data_dir)
     if saved is not None and (saved / "config.json").is_file():

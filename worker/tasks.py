@@ -21,23 +21,24 @@ from typing import Any, NoReturn
 from celery import bootsteps
 from sqlalchemy.orm import Session, sessionmaker
 
-from specq.configs.generation import Request
+from specq.broker import dispatch, presence
+from specq.broker.app import app
+from specq.broker.names import GENERATE_TASK, WORKER_PAIR_ENV
+from specq.broker.reconciler import fail_pending
 from specq.configs.presets import PairError, get_preset
 from specq.configs.settings import Settings, get_settings
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
 from specq.db.session import session_factory
-from specq.worker import dispatch, presence, threads
-from specq.worker.app import app
+from specq.schema.generation import Request
+from specq.worker import threads
 from specq.worker.attempts import ChunkItem, Stopped, generate_with_retries
 from specq.worker.backoff import Backoff, retry_db
-from specq.worker.constants import GENERATE_TASK, WORKER_PAIR_ENV
 from specq.worker.device import DeviceLost, is_device_lost
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.keeper import ChunkKeeper
 from specq.worker.pairs import Pair, cache_tokenizer, load_pair, resolve_device
-from specq.worker.reconciler import fail_pending
 
 log = logging.getLogger(__name__)
 
@@ -82,12 +83,12 @@ def worker_engine() -> SpeculativeEngine:
 class PairStartUp(bootsteps.StartStopStep):
     """The pair loaded, warmed and calibrated before the worker consumes anything.
 
-    A worker bootstep (worker/app.py adds it to the worker's blueprint): it starts after
+    A worker bootstep (broker/app.py adds it to the worker's blueprint): it starts after
     Celery has set up logging and before the consumer, the last step, takes a message. A
     pair that cannot start (a device this torch cannot use, a model that cannot be
     loaded) makes the worker exit, its error logged and kept where `specq status` finds
-    it (worker/presence.py), without taking any chunk. Once the pair is ready the worker
-    announces itself (worker/presence.py), writes the target's tokenizer where
+    it (broker/presence.py), without taking any chunk. Once the pair is ready the worker
+    announces itself (broker/presence.py), writes the target's tokenizer where
     submitters look for it, and starts its reconciler thread.
     """
 
@@ -114,7 +115,7 @@ class PairStartUp(bootsteps.StartStopStep):
         _on_broker(settings, lambda r: presence.clear_start_failure(
             r, settings, settings.worker_pair), "an earlier failed start is not cleared")
         if settings.reconcile_every > 0:
-            from specq.worker.reconciler import Background
+            from specq.broker.reconciler import Background
 
             self.background.append(Background(settings).start())
 
@@ -214,7 +215,7 @@ def _note_failure(settings: Settings, job_id: int, start: int, end: int,
                   hostname: str | None, exc: Exception) -> None:
     """A chunk that failed outside the engine (whose faults are items' attempts): keep why
     on its job, where `specq status` shows it. The reconciler sends the chunk again, up to
-    max_chunk_runs sends in all (worker/reconciler.py)."""
+    max_chunk_runs sends in all (broker/reconciler.py)."""
     first = str(exc).splitlines()[0] if str(exc) else ""
     error = f"chunk [{start}, {end}) failed on worker {hostname}: {type(exc).__name__}: {first}"
     try:

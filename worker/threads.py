@@ -17,7 +17,7 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 GPU_THREADS = 2  # the host side of a GPU worker: tokenizing, bookkeeping, launching kernels
-WORKER_MARK = b"specq.worker.app"  # in the command line of every `specq worker` process
+WORKER_MARK = b"specq.broker.app"  # in the command line of every `specq worker` process
 
 
 def usable_cores() -> int:

@@ -11,10 +11,10 @@ from sqlalchemy import Text, cast, insert, select
 
 from specq.api.client import ItemResult, item_id
 from specq.api.formats import OPENAI_COLUMNS, export, openai_line
-from specq.configs.counters import ARRAYS, SCALARS
 from specq.db import repository as repo
 from specq.db.models import Item, ItemStatus
 from specq.db.session import migrate, session_factory
+from specq.schema.counters import ARRAYS, SCALARS
 
 ODD = "tab\there, new\nline, back\\slash, NUL-free \u2028 é 😀 \\N \"quoted\""
 

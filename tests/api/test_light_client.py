@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from specq.api.tokenizer import prompt_tokenizer, target_context
-from specq.configs.generation import Request, RequestError
 from specq.configs.presets import get_preset
 from specq.configs.settings import Settings
+from specq.schema.generation import Request, RequestError
 
 # too long to fit the tiny model's 512-token context by size alone (one token per byte at
 # most), short enough to fit once tokenized: the tokenizer must be loaded to tell

@@ -22,7 +22,7 @@ from specq.api.inputs import (
     parse_entries,
     plain_row,
 )
-from specq.configs.generation import Request, merge
+from specq.schema.generation import Request, merge
 
 EXAMPLES = settings(max_examples=int(os.environ.get("BAD_INPUT_EXAMPLES", 300)), deadline=None)
 

@@ -8,14 +8,14 @@ from datetime import datetime, timedelta, timezone
 import pytest
 
 from specq.api.client import JobMetrics
-from specq.configs.counters import Counters
-from specq.configs.counters import kinds as counter_kinds
 from specq.configs.presets import PairPreset, get_preset
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
 from specq.db.outcomes import Outcome
 from specq.db.session import migrate, session_factory
+from specq.schema.counters import Counters
+from specq.schema.counters import kinds as counter_kinds
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

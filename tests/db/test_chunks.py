@@ -7,12 +7,12 @@ import time
 
 from sqlalchemy import select
 
-from specq.configs.counters import Counters
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.clock import db_now
 from specq.db.models import Chunk, Item, ItemStatus, JobStatus
 from specq.db.outcomes import Outcome
+from specq.schema.counters import Counters
 
 
 def _job(sessions, n=10, chunk_size=4, queue="q.tiny"):

@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 from sqlalchemy import event, text, update
 
-from specq.configs.counters import Counters
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import Item, ItemStatus, JobStatus
 from specq.db.outcomes import Outcome
 from specq.db.session import get_engine, migrate, session_factory
+from specq.schema.counters import Counters
 from tests.conftest import fresh_pg_database
 
 N = 100_000

@@ -6,12 +6,12 @@ import pytest
 from sqlalchemy import func, inspect, select
 from sqlalchemy.exc import IntegrityError
 
-from specq.configs.counters import Counters
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import Item, ItemStatus, JobStatus
 from specq.db.outcomes import Outcome
 from specq.db.session import get_engine, migrate
+from specq.schema.counters import Counters
 
 
 def _job(sessions, n=10, chunk_size=4):
@@ -140,7 +140,7 @@ def test_cancel_of_a_running_job_waits_for_its_chunks(sessions):
 
 def test_the_migrations_build_the_schema_the_models_describe(db_url):
     """Migrations are written out by hand (they are history); the models derive from one
-    definition (the counters of configs/counters.py among them): they must agree."""
+    definition (the counters of schema/counters.py among them): they must agree."""
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 

@@ -14,12 +14,12 @@ from sqlalchemy import inspect, select, text
 
 from specq.api import cli
 from specq.api.client import Client, JobMetrics
-from specq.configs.counters import SCALARS
 from specq.configs.presets import PairPreset
 from specq.configs.settings import Settings, get_settings
 from specq.db import repository as repo
 from specq.db import views
 from specq.db.session import get_engine, migrate
+from specq.schema.counters import SCALARS
 from tests.conftest import fresh_pg_database
 from tests.db.conftest import item_python_metrics, known_jobs, python_metrics
 
@@ -223,7 +223,7 @@ def test_client_jobs_and_specq_jobs_show_the_views_figures(db_url, jobs, schedul
 
 def test_view_tables_are_the_views(db_url):
     """db/views.py declares each view's columns, in order: the reading side and the SQL agree
-    (a counter added to configs/counters.py needs a migration adding it to the views)."""
+    (a counter added to schema/counters.py needs a migration adding it to the views)."""
     found = inspect(get_engine(db_url))
     assert set(views.VIEWS.tables) <= set(found.get_view_names())
     for name, table in views.VIEWS.tables.items():

@@ -70,10 +70,10 @@ class WorkerProcess:
                  faults: Path | None = None, standin: bool = False) -> None:
         self.name = f"{name}-{uuid.uuid4().hex[:6]}"
         self.log = log_dir / f"{self.name}.log"
-        # with a faults file, the engine fails as the file says (worker/bench/faults.py);
-        # a stand-in engine answers at once (worker/bench/standin.py)
-        start = (["-m", "specq.worker.bench.faults", str(faults)] if faults
-                 else ["-m", "specq.worker.bench.standin", "--loglevel", "info"] if standin
+        # with a faults file, the engine fails as the file says (bench/faults.py);
+        # a stand-in engine answers at once (bench/standin.py)
+        start = (["-m", "specq.bench.faults", str(faults)] if faults
+                 else ["-m", "specq.bench.standin", "--loglevel", "info"] if standin
                  else ["-m", "specq.api.cli", "worker"])
         self.proc = subprocess.Popen(
             [sys.executable, *start, "--pair", pair, "-n", f"{self.name}@%h"],

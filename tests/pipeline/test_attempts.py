@@ -1,6 +1,6 @@
 """Engine faults in the chunk task, in-process: transient until they repeat, nothing
 poisoned, out-of-memory halves the batch, a poison item fails alone after max_attempts,
-`retry` sends it back. Faults are injected (worker/bench/faults.py): a CUDA error cannot
+`retry` sends it back. Faults are injected (bench/faults.py): a CUDA error cannot
 happen on this CPU-only machine, so a raised torch.OutOfMemoryError stands in for one."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import pytest
 from sqlalchemy import select
 
 from specq.api import cli
+from specq.bench.faults import FaultPlan, install
 from specq.configs.presets import get_preset
 from specq.configs.settings import get_settings
 from specq.db.models import Item, ItemStatus, JobStatus
-from specq.worker.bench.faults import FaultPlan, install
 from specq.worker.device import DeviceLost
 from specq.worker.pairs import load_pair
 from specq.worker.tasks import run_chunk, run_inline
@@ -229,7 +229,7 @@ def test_a_job_over_four_shared_system_prompts_runs_whole_batches_and_exact(clie
     assert sorted(rows_per_step[full:], reverse=True) == rows_per_step[full:], rows_per_step
     alone = SpeculativeEngine(eng.target, eng.tokenizer, NoDraft(), max_batch_size=1,
                               share_prefixes=False)
-    from specq.configs.generation import Request
+    from specq.schema.generation import Request
 
     want = [alone.generate([Request(id=i, max_new_tokens=6, **line)])[0].token_ids
             for i, line in enumerate(lines)]

@@ -8,8 +8,8 @@ import time
 import pytest
 from sqlalchemy import select
 
-from specq.configs.counters import SCALARS
 from specq.db.models import Item, ItemStatus, JobStatus
+from specq.schema.counters import SCALARS
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +84,7 @@ def test_cancelling_a_running_job_stops_it_at_the_next_chunk(client, tiny_worker
 
 def test_a_workers_log_has_no_model_loading_progress_bars(client, tiny_fixed_worker):
     """Celery turns a worker's stderr into WARNING records: transformers' and the hub's
-    progress bars are off in workers (worker/app.py: WORKER_ENV), so none lands there."""
+    progress bars are off in workers (worker/launch.py: WORKER_ENV), so none lands there."""
     job = client.submit(["Rewrite: the log stays quiet"], pair="tiny-fixed", max_new_tokens=4)
     assert job.wait(progress=False, timeout=120).status == JobStatus.completed.value
     text = tiny_fixed_worker.log.read_text()

@@ -5,7 +5,7 @@ chunks of normal ones, a low-priority one after them.
 
 Timing-free: the order in which chunks took their first lease (chunks.leased_at, the
 database's clock) is what is checked. The worker's engine is a stand-in that answers at
-once (worker/bench/standin.py): the test is about dispatch, not generation.
+once (bench/standin.py): the test is about dispatch, not generation.
 """
 
 from __future__ import annotations

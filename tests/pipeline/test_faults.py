@@ -2,8 +2,8 @@
 with each item written exactly once, none wrongly failed, whatever fails on the way.
 
 The fleet: two prompt-lookup workers and one draft-model worker, each reaching Redis and
-PostgreSQL through a TCP proxy the tests can cut (api/proxy.py) and running with
-an engine that fails on request (worker/bench/faults.py). Leases of 3 s and a reconciler
+PostgreSQL through a TCP proxy the tests can cut (bench/proxy.py) and running with
+an engine that fails on request (bench/faults.py). Leases of 3 s and a reconciler
 every second keep the suite short; the production defaults are 30 s and 15 s.
 """
 
@@ -22,7 +22,7 @@ from sqlalchemy import select
 from sqlalchemy.engine import make_url
 
 from specq.api.client import Client
-from specq.api.proxy import Proxy
+from specq.bench.proxy import Proxy
 from specq.db import chunks
 from specq.db.models import Chunk, Item, ItemStatus, JobStatus
 from tests.pipeline.conftest import ROOT, worker_env

@@ -2,7 +2,7 @@
 complete, each item is written once, across workers restarted by a supervisor.
 
 Real Redis, PostgreSQL and `specq worker` subprocesses; the poison is injected
-(worker/bench/faults.py: a SIGKILL the worker sends itself mid-step, as a segfault would
+(bench/faults.py: a SIGKILL the worker sends itself mid-step, as a segfault would
 end it). Leases of 3 s and a reconciler every second keep it short.
 """
 

@@ -12,12 +12,12 @@ import redis
 from kombu.transport.redis import PRIORITY_STEPS
 
 from specq.api.client import Client
+from specq.broker.dispatch import queue_keys
+from specq.broker.reconciler import reconcile
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus
 from specq.db.outcomes import Outcome
-from specq.worker.dispatch import queue_keys
-from specq.worker.reconciler import reconcile
 
 
 def _key(queue: str, settings, step: int) -> str:

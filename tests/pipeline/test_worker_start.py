@@ -17,11 +17,11 @@ import redis
 from sqlalchemy import select, update
 
 from specq.api.client import Client
+from specq.broker import dispatch
+from specq.broker.names import queue_name
+from specq.broker.reconciler import reconcile
 from specq.db import chunks
 from specq.db.models import Chunk, Item, Job, JobStatus
-from specq.worker import dispatch
-from specq.worker.constants import queue_name
-from specq.worker.reconciler import reconcile
 from tests.pipeline.conftest import ROOT, worker_env
 
 log = logging.getLogger(__name__)

@@ -9,15 +9,15 @@ import math
 import pytest
 import torch
 
-from specq.configs.counters import Counters
-from specq.configs.generation import Request
-from specq.worker.bench import add_arguments, run
-from specq.worker.bench.figures import alpha_mle, figures, predicted, t_verify_at
-from specq.worker.bench.greedy import NearTieCheck, compare
-from specq.worker.bench.prompts import PromptFileError, load_prompts
-from specq.worker.bench.runner import FIXED, NONE, Run, Step
-from specq.worker.bench.workloads import WORKLOADS, workload_names
-from specq.worker.drafts import DraftBuildError, shallow_draft, skip_draft
+from specq.bench import add_arguments, run
+from specq.bench.drafts import DraftBuildError, shallow_draft, skip_draft
+from specq.bench.figures import alpha_mle, figures, predicted, t_verify_at
+from specq.bench.greedy import NearTieCheck, compare
+from specq.bench.prompts import PromptFileError, load_prompts
+from specq.bench.runner import FIXED, NONE, Run, Step
+from specq.bench.workloads import WORKLOADS, workload_names
+from specq.schema.counters import Counters
+from specq.schema.generation import Request
 from specq.worker.engine.drafters import DraftModel
 from specq.worker.engine.result import Result
 from specq.worker.engine.speculative import SpeculativeEngine
@@ -261,7 +261,7 @@ def test_self_draft_speculation_equals_target_greedy(tiny_models, tiny_tokenizer
                                   ["--templates", "4", "--check-alone"]])
 def test_prefill_bench_compares_sharing_or_refill_groups(capsys, mode):
     """Side by side on the tiny pair, the outputs identical (never a speed asserted)."""
-    from specq.worker.bench import prefill_bench
+    from specq.bench import prefill_bench
 
     argv = ["--pair", "tiny", "--prompts", "10", "--prefix-tokens", "40", "--batch", "4",
             "--max-new-tokens", "6", *mode]

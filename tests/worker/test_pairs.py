@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from specq.configs.generation import Request
 from specq.configs.presets import ModelSource, PairPreset, UnknownPair, get_preset, load_presets
 from specq.configs.settings import Settings
+from specq.schema.generation import Request
 from specq.worker.engine.drafters import DraftModel, PromptLookup
 from specq.worker.pairs import PairError, load_pair, resolve_dtype
 from specq.worker.tiny import build_tokenizer

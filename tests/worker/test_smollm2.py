@@ -5,9 +5,9 @@ import logging
 import pytest
 import torch
 
-from specq.configs.generation import Request
 from specq.configs.presets import get_preset
 from specq.configs.settings import Settings
+from specq.schema.generation import Request
 from specq.worker.pairs import CONVERTED, load_pair
 
 log = logging.getLogger(__name__)

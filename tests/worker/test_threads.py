@@ -24,10 +24,10 @@ def test_workers_on_this_host_are_counted_from_their_command_lines():
     before = threads.local_workers()
     # a process whose command line names the worker app, as `specq worker` does
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)",
-                             "specq.worker.app"])
+                             "specq.broker.app"])
     cmdline = Path(f"/proc/{proc.pid}/cmdline")
     deadline = time.monotonic() + 30
-    while b"specq.worker.app" not in cmdline.read_bytes():  # until the child has exec'd
+    while b"specq.broker.app" not in cmdline.read_bytes():  # until the child has exec'd
         assert time.monotonic() < deadline
         time.sleep(0.01)
     try:

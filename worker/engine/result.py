@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from specq.configs.counters import Counters
+from specq.schema.counters import Counters
 
 FinishReason = Literal["stop", "length"]
 

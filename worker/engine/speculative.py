@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specq.configs.generation import Request, RequestError, check_length, context_length
+from specq.schema.generation import Request, RequestError, check_length, context_length
 from specq.worker.engine import calibration
 from specq.worker.engine.batch import KVRows, Row, fill_holes
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft

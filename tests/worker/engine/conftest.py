@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specq.configs.generation import Request
+from specq.schema.generation import Request
 
 NEAR_TIE = 1e-5  # relative gap between the two best logits that float noise may flip
 

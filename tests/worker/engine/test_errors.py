@@ -3,7 +3,7 @@
 import pytest
 from pydantic import ValidationError
 
-from specq.configs.generation import Request
+from specq.schema.generation import Request
 from specq.worker.engine.speculative import SpeculativeEngine
 
 
@@ -46,7 +46,7 @@ def test_too_long_prompts_fail_alone(tiny_models, tiny_tokenizer):
 
 def test_size_shortcut_never_passes_a_prompt_that_does_not_fit(tiny_tokenizer):
     """fits_by_size lets submissions skip tokenizing; it must be an upper bound."""
-    from specq.configs.generation import fits_by_size
+    from specq.schema.generation import fits_by_size
     from specq.worker.engine.speculative import encode_prompt
 
     context = 512

@@ -25,8 +25,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specq.configs.generation import Request
 from specq.configs.settings import Settings
+from specq.schema.generation import Request
 from specq.worker.attempts import generate_with_retries
 from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine, encode_prompt

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from specq.configs.generation import Request
+from specq.schema.generation import Request
 from specq.worker.engine.drafters import DraftModel, NoDraft
 from specq.worker.engine.prefix import (
     MIN_PREFIX,

@@ -4,7 +4,7 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specq.configs.generation import Request
+from specq.schema.generation import Request
 from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.policy import DraftLengthPolicy
 from specq.worker.engine.speculative import SpeculativeEngine

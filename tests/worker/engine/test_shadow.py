@@ -2,7 +2,7 @@
 
 import pytest
 
-from specq.configs.generation import Request
+from specq.schema.generation import Request
 from specq.worker.engine import policy, shadow
 from specq.worker.engine.batch import Row
 from specq.worker.engine.drafters import PromptLookup

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from specq.configs.generation import Request
+from specq.schema.generation import Request
 from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine
 

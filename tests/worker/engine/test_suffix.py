@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from specq.configs.generation import Request
+from specq.schema.generation import Request
 from specq.worker.engine.drafters import DraftInputs, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.engine.suffix import END, MAX_CANDIDATES, JobIndex, SuffixDrafter, lookup

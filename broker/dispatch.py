@@ -1,12 +1,12 @@
 """Chunk messages: sending them to a pair's queue, and reading which ones the broker holds.
 
 A message is a reference, (job id, start, end) as JSON; the database says what is left to
-do. Producers send a job's chunks once; the reconciler (worker/reconciler.py) reads the
+do. Producers send a job's chunks once; the reconciler (broker/reconciler.py) reads the
 broker to tell a chunk whose message is waiting from one whose message was lost.
 Reading the broker is specific to Redis, the broker specq runs on (kombu's layout: a list
 per queue and priority step, and an ``unacked`` hash of delivered messages indexed by
 delivery time in ``unacked_index``, every key behind the deployment's prefix:
-worker/constants.py: broker_keyprefix).
+broker/names.py: broker_keyprefix).
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import redis
 from celery import Celery
 from kombu.transport.redis import PRIORITY_STEPS, Channel
 
+from specq.broker.names import GENERATE_TASK, PRIORITIES, broker_keyprefix
 from specq.configs.settings import Settings
 from specq.db.chunks import ChunkRef
-from specq.worker.constants import GENERATE_TASK, PRIORITIES, broker_keyprefix
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ import json
 import logging
 from pathlib import Path
 
-from specq.worker.bench.runner import ADAPTIVE, ASSISTED, FIXED, HF, NONE
+from specq.bench.runner import ADAPTIVE, ASSISTED, FIXED, HF, NONE
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ and copied into every row of every cache); a round times `--steps` decode steps
 step sees the same length. Rounds interleave the caches; the figure is each cache's
 median step over the rounds, and its ratio to the static cache's.
 
-    python -m specq.worker.bench.cache_bench --pair smollm2-135m --columns 64,512
+    python -m specq.bench.cache_bench --pair smollm2-135m --columns 64,512
 
 On a CPU shared with other work, `--threads 1` keeps torch's thread pool from stalling.
 """
@@ -24,7 +24,7 @@ import time
 import torch
 from transformers import DynamicCache, PreTrainedModel, StaticCache
 
-from specq.worker.bench import _ints, add_model_arguments, load_model, positive_int
+from specq.bench import _ints, add_model_arguments, load_model, positive_int
 from specq.worker.engine.batch import KVRows
 
 log = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def measure(model: PreTrainedModel, batch: int, columns: int, steps: int,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specq.worker.bench.cache_bench",
+    p = argparse.ArgumentParser(prog="python -m specq.bench.cache_bench",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)

@@ -8,7 +8,7 @@ GENERATE_TASK = "specq.generate_chunk"  # args: job_id, start, end (item indices
 WORKER_PAIR_ENV = "SPECQ_WORKER_PAIR"  # set by `specq worker --pair`; read through Settings
 FIRE_TASK = "specq.fire_schedule"  # args: schedule name (api/beat.py)
 COLLECT_TASK = "specq.collect_runs"  # writes finished synthesis runs' data sets
-RECONCILE_TASK = "specq.reconcile"  # re-sends lost chunks (worker/reconciler.py)
+RECONCILE_TASK = "specq.reconcile"  # re-sends lost chunks (broker/reconciler.py)
 # Message priorities. Redis serves lower numbers first (kombu's steps 0, 3, 6, 9: one list
 # per step, popped in that order): a chunk the reconciler sends again after its worker died
 # goes before every chunk still waiting its turn, so it resumes within seconds; the rest

@@ -3,7 +3,7 @@
 One job of --items prompts goes through the real path: Client.submit (validate, store,
 send) -> Redis -> --workers worker subprocesses -> outcomes in the configured database
 (PostgreSQL: point SPECQ_DATABASE_URL at a scratch database). The workers' engine is a
-stand-in that answers every prompt at once with one token (worker/bench/standin.py), or,
+stand-in that answers every prompt at once with one token (bench/standin.py), or,
 with --engine real, the pair's own engine (use --max-new-tokens 1 and the tiny pairs).
 --small-at seconds after the big job is stored, a --small-items job is submitted behind it:
 how long it takes shows whether jobs share the workers.
@@ -33,14 +33,14 @@ from typing import Any
 from sqlalchemy import func, select
 
 from specq.api import formats
+from specq.api.argtypes import positive_int
 from specq.api.client import Client
 from specq.api.client import Job as JobHandle
-from specq.configs.argtypes import positive_int
+from specq.broker.names import PRIORITIES
 from specq.configs.settings import Settings, get_settings, subprocess_env
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import Chunk, Item, ItemStatus, Job, JobStatus
-from specq.worker.constants import PRIORITIES
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def start_workers(settings: Settings, args: argparse.Namespace, client: Client, 
         name = f"fleet{i}@{os.uname().nodename}"
         log_file = (out / f"fleet-worker-{i}.log").open("w")
         proc = subprocess.Popen(
-            [sys.executable, "-m", "specq.worker.bench.standin", "--pair", args.pair,
+            [sys.executable, "-m", "specq.bench.standin", "--pair", args.pair,
              "--engine", args.engine, "-n", name],
             env=env, stdout=log_file, stderr=subprocess.STDOUT)
         workers.append(FleetWorker(name, proc))
@@ -286,7 +286,7 @@ def _flatness(samples: list[tuple[float, float]]) -> dict[str, float | None]:
 
 
 def _redis_peak_mb(settings: Settings) -> float | None:
-    from specq.worker import dispatch
+    from specq.broker import dispatch
 
     try:
         client = dispatch.broker_client(settings)
@@ -303,7 +303,7 @@ def run(args: argparse.Namespace) -> int:
           f"on the broker, {r['database']}, {r['cores']} cores")
     if r["engine"] == "standin":
         print("engine: a stand-in that answers each prompt at once with one token "
-              "(worker/bench/standin.py): these are the control plane's rates")
+              "(bench/standin.py): these are the control plane's rates")
     print(f"submit (validate, store, send)  {r['submit_s']:8.1f} s  "
           f"{r['submit_items_per_s']:8.0f} items/s")
     print(f"processing (first lease → done) {r['processing_s']:8.1f} s  "

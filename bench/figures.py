@@ -33,7 +33,7 @@ import math
 from collections import Counter
 from statistics import fmean
 
-from specq.worker.bench.runner import Run, Step
+from specq.bench.runner import Run, Step
 from specq.worker.engine.policy import expected_tokens, measured_speedup, theorem_speedup
 
 

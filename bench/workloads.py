@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from specq.configs.generation import Message
+from specq.schema.generation import Message
 
 ALL = "all"
 

@@ -1,17 +1,15 @@
 """The Celery app: JSON only, late acks, prefetch 1, no result backend.
 
-`celery -A specq.worker.app worker` (what `specq worker --pair NAME` runs) uses ``app``; a
+`celery -A specq.broker.app worker` (what `specq worker --pair NAME` runs) uses ``app``; a
 producer builds its own with make_app(settings) to send chunk references.
 """
 
 from __future__ import annotations
 
-import os
-
 from celery import Celery
 
+from specq.broker.names import broker_keyprefix
 from specq.configs.settings import Settings, get_settings
-from specq.worker.constants import broker_keyprefix, queue_name
 
 
 def make_app(settings: Settings, tasks: bool = True) -> Celery:
@@ -27,7 +25,7 @@ def make_app(settings: Settings, tasks: bool = True) -> Celery:
         task_ignore_result=True,
         # A chunk is acknowledged only once its outcomes are written. A worker that dies
         # mid-chunk stops renewing the chunk's lease; the reconciler re-sends the chunk
-        # when the lease runs out (worker/reconciler.py), whatever visibility_timeout is.
+        # when the lease runs out (broker/reconciler.py), whatever visibility_timeout is.
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
@@ -57,47 +55,8 @@ def make_app(settings: Settings, tasks: bool = True) -> Celery:
     return app
 
 
-# The environment a worker runs in. Model-loading progress bars (transformers' "Loading
-# weights", the hub's downloads) are drawn for a terminal: in a worker Celery redirects
-# stderr into its log, where every redraw becomes a WARNING record. The variable is read
-# when huggingface_hub is imported, so it is set before the worker process starts.
-WORKER_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-
-
-def quiet_worker_env() -> None:
-    """Set WORKER_ENV in this process's environment (what it execs inherits), keeping any
-    value the operator set."""
-    for name, value in WORKER_ENV.items():
-        os.environ.setdefault(name, value)
-
-
-def worker_argv(pair: str, settings: Settings, loglevel: str = "info",
-                hostname: str | None = None) -> list[str]:
-    """The `celery` command-line arguments of a worker for ``pair``: solo pool (one
-    process holds the model), the pair's queue only, late acks (see make_app)."""
-    return ["-A", "specq.worker.app", "worker", "-P", "solo", "-c", "1",
-            "-Q", queue_name(pair, settings), "--loglevel", loglevel,
-            "-n", hostname or f"{pair}@%h", "--without-gossip", "--without-mingle"]
-
-
-def run_worker(pair: str, loglevel: str = "info", hostname: str | None = None) -> None:
-    """Run a Celery worker for ``pair`` in this process (its engine patched by the caller,
-    for the benches' fault-injecting and stand-in workers)."""
-    import sys
-
-    from celery.bin.celery import main as celery_main
-
-    from specq.worker.constants import WORKER_PAIR_ENV
-
-    os.environ[WORKER_PAIR_ENV] = pair
-    quiet_worker_env()
-    get_settings.cache_clear()
-    sys.argv = ["celery", *worker_argv(pair, get_settings(), loglevel, hostname)]
-    celery_main()
-
-
 def __getattr__(name: str) -> Celery:
-    """``app``, made on first use (by `celery -A specq.worker.app` and worker/tasks.py): importing
+    """``app``, made on first use (by `celery -A specq.broker.app` and worker/tasks.py): importing
     this module reads no settings, so a bad SPECQ_ variable is reported by whoever reads
     them first, clearly (api/cli.py), not as a traceback at import."""
     if name == "app":

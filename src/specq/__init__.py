@@ -18,7 +18,7 @@ from typing import Any
 __all__ = ["Client", "Job", "InputError", "Settings"]
 
 _WHERE = {"Client": "specq.api.client", "Job": "specq.api.client",
-          "InputError": "specq.configs.errors", "Settings": "specq.configs.settings"}
+          "InputError": "specq.schema.errors", "Settings": "specq.configs.settings"}
 
 
 def __getattr__(name: str) -> Any:

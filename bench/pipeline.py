@@ -24,17 +24,17 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+from specq.api.argtypes import positive_int
 from specq.api.client import Client
 from specq.api.tokenizer import prompt_tokenizer
-from specq.configs.argtypes import positive_int
-from specq.configs.counters import Counters
-from specq.configs.generation import Request
+from specq.bench.prompts import load_prompts
 from specq.configs.presets import get_preset
 from specq.configs.settings import Settings, get_settings, subprocess_env
 from specq.db import repository as repo
 from specq.db.models import ItemStatus
 from specq.db.outcomes import Outcome
-from specq.worker.bench.prompts import load_prompts
+from specq.schema.counters import Counters
+from specq.schema.generation import Request
 from specq.worker.pairs import load_pair
 
 log = logging.getLogger(__name__)

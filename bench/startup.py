@@ -17,7 +17,7 @@ import sys
 import time
 from statistics import median
 
-from specq.worker.constants import WORKER_PAIR_ENV
+from specq.broker.names import WORKER_PAIR_ENV
 
 PHASES = ("import", "load", "warm_up", "calibrate")
 
@@ -60,7 +60,7 @@ def _line(phases: dict[str, float]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specq.worker.startup", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m specq.bench.startup", description=__doc__)
     add_arguments(p)
     return run(p.parse_args(argv))
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedModel
 
-from specq.configs.generation import Request
+from specq.schema.generation import Request
 from specq.worker.engine.batch import left_pad
 from specq.worker.engine.drafters import Drafter, NoDraft
 from specq.worker.engine.result import Result

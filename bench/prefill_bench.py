@@ -7,7 +7,7 @@ counts the seconds it spends prefilling (SpeculativeEngine.prefill_seconds). Rou
 interleave sharing on and off, each with a fresh engine (an empty prefix store); the
 figure is each side's median, and the first tokens must agree.
 
-    python -m specq.worker.bench.prefill_bench --pair smollm2-135m --prompts 64 --prefix-tokens 300
+    python -m specq.bench.prefill_bench --pair smollm2-135m --prompts 64 --prefix-tokens 300
 
 With `--templates N` the prompts use N different system prompts (prompt i the (i mod N)-th),
 so that every admission holds several shared-prefix groups, as a synthesis job's does;
@@ -19,7 +19,7 @@ With `--admit-groups 1,4` it compares refill groups instead (sharing on): rows a
 until that many rows are free (SpeculativeEngine.admit_group); the figures are prefills,
 prefill seconds and the whole job's seconds.
 
-    python -m specq.worker.bench.prefill_bench --prompts 64 --max-new-tokens 32 --admit-groups 1,4
+    python -m specq.bench.prefill_bench --prompts 64 --max-new-tokens 32 --admit-groups 1,4
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import time
 
 import torch
 
-from specq.configs.generation import Request
-from specq.worker.bench import _ints, add_model_arguments, load_model, positive_int
+from specq.bench import _ints, add_model_arguments, load_model, positive_int
+from specq.schema.generation import Request
 from specq.worker.engine.drafters import NoDraft
 from specq.worker.engine.speculative import SpeculativeEngine
 
@@ -85,7 +85,7 @@ def varied(prompts: int, max_new: int) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specq.worker.bench.prefill_bench",
+    p = argparse.ArgumentParser(prog="python -m specq.bench.prefill_bench",
                                 description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_arguments(p)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from specq.configs.generation import Message
+from specq.schema.generation import Message
 
 # guess them; open-ended tasks would measure the draft, not the engine.
 PROMPTS: list[str] = [

@@ -35,6 +35,8 @@ from celery import Celery
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
+from specq.broker import dispatch
+from specq.broker.names import PRIORITY_RESENT
 from specq.configs.settings import Settings
 from specq.db import chunks
 from specq.db import repository as repo
@@ -42,8 +44,6 @@ from specq.db.chunks import UNFINISHED, ChunkRef
 from specq.db.models import Job
 from specq.db.outcomes import Outcome
 from specq.db.session import session_factory
-from specq.worker import dispatch
-from specq.worker.constants import PRIORITY_RESENT
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
               app: Celery | None = None) -> ReconcileReport:
     """One pass: settle what is finished, re-send what is lost, fill the jobs' turns.
     Raises if the database or the broker cannot be reached."""
-    from specq.worker.app import make_app
+    from specq.broker.app import make_app
 
     sessions = sessions or session_factory(settings.sqlalchemy_url)
     report = ReconcileReport()
@@ -193,7 +193,7 @@ class Background:
         self.stopped.set()
 
     def _run(self) -> None:
-        from specq.worker.app import make_app
+        from specq.broker.app import make_app
 
         app = make_app(self.settings, tasks=False)
         sessions = session_factory(self.settings.sqlalchemy_url)

@@ -2,8 +2,8 @@
 
 A job of --items prompts runs on --workers worker subprocesses (real Redis, the configured
 database: point SPECQ_DATABASE_URL at a scratch PostgreSQL). Each worker reaches Redis and
-the database through a TCP proxy (api/proxy.py) and runs an engine that fails on
-request (worker/bench/faults.py). While the job runs, at fixed points of its progress:
+the database through a TCP proxy (bench/proxy.py) and runs an engine that fails on
+request (bench/faults.py). While the job runs, at fixed points of its progress:
 --kills SIGKILLs of a worker that holds a chunk (a new worker is started in its place, as a
 supervisor would), a broker flush (FLUSHDB), a --outage s cut of every worker's database
 link, one of their broker link, and --ooms injected CUDA out-of-memory errors. At the end:
@@ -29,7 +29,7 @@ from sqlalchemy import func, select
 from sqlalchemy.engine import make_url
 
 from specq.api.client import Client
-from specq.api.proxy import Proxy
+from specq.bench.proxy import Proxy
 from specq.configs.settings import Settings, get_settings, subprocess_env
 from specq.db import chunks
 from specq.db.models import Chunk, Item, ItemStatus
@@ -62,7 +62,7 @@ class Worker:
         self.faults = out / f"{self.name}.faults.json"
         self.faults.write_text("{}")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specq.worker.bench.faults", str(self.faults), "--pair", pair,
+            [sys.executable, "-m", "specq.bench.faults", str(self.faults), "--pair", pair,
              "-n", f"{self.name}@%h", "--loglevel", "warning"],
             env=subprocess_env(settings), stdout=self.log.open("w"), stderr=subprocess.STDOUT)
 

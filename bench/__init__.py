@@ -11,7 +11,7 @@ prompts and pair:
 `--workload NAME` (or `all`) runs all of it on a built-in prompt set (workloads.py) and
 ends with one table of tokens per target pass and speedups, per workload and drafter.
 
-Run with `specq bench --help` (or `python -m specq.worker.bench`). The CLI wires it as
+Run with `specq bench --help` (or `python -m specq.bench`). The CLI wires it as
 `add_arguments(subparser)` and `run(args)`.
 """
 
@@ -29,14 +29,12 @@ from pathlib import Path
 import torch
 import transformers
 
-from specq.configs.argtypes import COUNT_MAX, positive_int
-from specq.configs.generation import Request
-from specq.configs.presets import get_preset
-from specq.configs.settings import Settings
-from specq.worker.bench.figures import figures
-from specq.worker.bench.greedy import NearTieCheck, compare
-from specq.worker.bench.prompts import load_prompts
-from specq.worker.bench.report import (
+from specq.api.argtypes import COUNT_MAX, positive_int
+from specq.bench.drafts import shallow_draft, skip_draft
+from specq.bench.figures import figures
+from specq.bench.greedy import NearTieCheck, compare
+from specq.bench.prompts import load_prompts
+from specq.bench.report import (
     LEGEND,
     WORKLOAD_LEGEND,
     plot,
@@ -44,7 +42,7 @@ from specq.worker.bench.report import (
     workload_table,
     write_json,
 )
-from specq.worker.bench.runner import (
+from specq.bench.runner import (
     ADAPTIVE,
     ASSISTED,
     FIXED,
@@ -57,8 +55,10 @@ from specq.worker.bench.runner import (
     run_hf,
     run_specq,
 )
-from specq.worker.bench.workloads import WORKLOADS, workload_names
-from specq.worker.drafts import shallow_draft, skip_draft
+from specq.bench.workloads import WORKLOADS, workload_names
+from specq.configs.presets import get_preset
+from specq.configs.settings import Settings
+from specq.schema.generation import Request
 from specq.worker.engine.drafters import Drafter, DraftModel, PromptLookup
 from specq.worker.engine.speculative import encode_prompt
 from specq.worker.engine.suffix import SuffixDrafter
@@ -121,7 +121,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated drafters to compare: preset (the preset's own), "
                    "lookup (prompt lookup), suffix (the job-level suffix index and prompt "
                    "lookup), shallow:K (the target's first K layers), skip:A+B (its first A "
-                   "and last B layers); see worker/drafts.py")
+                   "and last B layers); see bench/drafts.py")
     p.add_argument("--prompts", type=positive_int, default=None,
                    help=f"number of prompts (cycled; default {DEFAULT_PROMPTS}, or all of "
                    "a workload)")
@@ -309,7 +309,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specq.worker.bench", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m specq.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
     add_arguments(p)

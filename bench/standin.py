@@ -1,6 +1,6 @@
 """A worker whose engine answers at once, for `specq bench-fleet`: the control plane alone.
 
-    python -m specq.worker.bench.standin --pair tiny-lookup [-n NAME] [--loglevel L]
+    python -m specq.bench.standin --pair tiny-lookup [-n NAME] [--loglevel L]
 
 runs `specq worker --pair PAIR` (named NAME) with the engine's generate replaced by a stand-in that
 returns, for every request, one token ("ok") and zero counters, without tokenizing or
@@ -15,7 +15,7 @@ import argparse
 import sys
 from collections.abc import Callable, Iterable
 
-from specq.configs.generation import Request
+from specq.schema.generation import Request
 from specq.worker.engine.result import Result
 from specq.worker.engine.speculative import SpeculativeEngine
 
@@ -50,9 +50,9 @@ def install() -> None:
 
 
 def main(argv: list[str]) -> None:
-    from specq.worker.app import run_worker
+    from specq.worker.launch import run_worker
 
-    p = argparse.ArgumentParser(prog="python -m specq.worker.bench.standin")
+    p = argparse.ArgumentParser(prog="python -m specq.bench.standin")
     p.add_argument("--pair", required=True)
     p.add_argument("-n", "--hostname")
     p.add_argument("--loglevel", default="warning")

@@ -1,6 +1,6 @@
 """A worker with injected engine faults, for the fault tests and `specq bench-chaos`.
 
-    python -m specq.worker.bench.faults FAULTS_FILE --pair tiny [-n NAME]
+    python -m specq.bench.faults FAULTS_FILE --pair tiny [-n NAME]
 
 runs `specq worker --pair tiny` with the engine patched to raise the faults that
 FAULTS_FILE (JSON, re-read whenever it changes) asks for:
@@ -135,9 +135,9 @@ def main(argv: list[str]) -> None:
 
     from celery.signals import worker_ready
 
-    from specq.worker.app import run_worker
+    from specq.worker.launch import run_worker
 
-    p = argparse.ArgumentParser(prog="python -m specq.worker.bench.faults")
+    p = argparse.ArgumentParser(prog="python -m specq.bench.faults")
     p.add_argument("faults_file", type=Path)
     p.add_argument("--pair", required=True)
     p.add_argument("-n", "--hostname")

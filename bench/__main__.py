@@ -1,0 +1,5 @@
+import sys
+
+from specq.bench import main
+
+sys.exit(main())

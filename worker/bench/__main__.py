@@ -1,5 +1,0 @@
-import sys
-
-from specq.worker.bench import main
-
-sys.exit(main())
