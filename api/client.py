@@ -10,13 +10,12 @@
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
 from functools import cached_property
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 from sqlalchemy.orm import Session, sessionmaker
@@ -54,7 +53,6 @@ if TYPE_CHECKING:
     from celery import Celery
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 RUNNABLE = (JobStatus.queued.value, JobStatus.in_progress.value)  # waiting for workers
 
 
@@ -446,17 +444,14 @@ class Job:
         (any worker's, the beat's, or `specq reconcile JOB`) sends its chunks once the
         broker is back.
         """
+        from specq.broker import dispatch
+
         settings = self.client.settings
         with self.client.sessions.begin() as s:
             refs = chunks.take_unsent(s, job_id=self.id, n=settings.dispatch_window)
         try:
-            from specq.broker import dispatch
-
-            sent = _bounded(lambda: dispatch.send(self.client.celery, refs, settings),
-                            seconds=settings.broker_timeout * 3 + len(refs) / 1000)
+            dispatch.deliver(self.client.celery, self.client.sessions, refs, settings)
         except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
-            with self.client.sessions.begin() as s:
-                chunks.unsend(s, refs=refs)
             self.enqueue_error = (
                 f"the broker at {_shown(settings.broker_url)} cannot be reached "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
@@ -464,7 +459,7 @@ class Job:
                 f"(by a worker's or the beat's reconciler, or `specq reconcile {self.id}`)")
             log.warning("job %d: %s", self.id, self.enqueue_error)
             return False
-        log.info("job %d: its first %d chunks sent", self.id, sent)
+        log.info("job %d: its first %d chunks sent", self.id, len(refs))
         return True
 
     def status(self, check_workers: bool = True) -> JobState:
@@ -576,19 +571,18 @@ class Job:
         """Failed items go back to pending, with their attempts kept (each retry allows
         max_attempts more), and the job reopens; their chunks are sent (or left to the
         reconciler if the broker is down). Returns the indices sent back."""
+        from specq.broker import dispatch
+
         with self.client.sessions.begin() as s:
             indices = repo.retry_failed(s, job_id=self.id)
             refs = chunks.reopen(s, job_id=self.id, indices=indices)
-        if refs:
-            try:
-                from specq.broker import dispatch
-
-                _bounded(lambda: dispatch.send(self.client.celery, refs, self.client.settings),
-                         seconds=self.client.settings.broker_timeout * 3 + len(refs) / 1000)
-            except Exception as exc:  # noqa: BLE001
-                log.warning("job %d: %d items back to pending, but the broker cannot be "
-                            "reached (%s): the reconciler sends them when it is back",
-                            self.id, len(indices), exc)
+        try:
+            dispatch.deliver(self.client.celery, self.client.sessions, refs,
+                             self.client.settings)
+        except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
+            log.warning("job %d: %d items back to pending, but the broker cannot be "
+                        "reached (%s): the reconciler sends them when it is back",
+                        self.id, len(indices), exc)
         return indices
 
     def cancel(self) -> JobState:
@@ -645,24 +639,3 @@ def _shown(url: str) -> str:
     from kombu.utils.url import maybe_sanitize_url
 
     return maybe_sanitize_url(url)
-
-
-def _bounded(call: Callable[[], T], seconds: float) -> T:
-    """call() in a thread, waited for ``seconds`` at most: TimeoutError after that (a
-    broker that accepts connections but never answers must not hang the caller)."""
-    box: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            box["value"] = call()
-        except BaseException as exc:  # noqa: BLE001 (handed to the caller)
-            box["error"] = exc
-
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    if thread.is_alive():
-        raise TimeoutError(f"no answer within {seconds:.0f} s")
-    if "error" in box:
-        raise box["error"]
-    return box["value"]

@@ -1,12 +1,14 @@
 """Chunk messages: sending them to a pair's queue, and reading which ones the broker holds.
 
 A message is a reference, (job id, start, end) as JSON; the database says what is left to
-do. Producers send a job's chunks once; the reconciler (broker/reconciler.py) reads the
-broker to tell a chunk whose message is waiting from one whose message was lost.
-Reading the broker is specific to Redis, the broker specq runs on (kombu's layout: a list
-per queue and priority step, and an ``unacked`` hash of delivered messages indexed by
-delivery time in ``unacked_index``, every key behind the deployment's prefix:
-broker/names.py: broker_keyprefix).
+do. Every sender (a submit, a worker starting a chunk, `specq retry`, the reconciler)
+marks its chunks sent in the database first (chunks.take_unsent, reopen, mark_sent), then
+``deliver`` sends them: a message the broker did not take leaves no chunk marked sent.
+The reconciler (broker/reconciler.py) reads the broker to tell a chunk whose message is
+waiting from one whose message was lost. Reading the broker is specific to Redis, the
+broker specq runs on (kombu's layout: a list per queue and priority step, and an
+``unacked`` hash of delivered messages indexed by delivery time in ``unacked_index``, every
+key behind the deployment's prefix: broker/names.py: broker_keyprefix).
 """
 
 from __future__ import annotations
@@ -14,22 +16,64 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import redis
 from celery import Celery
 from kombu.transport.redis import PRIORITY_STEPS, Channel
+from sqlalchemy.orm import Session, sessionmaker
 
 from specq.broker.names import GENERATE_TASK, PRIORITIES, broker_keyprefix
 from specq.configs.settings import Settings
+from specq.db import chunks
 from specq.db.chunks import ChunkRef
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # each publish may be retried this often (kombu's retry policy), within broker_timeout
 _PUBLISH_RETRY = {"max_retries": 2, "interval_start": 0.2, "interval_step": 0.5,
                   "interval_max": 1.0}
+
+
+def deliver(app: Celery, sessions: sessionmaker[Session], refs: list[ChunkRef],
+            settings: Settings, priority: int | None = None) -> None:
+    """Send the messages of chunks already marked sent. If the broker does not take them
+    (every call bounded: broker_timeout), their marks are undone, so they wait their turn
+    again and the reconciler sends them once the broker is back; the error is raised."""
+    if not refs:
+        return
+    try:
+        bounded(lambda: send(app, refs, settings, priority),
+                seconds=settings.broker_timeout * 3 + len(refs) / 1000)
+    except Exception:
+        with sessions.begin() as s:
+            chunks.unsend(s, refs=refs)
+        raise
+
+
+def bounded(call: Callable[[], T], seconds: float) -> T:
+    """call() in a thread, waited for ``seconds`` at most: TimeoutError after that (a
+    broker that accepts connections but never answers must not hang the caller)."""
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = call()
+        except BaseException as exc:  # noqa: BLE001 (handed to the caller)
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer within {seconds:.0f} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def send(app: Celery, refs: Iterable[ChunkRef], settings: Settings,

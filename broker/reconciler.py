@@ -40,8 +40,8 @@ from specq.broker.names import PRIORITY_RESENT
 from specq.configs.settings import Settings
 from specq.db import chunks
 from specq.db import repository as repo
-from specq.db.chunks import UNFINISHED, ChunkRef
-from specq.db.models import Job
+from specq.db.chunks import ChunkRef
+from specq.db.models import RUNNING, Job
 from specq.db.outcomes import Outcome
 from specq.db.session import session_factory
 
@@ -80,7 +80,7 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
             if job_id is None or jid == job_id:
                 report.settled[jid] = repo.settle_job(s, job_id=jid).value
     with sessions() as s:
-        stmt = (select(Job.queue).where(Job.status.in_(UNFINISHED), Job.queue.is_not(None),
+        stmt = (select(Job.queue).where(Job.status.in_(RUNNING), Job.queue.is_not(None),
                                         chunks.deployment(settings.queue_prefix))
                 .distinct())
         if job_id is not None:
@@ -110,12 +110,13 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
     lost = [c for c in lost if c.sends < settings.max_chunk_runs]
     app = app or make_app(settings, tasks=False)
     if lost:
-        # a chunk a worker had started (and died on) goes before every chunk waiting its
-        # turn; a lost message that no worker ever took rejoins the queue at its job's
-        dispatch.send(app, [c for c in lost if c.started], settings, priority=PRIORITY_RESENT)
-        dispatch.send(app, [c for c in lost if not c.started], settings)
         with sessions.begin() as s:
             chunks.mark_sent(s, refs=lost)
+        # a chunk a worker had started (and died on) goes before every chunk waiting its
+        # turn; a lost message that no worker ever took rejoins the queue at its job's
+        dispatch.deliver(app, sessions, [c for c in lost if c.started], settings,
+                         priority=PRIORITY_RESENT)
+        dispatch.deliver(app, sessions, [c for c in lost if not c.started], settings)
         report.resent = lost
         log.warning("reconciler: %d chunks re-sent (%s)", len(lost), ", ".join(
             f"job {j}: {n}" for j, n in report.as_dict()["resent_by_job"].items()))
@@ -127,12 +128,7 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
     for jid in short:
         with sessions.begin() as s:
             refs = chunks.take_unsent(s, job_id=jid, n=settings.dispatch_window - waiting[jid])
-        try:
-            dispatch.send(app, refs, settings)
-        except Exception:
-            with sessions.begin() as s:
-                chunks.unsend(s, refs=refs)
-            raise
+        dispatch.deliver(app, sessions, refs, settings)
         report.fed += refs
     if report.fed:
         log.info("reconciler: %d chunks sent to fill their jobs' turns", len(report.fed))

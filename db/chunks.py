@@ -24,11 +24,10 @@ from sqlalchemy import and_, bindparam, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from specq.db.clock import db_now
-from specq.db.models import Chunk, Item, ItemStatus, Job, JobStatus, utcnow
+from specq.db.models import RUNNING, Chunk, Item, ItemStatus, Job, utcnow
 from specq.schema.counters import ARRAYS, SCALARS
 
 PENDING = ItemStatus.pending.value
-UNFINISHED = tuple(s.value for s in JobStatus if not s.finished and s != JobStatus.validating)
 
 
 @dataclass(frozen=True)
@@ -132,7 +131,7 @@ def unclaimed(session: Session, *, grace: float, job_id: int | None = None,
     stmt = (
         select(c.job_id, c.start, c.end, Job.queue, c.runs > 0, Job.priority, c.sends)
         .join(Job, Job.id == c.job_id)
-        .where(Job.status.in_(UNFINISHED), Job.queue.is_not(None), c.done.is_(False),
+        .where(Job.status.in_(RUNNING), Job.queue.is_not(None), c.done.is_(False),
                or_(c.lease_owner.is_(None), c.lease_until < db_now()),
                c.sent_at.is_not(None), c.sent_at < db_now() - grace)
         .order_by(c.job_id, c.start)
@@ -188,7 +187,7 @@ def unsent_jobs(session: Session, *, job_id: int | None = None,
     """Unfinished jobs with a queue that have chunks no message was sent for yet (of one
     deployment's jobs with ``queue_prefix``)."""
     c = Chunk.__table__.c
-    stmt = (select(Job.id).where(Job.status.in_(UNFINISHED), Job.queue.is_not(None))
+    stmt = (select(Job.id).where(Job.status.in_(RUNNING), Job.queue.is_not(None))
             .where(select(c.start).where(c.job_id == Job.id, c.sent_at.is_(None),
                                          c.done.is_(False)).exists())
             .order_by(Job.id))
@@ -203,12 +202,12 @@ def cancel_unsent(session: Session, *, job_id: int) -> int:
     """A cancelled job's chunks that were never sent: their pending items are cancelled
     and they are done (no worker will run them). Returns the items cancelled."""
     c, items = Chunk.__table__.c, Item.__table__.c
-    size = session.scalar(select(Job.chunk_size).where(Job.id == job_id))
-    unsent = select(c.start).where(c.job_id == job_id, c.sent_at.is_(None), c.done.is_(False))
+    in_unsent = (select(c.start).where(c.job_id == job_id, c.sent_at.is_(None),
+                                       c.done.is_(False), items.index >= c.start,
+                                       items.index < c.end).exists())
     n = session.execute(
         update(Item.__table__)
-        .where(items.job_id == job_id, items.status == PENDING,
-               (items.index - items.index % size).in_(unsent))
+        .where(items.job_id == job_id, items.status == PENDING, in_unsent)
         .values(status=ItemStatus.cancelled.value, finished_at=utcnow())
     ).rowcount
     # only these chunks' counts changed; the rows of running chunks are their workers' to
@@ -234,21 +233,41 @@ def mark_sent(session: Session, *, refs: Iterable[ChunkRef]) -> None:
         )
 
 
+def containing(session: Session, *, job_id: int, indices: Iterable[int]) -> list[ChunkRef]:
+    """The job's chunks that hold any of these item indices, in order (as the chunks
+    table records their ranges)."""
+    wanted = sorted(set(indices))
+    if not wanted:
+        return []
+    c = Chunk.__table__.c
+    rows = session.execute(
+        select(c.start, c.end, Job.queue, Job.priority).join(Job, Job.id == c.job_id)
+        .where(c.job_id == job_id, c.end > wanted[0], c.start <= wanted[-1])
+        .order_by(c.start)).all()
+    ends = [end for _, end, _, _ in rows]
+    hit = {bisect_right(ends, i) for i in wanted}  # the first chunk ending after i holds i
+    return [ChunkRef(job_id, start, end, queue, priority=priority)
+            for k, (start, end, queue, priority) in enumerate(rows) if k in hit]
+
+
+def ranges(session: Session, *, job_id: int) -> list[tuple[int, int]]:
+    """Every chunk of the job, [start, end), in order."""
+    c = Chunk.__table__.c
+    return [tuple(r) for r in session.execute(
+        select(c.start, c.end).where(c.job_id == job_id).order_by(c.start))]
+
+
 def reopen(session: Session, *, job_id: int, indices: Iterable[int]) -> list[ChunkRef]:
     """Mark the chunks holding these item indices not done (items went back to pending);
     they count as sent now, once, and as never run: a retry gives each max_chunk_runs
     runs and sends again, as it gives each item max_attempts attempts. Returns them."""
-    job = session.get(Job, job_id)
-    starts = sorted({i - i % job.chunk_size for i in indices})
+    refs = containing(session, job_id=job_id, indices=indices)
     c = Chunk.__table__.c
-    refs = []
-    for i in range(0, len(starts), 1000):
-        part = starts[i:i + 1000]
+    for i in range(0, len(refs), 1000):
+        part = [r.start for r in refs[i:i + 1000]]
         session.execute(update(Chunk.__table__)
                         .where(c.job_id == job_id, c.start.in_(part))
                         .values(done=False, sent_at=db_now(), sends=1, runs=0))
-        refs += [ChunkRef(job_id, s, min(s + job.chunk_size, job.total), job.queue,
-                          priority=job.priority) for s in part]
     return refs
 
 

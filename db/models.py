@@ -46,6 +46,13 @@ class JobStatus(str, Enum):
         return self in (JobStatus.completed, JobStatus.failed, JobStatus.cancelled)
 
 
+# The two sets of job statuses the queries use, defined once.
+UNFINISHED = tuple(s.value for s in JobStatus if not s.finished)  # not ended yet
+# stored whole and not ended: its chunks may be sent and run, and it settles once none of
+# its items is pending (a validating job is still being stored)
+RUNNING = tuple(s.value for s in JobStatus if not s.finished and s != JobStatus.validating)
+
+
 class ItemStatus(str, Enum):
     """One prompt's state: pending until a worker writes its outcome, once."""
 
@@ -101,11 +108,6 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-
-    def chunks(self) -> list[tuple[int, int]]:
-        """The item index ranges [start, end) that are sent to workers, one task each."""
-        size, total = self.chunk_size, self.total
-        return [(s, min(s + size, total)) for s in range(0, total, size)]
 
 
 class Item(Base):

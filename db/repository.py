@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.types import JSON
 
 from specq.db import chunks, views
-from specq.db.models import Chunk, Item, ItemStatus, Job, JobStatus, utcnow
+from specq.db.models import RUNNING, UNFINISHED, Chunk, Item, ItemStatus, Job, JobStatus, utcnow
 from specq.db.outcomes import COLUMNS as OUTCOME_COLUMNS
 from specq.db.outcomes import Outcome
 from specq.schema.counters import ARRAYS, SCALARS
@@ -113,9 +113,6 @@ def list_jobs(session: Session, *, limit: int = 50, schedule: str | None = None)
     if schedule is not None:
         stmt = stmt.where(Job.schedule == schedule)
     return list(session.scalars(stmt))
-
-
-UNFINISHED = tuple(s.value for s in JobStatus if not s.finished)
 
 
 def unfinished_runs(session: Session, *, schedule: str) -> list[int]:
@@ -326,7 +323,9 @@ def retry_failed(session: Session, *, job_id: int) -> list[int]:
                 worker=None, **dict.fromkeys(OUTCOME_COUNTERS)),
         execution_options={"synchronize_session": False},
     )
-    chunks.resum(session, job_id=job_id, starts={i - i % job.chunk_size for i in indices})
+    chunks.resum(session, job_id=job_id,
+                 starts=[r.start for r in chunks.containing(session, job_id=job_id,
+                                                            indices=indices)])
     if status.finished or status == JobStatus.in_progress:
         reopened = JobStatus.in_progress if job.started_at else JobStatus.queued
         session.execute(update(Job).where(Job.id == job_id)
@@ -339,9 +338,7 @@ def unsettled_jobs(session: Session) -> list[int]:
     settling them): settle_job ends them."""
     pending = select(Item.index).where(Item.job_id == Job.id, Item.status == PENDING)
     return list(session.scalars(
-        select(Job.id).where(Job.status.in_([JobStatus.queued.value,
-                                              JobStatus.in_progress.value,
-                                              JobStatus.cancelling.value]),
+        select(Job.id).where(Job.status.in_(RUNNING),
                              ~pending.exists())
     ))
 
@@ -405,9 +402,7 @@ def settle_job(session: Session, *, job_id: int) -> JobStatus:
                 else_=JobStatus.completed.value)
     session.execute(
         update(Job)
-        .where(Job.id == job_id, Job.status.in_([JobStatus.queued.value,
-                                                 JobStatus.in_progress.value,
-                                                 JobStatus.cancelling.value]), ~pending)
+        .where(Job.id == job_id, Job.status.in_(RUNNING), ~pending)
         .values(status=ends, finished_at=utcnow())
         .execution_options(synchronize_session=False)
     )

@@ -257,7 +257,7 @@ def run_chunk(
         log.info("%s: %s", where, report.note or report.job_status)
         return report
     params, items, turn = opened
-    _send_next(turn, settings, where)
+    _send_next(turn, sessions, settings, where)
     keeper = ChunkKeeper(sessions, settings, job_id, start, end, owner).start()
     tally = None
     try:
@@ -332,13 +332,12 @@ def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkRepo
         return dict(job.params), items, turn
 
 
-def _send_next(refs: list[chunks.ChunkRef], settings: Settings, where: str) -> None:
-    """Send the job's next chunk; a broker error is logged, and the reconciler sends the
-    chunk after its grace (it is marked sent, and no message holds it)."""
-    if not refs:
-        return
+def _send_next(refs: list[chunks.ChunkRef], sessions: sessionmaker[Session],
+               settings: Settings, where: str) -> None:
+    """Send the job's next chunk (its turn taken with this chunk's lease). A broker error
+    is logged, and the chunk waits its turn again: the reconciler sends it."""
     try:
-        dispatch.send(app, refs, settings)
+        dispatch.deliver(app, sessions, refs, settings)
     except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
         log.warning("%s: the job's next chunk was not sent (%s: %s); the reconciler sends "
                     "it", where, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
@@ -375,7 +374,7 @@ def run_inline(
 
     with sessions() as s:
         job = repo.get_job(s, job_id=job_id)
-        chunk_list = job.chunks()
+        chunk_list = chunks.ranges(s, job_id=job_id)
         done = job.total - repo.status_counts(s, job_id=job_id)[ItemStatus.pending.value]
     hostname = f"{socket.gethostname()} (embedded)"
     with tqdm(total=job.total, initial=done, desc=f"job {job_id}", unit="item",

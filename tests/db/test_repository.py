@@ -53,7 +53,10 @@ def test_items_are_stored_in_batches_and_chunked(sessions):
     with sessions() as s:
         job = repo.get_job(s, job_id=job_id)
         assert job.total == 10
-        assert job.chunks() == [(0, 4), (4, 8), (8, 10)]
+        assert chunks.ranges(s, job_id=job_id) == [(0, 4), (4, 8), (8, 10)]
+        assert [(r.start, r.end) for r in chunks.containing(s, job_id=job_id,
+                                                            indices=[9, 0, 3, 8])] == [
+            (0, 4), (8, 10)]
         assert [it.index for it in repo.iter_items(s, job_id=job_id, batch=3)] == list(range(10))
         assert repo.status_counts(s, job_id=job_id)["pending"] == 10
 
