@@ -400,10 +400,8 @@ def _need_model_stack(what: str) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     _need_model_stack("specq run")
-    from specq.configs.presets import get_preset
     from specq.db.session import redact
-    from specq.worker.pairs import load_pair
-    from specq.worker.tasks import run_inline
+    from specq.worker.tasks import run_inline, start_up, worker_engine
 
     settings = get_settings()
     t0 = time.perf_counter()
@@ -412,10 +410,10 @@ def cmd_run(args: argparse.Namespace) -> int:
                         **_sampling(args))
     print(f"job {job.id}: {job.status(check_workers=False).total} items stored in "
           f"{redact(settings.sqlalchemy_url)}; loading pair {args.pair}", file=sys.stderr)
-    pair = load_pair(get_preset(args.pair, settings.presets_file), settings)
-    engine = pair.engine()
-    engine.calibrate()
-    run_inline(sessions=client.sessions, engine=engine, pair=pair.preset.name,
+    phases = start_up(settings, args.pair)  # as a worker starts: threads, load, warm-up, costs
+    print(f"pair {args.pair} ready in {sum(phases.values()):.1f} s (" + ", ".join(
+        f"{k} {v:.1f} s" for k, v in phases.items()) + ")", file=sys.stderr)
+    run_inline(sessions=client.sessions, engine=worker_engine(args.pair), pair=args.pair,
                job_id=job.id, progress=True)
     n = formats.export(job, args.output)
     m = job.metrics()

@@ -270,7 +270,9 @@ class Client:
         of a synthesis run (spec, schedule, synthesis). ``priority``: high, normal or low;
         a job's waiting chunks go before those of jobs of lower priority on the same
         queue (jobs of one priority take turns). Raises InputError naming every problem
-        found (up to MAX_PROBLEMS) before anything is stored.
+        found (up to MAX_PROBLEMS) before anything is stored. ``enqueue=False``: the
+        caller runs the job in-process (`specq run`: worker/tasks.py run_inline); it has
+        no queue, so no worker or reconciler of a fleet on the same database touches it.
         """
         t0 = time.perf_counter()
         if priority not in PRIORITIES:
@@ -290,7 +292,9 @@ class Client:
         t1 = time.perf_counter()
         with self.sessions.begin() as s:
             job = repo.create_job(s, pair=preset.name, params=defaults, chunk_size=chunk_size,
-                                  source=name, queue=queue_name(preset.name, self.settings),
+                                  source=name,
+                                  queue=queue_name(preset.name, self.settings) if enqueue
+                                  else None,
                                   origin=origin, drafting=preset.drafting(),
                                   priority=priority)
             rows = (dict(item_row(raw), index=i) for i, (_, raw) in enumerate(entries))
@@ -300,6 +304,10 @@ class Client:
             job.total = stored
             job.status = JobStatus.queued.value
             chunks.insert_chunks(s, job_id=job.id, total=stored, chunk_size=chunk_size)
+            # its first turn on the queue, taken as it is stored: no reconciler sees these
+            # chunks waiting and sends them first
+            turn = (chunks.take_unsent(s, job_id=job.id, n=self.settings.dispatch_window)
+                    if enqueue else [])
         t2 = time.perf_counter()
         log.info("job %d: %d items validated in %.2f s, stored in %.2f s",
                  job.id, total, t1 - t0, t2 - t1)
@@ -308,7 +316,7 @@ class Client:
         if unchecked:
             log.info("job %d: %s", job.id, unchecked)
         if enqueue:
-            handle.enqueue()
+            handle.deliver(turn)
         return handle
 
     def _preset(self, pair: str) -> PairPreset:
@@ -444,11 +452,16 @@ class Job:
         (any worker's, the beat's, or `specq reconcile JOB`) sends its chunks once the
         broker is back.
         """
+        with self.client.sessions.begin() as s:
+            refs = chunks.take_unsent(s, job_id=self.id, n=self.client.settings.dispatch_window)
+        return self.deliver(refs)
+
+    def deliver(self, refs: list[chunks.ChunkRef]) -> bool:
+        """Send the messages of the job's chunks whose turn was taken (enqueue); False, with
+        a warning, when the broker cannot be reached (see enqueue)."""
         from specq.broker import dispatch
 
         settings = self.client.settings
-        with self.client.sessions.begin() as s:
-            refs = chunks.take_unsent(s, job_id=self.id, n=settings.dispatch_window)
         try:
             dispatch.deliver(self.client.celery, self.client.sessions, refs, settings)
         except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)

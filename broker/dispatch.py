@@ -43,7 +43,9 @@ def deliver(app: Celery, sessions: sessionmaker[Session], refs: list[ChunkRef],
             settings: Settings, priority: int | None = None) -> None:
     """Send the messages of chunks already marked sent. If the broker does not take them
     (every call bounded: broker_timeout), their marks are undone, so they wait their turn
-    again and the reconciler sends them once the broker is back; the error is raised."""
+    again and the reconciler sends them once the broker is back; the error is raised.
+    A chunk of a job with no queue (run in-process: `specq run`) is never sent."""
+    refs = [r for r in refs if r.queue is not None]
     if not refs:
         return
     try:

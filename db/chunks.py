@@ -199,26 +199,32 @@ def unsent_jobs(session: Session, *, job_id: int | None = None,
 
 
 def cancel_unsent(session: Session, *, job_id: int) -> int:
-    """A cancelled job's chunks that were never sent: their pending items are cancelled
-    and they are done (no worker will run them). Returns the items cancelled."""
-    c, items = Chunk.__table__.c, Item.__table__.c
-    in_unsent = (select(c.start).where(c.job_id == job_id, c.sent_at.is_(None),
-                                       c.done.is_(False), items.index >= c.start,
-                                       items.index < c.end).exists())
-    n = session.execute(
-        update(Item.__table__)
-        .where(items.job_id == job_id, items.status == PENDING, in_unsent)
-        .values(status=ItemStatus.cancelled.value, finished_at=utcnow())
-    ).rowcount
-    # only these chunks' counts changed; the rows of running chunks are their workers' to
-    # lock (a worker giving its lease back locks its chunk, then the job: recounting every
-    # chunk under the job's lock here deadlocked with it)
-    recount(session, job_id=job_id, unsent=True)
-    session.execute(update(Chunk.__table__)
-                    .where(c.job_id == job_id, c.sent_at.is_(None), c.done.is_(False))
-                    .values(done=True))
-    return n
+    """A cancelled job's chunks that were never sent: they are done (no worker will run
+    them) and their pending items cancelled. Returns the items cancelled.
 
+    The chunks are marked done first, by one UPDATE that locks them: a worker taking the
+    job's next turn at the same moment (take_unsent, SKIP LOCKED) either took a chunk
+    before (it is sent, and its worker cancels its items when it opens it) or cannot take
+    it now. Only these chunks' rows are locked: a running chunk's row is its worker's (a
+    worker giving its lease back locks its chunk, then the job)."""
+    c, items = Chunk.__table__.c, Item.__table__.c
+    starts = list(session.scalars(
+        update(Chunk.__table__)
+        .where(c.job_id == job_id, c.sent_at.is_(None), c.done.is_(False))
+        .values(done=True).returning(c.start)))
+    n = 0
+    for i in range(0, len(starts), 1000):
+        part = starts[i:i + 1000]
+        in_part = (select(c.start).where(c.job_id == job_id, c.start.in_(part),
+                                         items.index >= c.start, items.index < c.end)
+                   .exists())
+        n += session.execute(
+            update(Item.__table__)
+            .where(items.job_id == job_id, items.status == PENDING, in_part)
+            .values(status=ItemStatus.cancelled.value, finished_at=utcnow())
+        ).rowcount
+        recount(session, job_id=job_id, starts=part)
+    return n
 
 def mark_sent(session: Session, *, refs: Iterable[ChunkRef]) -> None:
     """Stamp chunks as sent now, once their messages are on the broker."""
@@ -336,10 +342,10 @@ def add_sums(session: Session, *, job_id: int, outcomes: Iterable[Any]) -> None:
 
 
 def recount(session: Session, *, job_id: int, start: int | None = None,
-            unsent: bool = False) -> None:
-    """Count the items of the job's chunks (or of the one at ``start``, or of those not sent
-    yet with ``unsent``) by status again (after items were cancelled:
-    db/repository.py: cancel_pending)."""
+            starts: list[int] | None = None) -> None:
+    """Count the items of the job's chunks (or of the one at ``start``, or of those at
+    ``starts``) by status again (after items were cancelled: db/repository.py:
+    cancel_pending, cancel_unsent)."""
     c, i = Chunk.__table__.c, Item.__table__.c
 
     def count(status: ItemStatus) -> Any:
@@ -352,8 +358,8 @@ def recount(session: Session, *, job_id: int, start: int | None = None,
         cancelled=count(ItemStatus.cancelled))
     if start is not None:
         stmt = stmt.where(c.start == start)
-    if unsent:
-        stmt = stmt.where(c.sent_at.is_(None), c.done.is_(False))
+    if starts is not None:
+        stmt = stmt.where(c.start.in_(starts))
     session.execute(stmt)
 
 

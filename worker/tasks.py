@@ -66,18 +66,34 @@ class ChunkReport:
 # -- the pair, loaded once per worker process ------------------------------------------
 
 
+def worker_pair(name: str | None = None) -> Pair:
+    """The pair this process serves: ``name``, or the worker's (SPECQ_WORKER_PAIR); loaded
+    on first use only."""
+    return _loaded(name or _serving())
+
+
+def worker_engine(name: str | None = None) -> SpeculativeEngine:
+    """The engine over worker_pair(name), made once."""
+    return _engine(name or _serving())
+
+
+def _serving() -> str:
+    name = get_settings().worker_pair
+    if not name:
+        raise PairError(f"{WORKER_PAIR_ENV} is not set; start workers with "
+                        f"`specq worker --pair NAME`")
+    return name
+
+
 @lru_cache(maxsize=1)
-def worker_pair() -> Pair:
-    """The pair this worker serves (SPECQ_WORKER_PAIR), loaded on first use only."""
+def _loaded(name: str) -> Pair:
     settings = get_settings()
-    if not settings.worker_pair:
-        raise RuntimeError(f"{WORKER_PAIR_ENV} is not set; start workers with specq worker --pair")
-    return load_pair(get_preset(settings.worker_pair, settings.presets_file), settings)
+    return load_pair(get_preset(name, settings.presets_file), settings)
 
 
 @lru_cache(maxsize=1)
-def worker_engine() -> SpeculativeEngine:
-    return worker_pair().engine()
+def _engine(name: str) -> SpeculativeEngine:
+    return _loaded(name).engine()
 
 
 class PairStartUp(bootsteps.StartStopStep):
@@ -102,9 +118,6 @@ class PairStartUp(bootsteps.StartStopStep):
         settings = get_settings()
         hostname = parent.hostname
         try:
-            if not settings.worker_pair:
-                raise PairError(f"{WORKER_PAIR_ENV} is not set; start workers with "
-                                f"`specq worker --pair NAME`")
             phases = start_up(settings)
         except Exception as exc:  # noqa: BLE001 (anything that stops a load stops the worker)
             _exit_unstarted(settings, hostname, exc)
@@ -125,11 +138,13 @@ class PairStartUp(bootsteps.StartStopStep):
         self.background.clear()
 
 
-def start_up(settings: Settings) -> dict[str, float]:
-    """Load the pair (settings.worker_pair), run one short generation so the first chunk
-    does not pay the first call's set-up, and measure the step costs the adaptive draft
-    length decides by. Returns the seconds of each phase: load, warm_up, calibrate
-    (`specq bench-startup` reports them)."""
+def start_up(settings: Settings, name: str | None = None) -> dict[str, float]:
+    """Get a process ready to generate for the pair ``name`` (a worker's: SPECQ_WORKER_PAIR):
+    its share of the host's threads, the pair loaded, one short generation so the first
+    chunk does not pay the first call's set-up, and the step costs the adaptive draft
+    length decides by measured. A worker and `specq run` start the same way. Returns the
+    seconds of each phase: load, warm_up, calibrate (`specq bench-startup` reports them)."""
+    name = name or _serving()
     clock = time.perf_counter()
     phases = {}
 
@@ -139,9 +154,9 @@ def start_up(settings: Settings) -> dict[str, float]:
         phases[name], clock = now - clock, now
 
     threads.apply(settings.torch_threads, resolve_device(settings.device).type)
-    worker_pair()
+    worker_pair(name)
     phase("load")
-    engine = worker_engine()
+    engine = worker_engine(name)
     engine.generate([Request(prompt="Hello", max_new_tokens=2)])
     phase("warm_up")
     engine.calibrate()

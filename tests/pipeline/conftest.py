@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pytest
 import redis
+from sqlalchemy import update
 
-from specq.api.client import Client
+from specq.api.client import Client, Job
+from specq.broker.names import queue_name
 from specq.configs.settings import Settings
+from specq.db.models import Job as JobRow
 from specq.db.session import migrate
 from specq.worker.tiny import build_tiny_pair
 
@@ -36,6 +39,16 @@ def settings(pg_url, tmp_path_factory):
     keys = list(r.scan_iter(f"{prefix}*"))
     if keys:
         r.delete(*keys)
+
+
+def stored_unsent(client: Client, lines, **submit) -> Job:
+    """A job stored with its queue and not one chunk sent: what a producer killed between
+    committing a job and sending its chunks leaves (the reconciler sends them)."""
+    job = client.submit(lines, enqueue=False, **submit)
+    with client.sessions.begin() as s:
+        s.execute(update(JobRow).where(JobRow.id == job.id)
+                  .values(queue=queue_name(submit["pair"], client.settings)))
+    return job
 
 
 @pytest.fixture(scope="session")

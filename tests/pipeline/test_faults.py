@@ -139,10 +139,12 @@ def test_a_broker_flush_mid_job_loses_nothing(fleet):
 
 
 def test_a_producer_killed_between_commit_and_send_loses_nothing(fleet):
-    code = ("import os, signal; from specq.api.client import Client; "
-            "job = Client().submit([f'killed producer {i}' for i in range(40)], "
-            "pair='tiny-lookup', max_new_tokens=8, chunk_size=10, enqueue=False); "
-            "print(job.id, flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    # the job and its first turn are committed, then the process dies before it sends them
+    code = ("import os, signal; from specq.api import client; "
+            "client.Job.deliver = lambda job, refs: (print(job.id, flush=True), "
+            "os.kill(os.getpid(), signal.SIGKILL)); "
+            "client.Client().submit([f'killed producer {i}' for i in range(40)], "
+            "pair='tiny-lookup', max_new_tokens=8, chunk_size=10)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=worker_env(fleet.own),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == -signal.SIGKILL, out.stderr

@@ -7,27 +7,11 @@ import sys
 
 import pytest
 
-from specq.api.client import Client, JobMetrics
+from specq.api.client import JobMetrics
 from specq.api.report import draw_report, format_metrics
 from specq.configs.presets import get_preset
-from specq.db.session import migrate
 from specq.worker.pairs import load_pair
 from specq.worker.tasks import run_inline
-from tests.conftest import fresh_pg_database
-
-
-@pytest.fixture(scope="module")
-def settings(settings):
-    """A database of this module's own: its job runs here, in-process, and no worker's
-    reconciler (they run on the session's database) is to send its chunks meanwhile."""
-    with fresh_pg_database() as url:
-        migrate(url)
-        yield settings.model_copy(update={"database_url": url})
-
-
-@pytest.fixture(scope="module")
-def client(settings):
-    return Client(settings)
 
 
 @pytest.fixture(scope="module")

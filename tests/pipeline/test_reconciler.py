@@ -18,6 +18,7 @@ from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus
 from specq.db.outcomes import Outcome
+from tests.pipeline.conftest import stored_unsent
 
 
 def _key(queue: str, settings, step: int) -> str:
@@ -77,6 +78,24 @@ def test_a_job_whose_last_writer_died_before_settling_is_ended(settings):
     assert job.status(check_workers=False).status == "completed"
 
 
+def test_a_job_run_in_process_is_no_reconcilers_to_send(settings):
+    """`specq run` stores its job without a queue: a fleet's reconciler on the same
+    database neither sends its chunks nor counts them lost."""
+    own = settings.model_copy(update={"queue_prefix": f"rec-{uuid.uuid4().hex[:6]}",
+                                      "reconcile_grace": 0.0})
+    client = Client(own)
+    job = client.submit(["in process 0", "in process 1"], pair="tiny-lookup",
+                        max_new_tokens=4, chunk_size=1, enqueue=False)
+    with client.sessions() as s:
+        assert repo.get_job(s, job_id=job.id).queue is None
+    report = reconcile(own)
+    touched = [c for c in report.resent + report.fed + report.abandoned if c.job_id == job.id]
+    assert touched == [] and job.id not in report.settled
+    with client.sessions() as s:
+        assert chunks.unsent_jobs(s, job_id=job.id) == []  # nothing waits to be sent
+    client.job(job.id).cancel()
+
+
 def test_a_job_keeps_its_turn_on_the_queue(settings):
     """Only dispatch_window chunks of a job wait on the broker; the reconciler sends the
     next ones when fewer wait (a producer that died before sending, a flushed broker)."""
@@ -85,8 +104,8 @@ def test_a_job_keeps_its_turn_on_the_queue(settings):
     client = Client(own)
     queue = f"{own.queue_prefix}.tiny-lookup"
     r = redis.Redis.from_url(own.broker_url)
-    job = client.submit([f"turn {i}" for i in range(50)], pair="tiny-lookup",
-                        max_new_tokens=4, chunk_size=10, enqueue=False)  # the producer died
+    job = stored_unsent(client, [f"turn {i}" for i in range(50)], pair="tiny-lookup",
+                        max_new_tokens=4, chunk_size=10)  # the producer died
     assert _queued(r, queue, own) == {}
     report = reconcile(own, job_id=job.id)
     assert [c.start for c in report.fed] == [0, 10] and _queued(r, queue, own) == {6: [0, 10]}

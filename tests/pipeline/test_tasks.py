@@ -14,12 +14,14 @@ from specq.db.session import migrate
 from specq.worker.pairs import load_pair
 from specq.worker.tasks import run_chunk, run_inline
 from tests.conftest import fresh_pg_database
+from tests.pipeline.conftest import stored_unsent
 
 
 @pytest.fixture(scope="module")
 def client(settings):
-    """A database of this module's own: these chunks run here, in-process, and no worker's
-    reconciler (they run on the session's database) is to send them meanwhile."""
+    """A client on a database of this module's own: these chunks run here, in-process,
+    some of them of jobs with a queue (stored_unsent), which a session worker's reconciler
+    (on the session's database) would send meanwhile."""
     with fresh_pg_database() as url:
         migrate(url)
         yield Client(settings.model_copy(update={"database_url": url}))
@@ -60,7 +62,7 @@ def test_an_item_the_engine_refuses_fails_alone(client, engine):
 
 
 def test_a_chunk_of_a_cancelling_job_is_cancelled_not_generated(client, engine):
-    job = client.submit([f"Fix: item {i}" for i in range(4)], pair="tiny", enqueue=False,
+    job = stored_unsent(client, [f"Fix: item {i}" for i in range(4)], pair="tiny",
                         max_new_tokens=4, chunk_size=2)
     run_chunk(sessions=client.sessions, engine=engine, pair="tiny", job_id=job.id, start=0, end=2,
               hostname="h")
