@@ -82,11 +82,11 @@ def _stuck(client: Client, schedule: Schedule, running: list[int], settings: Set
         age = (utcnow() - _aware(state.created_at)).total_seconds()
         if age < schedule.stuck_after:
             log.info("schedule %s: run %d still going (%d/%d done); slot skipped",
-                     schedule.name, job_id, state.done, state.total)
+                     schedule.name, job_id, state.ended, state.total)
             return False
         state = client.job(job_id).status()  # with the note saying whether a worker serves it
         said = (f"schedule {schedule.name}: run {job_id} is stuck: {state.status} for "
-                f"{age / 3600:.1f} h with {state.done}/{state.total} done"
+                f"{age / 3600:.1f} h with {state.ended}/{state.total} ended"
                 f"{'; ' + state.note if state.note else ''}")
         if schedule.on_stuck == "skip":
             log.error("%s; slot skipped (on_stuck: skip)", said)

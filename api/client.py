@@ -83,7 +83,8 @@ class JobState:
         return JobStatus(self.status).finished
 
     @property
-    def done(self) -> int:
+    def ended(self) -> int:
+        """Items that ended: completed, failed or cancelled (no longer pending)."""
         return self.total - self.pending
 
     def as_dict(self) -> dict[str, Any]:
@@ -511,17 +512,17 @@ class Job:
 
         # items finished before the wait began are its start (initial), not progress: the
         # rate counts only what finishes while it watches
-        bar = tqdm(total=state.total, initial=state.done, desc=f"job {self.id}", unit="item",
+        bar = tqdm(total=state.total, initial=state.ended, desc=f"job {self.id}", unit="item",
                    disable=not progress)
         last_check = time.monotonic()
         try:
             while True:
-                bar.update(state.done - bar.n)
+                bar.update(state.ended - bar.n)
                 if state.finished:
                     return state
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"job {self.id}: still {state.status} after {timeout} s "
-                                       f"({state.done}/{state.total} items done)")
+                                       f"({state.ended}/{state.total} items ended)")
                 time.sleep(poll)
                 check = time.monotonic() - last_check > 30
                 state = self.status(check_workers=check)

@@ -282,7 +282,8 @@ def openai_line(item: Mapping[str, Any], job_id: int, model: str) -> dict[str, A
     return line
 
 
-def export(job: Job, output: str | os.PathLike, fmt: str = "jsonl", *, input: bool = True) -> int:
+def export(job: Job, output: str | os.PathLike, fmt: Format = "jsonl", *,
+           input: bool = True) -> int:
     """Write the job's results to ``output`` ("-" for stdout) in ``fmt``; returns the count.
     ``input``: each jsonl or parquet row carries the prompt or messages and the line's
     parameters (OpenAI output lines never do: their custom_id is the link)."""

@@ -195,7 +195,7 @@ def _wait_ready(client: Client, pair: str, n: int, timeout: float = 300) -> None
 
 
 def _done(client: Client, job_id: int) -> int:
-    return client.job(job_id).status(check_workers=False).done
+    return client.job(job_id).status(check_workers=False).ended
 
 
 def _kill_one(client: Client, job_id: int, workers: list[Worker], via: Settings,

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import and_, bindparam, func, insert, or_, select, update
+from sqlalchemy import bindparam, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from specq.db.clock import db_now
@@ -275,16 +275,6 @@ def reopen(session: Session, *, job_id: int, indices: Iterable[int]) -> list[Chu
                         .where(c.job_id == job_id, c.start.in_(part))
                         .values(done=False, sent_at=db_now(), sends=1, runs=0))
     return refs
-
-
-def live_leases(session: Session, *, job_id: int | None = None) -> list[tuple[int, int, str]]:
-    """(job id, start, owner) of every lease that has not run out."""
-    c = Chunk.__table__.c
-    stmt = select(c.job_id, c.start, c.lease_owner).where(
-        and_(c.lease_owner.is_not(None), c.lease_until >= db_now()))
-    if job_id is not None:
-        stmt = stmt.where(c.job_id == job_id)
-    return [tuple(r) for r in session.execute(stmt)]
 
 
 def add_fault(session: Session, *, job_id: int, start: int, error: str) -> None:

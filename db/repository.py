@@ -45,13 +45,11 @@ def create_job(
     return job
 
 
-ITEM_INPUT_COLUMNS = ("index", "custom_id", "prompt", "messages", "params")
-
-
 def insert_items(
     session: Session, *, job_id: int, rows: Iterable[dict[str, Any]], batch: int = 2000
 ) -> int:
-    """Insert items (dicts of ITEM_INPUT_COLUMNS, or more columns), streamed; returns the
+    """Insert items (dicts of item columns: index, custom_id, prompt, messages, params, or
+    more), streamed; returns the
     count. PostgreSQL takes them by one COPY (about four times the rate of INSERTs: a
     million rows in well under a minute), storing what an INSERT stores (the columns' own
     defaults, a JSON column's None as JSON null); other databases in INSERTs of ``batch``
@@ -105,14 +103,6 @@ def get_job(session: Session, *, job_id: int) -> Job | None:
     return session.execute(
         select(Job).where(Job.id == job_id).execution_options(populate_existing=True)
     ).scalar_one_or_none()
-
-
-def list_jobs(session: Session, *, limit: int = 50, schedule: str | None = None) -> list[Job]:
-    """The latest jobs, newest first; only those one beat schedule fired if ``schedule``."""
-    stmt = select(Job).order_by(Job.id.desc()).limit(limit)
-    if schedule is not None:
-        stmt = stmt.where(Job.schedule == schedule)
-    return list(session.scalars(stmt))
 
 
 def unfinished_runs(session: Session, *, schedule: str) -> list[int]:

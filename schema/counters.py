@@ -38,7 +38,9 @@ class Counters:
     new_tokens: int = 0
     steps_by_draft_length: list[int] = field(default_factory=list)  # [g]: steps run with g
     draft_time: float = 0.0  # seconds: this request's share of batch drafting time
-    verify_time: float = 0.0  # seconds: its share of target passes (prefill included)
+    # seconds: its share of its steps outside drafting: the target pass (Step.t_verify),
+    # accepting and cache upkeep; its prefill included
+    verify_time: float = 0.0
 
     def observe_step(self, num_draft: int, num_accepted: int, g: int = 0) -> None:
         """Record one step at draft length g: ``num_draft`` proposed, ``num_accepted`` kept."""

@@ -83,10 +83,6 @@ class Request(SamplingParams):
             raise ValueError("prompt_token_ids: must not be empty")
         return self
 
-    @property
-    def params(self) -> SamplingParams:
-        return SamplingParams(**self.model_dump(include=set(SamplingParams.model_fields)))
-
 
 def merge(defaults: Mapping[str, Any], overrides: Mapping[str, Any] | None) -> dict[str, Any]:
     """A job's generation parameters with one item's own on top: the one place they meet."""

@@ -35,6 +35,19 @@ def fresh_pg_database() -> Iterator[str]:
         admin.dispose()
 
 
+def live_leases(session, *, job_id: int) -> list[tuple[int, int, str]]:
+    """(job id, start, owner) of the job's leases that have not run out (database clock)."""
+    from sqlalchemy import select
+
+    from specq.db.clock import db_now
+    from specq.db.models import Chunk
+
+    c = Chunk.__table__.c
+    return [tuple(r) for r in session.execute(
+        select(c.job_id, c.start, c.lease_owner)
+        .where(c.job_id == job_id, c.lease_owner.is_not(None), c.lease_until >= db_now()))]
+
+
 @pytest.fixture(scope="session")
 def pg_url():
     """A fresh PostgreSQL database for this test session, dropped at its end."""

@@ -59,7 +59,7 @@ class ChunkItem:
     index: int
     prompt: str | None
     messages: list | None
-    overrides: dict | None
+    params: dict | None  # its own generation parameters, over the job's
     attempts: int = 0
     retries: int = 0
     crashes: int = 0  # workers that died with it in flight
@@ -105,7 +105,7 @@ def generate_with_retries(
             continue
         try:
             requests[it.index] = Request(id=it.index, prompt=it.prompt, messages=it.messages,
-                                         **merge(params, it.overrides))
+                                         **merge(params, it.params))
         except ValidationError as exc:
             keeper.put(item_outcome(it.index, Result(id=it.index, error=str(exc)), hostname,
                                     started, started))

@@ -13,6 +13,7 @@ from specq.db.clock import db_now
 from specq.db.models import Chunk, Item, ItemStatus, JobStatus
 from specq.db.outcomes import Outcome
 from specq.schema.counters import Counters
+from tests.conftest import live_leases
 
 
 def _job(sessions, n=10, chunk_size=4, queue="q.tiny"):
@@ -47,11 +48,11 @@ def test_a_lease_is_held_until_it_runs_out(sessions):
         assert chunks.claim(s, job_id=job_id, start=0, owner="b", ttl=0.5) is None
         assert chunks.renew(s, job_id=job_id, start=0, owner="a", ttl=0.5)
         assert not chunks.renew(s, job_id=job_id, start=0, owner="b", ttl=0.5)
-        assert [(j, st, o) for j, st, o in chunks.live_leases(s, job_id=job_id)] == [
+        assert [(j, st, o) for j, st, o in live_leases(s, job_id=job_id)] == [
             (job_id, 0, "a")]
     time.sleep(1.1)
     with sessions.begin() as s:
-        assert chunks.live_leases(s, job_id=job_id) == []
+        assert live_leases(s, job_id=job_id) == []
         assert chunks.claim(s, job_id=job_id, start=0, owner="b", ttl=5) == 2  # taken over
         assert not chunks.renew(s, job_id=job_id, start=0, owner="a", ttl=5)  # a lost it
 

@@ -37,7 +37,7 @@ def beat_settings(settings, tmp_path):
 
 def runs(client: Client, schedule: str) -> list:
     with client.sessions() as s:
-        return repo.list_jobs(s, schedule=schedule)
+        return [repo.get_job(s, job_id=j) for j in repo.latest_job_ids(s, schedule=schedule)]
 
 
 def test_beat_schedule_from_yaml(beat_settings):

@@ -106,7 +106,7 @@ def wait_for(predicate, timeout: float, what: str, fleet: Fleet) -> float:
 
 
 def done(job) -> int:
-    return job.status(check_workers=False).done
+    return job.status(check_workers=False).ended
 
 
 def test_engine_faults_fail_nothing_and_poison_no_later_job(fleet):

@@ -76,7 +76,8 @@ def test_synth_run_twice_same_data(cli_settings, tiny_fixed_worker, client, tmp_
 
     # Each run records its spec (no schedule: a run by hand) and where its data set went.
     with client.sessions() as s:
-        jobs = [j for j in repo.list_jobs(s, limit=5) if j.spec == "e2e"][:2]
+        jobs = [repo.get_job(s, job_id=j) for j in repo.latest_job_ids(s, limit=5)]
+        jobs = [j for j in jobs if j.spec == "e2e"][:2]
     assert {j.output_path for j in jobs} == {first, second}
     assert all(j.schedule is None and j.synthesis["n"] == 3 for j in jobs)
 

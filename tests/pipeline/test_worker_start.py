@@ -20,8 +20,8 @@ from specq.api.client import Client
 from specq.broker import dispatch
 from specq.broker.names import queue_name
 from specq.broker.reconciler import reconcile
-from specq.db import chunks
 from specq.db.models import Chunk, Item, Job, JobStatus
+from tests.conftest import live_leases
 from tests.pipeline.conftest import ROOT, worker_env
 
 log = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ def test_no_false_note_while_the_only_worker_is_busy(client, tiny_worker, env_fo
 
     def lease() -> str | None:
         with client.sessions() as s:
-            held = chunks.live_leases(s, job_id=long.id)
+            held = live_leases(s, job_id=long.id)
         return held[0][2] if held else None
 
     owner = _until(lease, 120, "the long chunk's lease")

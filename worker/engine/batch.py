@@ -320,7 +320,8 @@ class Row:
         return self.tokens[self.prompt_len :]
 
     @property
-    def done(self) -> bool:
+    def ended(self) -> bool:
+        """It stopped generating (EOS, a stop string, max_new_tokens)."""
         return self.result.finish_reason is not None
 
     def emit(self, new_tokens: list[int]) -> int:
@@ -331,7 +332,7 @@ class Row:
                 self.result.finish_reason = "stop"
             elif len(self.tokens) - self.prompt_len >= self.request.max_new_tokens:
                 self.result.finish_reason = "length"
-            if self.done:
+            if self.ended:
                 return n
         return len(new_tokens)
 

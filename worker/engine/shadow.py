@@ -56,7 +56,7 @@ def score(rows: list[Row], emitted: list[list[int]]) -> tuple[list[int], list[in
         if ended:
             proposed.append(len(draft))
             accepted.append(k)
-        r.shadow = None if ended or r.done else (draft, k)
+        r.shadow = None if ended or r.ended else (draft, k)
     return proposed, accepted
 
 

@@ -163,7 +163,7 @@ class SpeculativeEngine:
         waiting = deque(enumerate(requests))
         results: dict[int, Result] = {}
 
-        def done(i: int, res: Result) -> None:
+        def hand_back(i: int, res: Result) -> None:
             results[i] = res
             if on_result:
                 on_result(res)
@@ -172,11 +172,11 @@ class SpeculativeEngine:
         self.drafter.use_job(job)
         while waiting or self.rows:
             if waiting and self._room_for(len(waiting)):
-                self._admit(waiting, done, on_admit)
-                self._retire(done)  # max_new_tokens = 1, or EOS first
+                self._admit(waiting, hand_back, on_admit)
+                self._retire(hand_back)  # max_new_tokens = 1, or EOS first
             if self.rows:
                 self._apply(self.step())
-                self._retire(done)
+                self._retire(hand_back)
         return [results[i] for i in sorted(results)]
 
     def _room_for(self, waiting: int) -> bool:
@@ -206,7 +206,7 @@ class SpeculativeEngine:
         return [r.request.id for r in getattr(self, "rows", [])] + list(
             getattr(self, "joining", []))
 
-    def _admit(self, waiting: deque, done: Callable[[int, Result], None],
+    def _admit(self, waiting: deque, hand_back: Callable[[int, Result], None],
                on_admit: Callable[[list[int | str]], None] | None = None) -> None:
         """Prefill waiting requests into free rows; the prefill yields each first token."""
         new: list[tuple[int, Row]] = []
@@ -215,7 +215,7 @@ class SpeculativeEngine:
             try:
                 ids = encode_prompt(self.tokenizer, req, self.context)
             except RequestError as exc:
-                done(i, Result(id=req.id, error=str(exc)))
+                hand_back(i, Result(id=req.id, error=str(exc)))
                 continue
             new.append((i, Row(req, ids, self.eos_ids, self.tokenizer)))
         if not new:
@@ -246,15 +246,15 @@ class SpeculativeEngine:
         self.order += [i for i, _ in new]
         self.last = torch.cat([self.last.to(first.device), first])
 
-    def _retire(self, done: Callable[[int, Result], None]) -> None:
+    def _retire(self, hand_back: Callable[[int, Result], None]) -> None:
         """Hand back finished rows and drop them from the batch and both caches."""
-        finished = [r.done for r in self.rows]
+        finished = [r.ended for r in self.rows]
         if not any(finished):
             return
         for b, row in enumerate(self.rows):
-            if row.done:
+            if row.ended:
                 self.drafter.finish(row.tokens)
-                done(self.order[b], row.finish())
+                hand_back(self.order[b], row.finish())
         keep = fill_holes(finished)  # rows from the end take the leavers' places
         idx = torch.tensor(keep, dtype=torch.long)
         self.kv.select(idx)
