@@ -224,9 +224,10 @@ class Tenant(Base):
     """Who owns files and batches over HTTP; one tenant never sees another's."""
 
     __tablename__ = "tenants"
+    __table_args__ = (UniqueConstraint("name", name="uq_tenants_name"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    name: Mapped[str] = mapped_column(String(200), unique=True)
+    name: Mapped[str] = mapped_column(String(200))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
@@ -235,11 +236,12 @@ class ApiKey(Base):
     hash is as strong as a slow one) and its first characters, to tell keys apart."""
 
     __tablename__ = "api_keys"
+    __table_args__ = (UniqueConstraint("key_hash", name="uq_api_keys_key_hash"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"),
                                            index=True)
-    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
     prefix: Mapped[str] = mapped_column(String(32))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -251,10 +253,13 @@ class File(Base):
     items on download)."""
 
     __tablename__ = "files"
-    __table_args__ = (Index("ix_files_tenant_id_id", "tenant_id", "id"),)
+    __table_args__ = (
+        UniqueConstraint("openai_id", name="uq_files_openai_id"),
+        Index("ix_files_tenant_id_id", "tenant_id", "id"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    openai_id: Mapped[str] = mapped_column(String(64), unique=True)
+    openai_id: Mapped[str] = mapped_column(String(64))
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     kind: Mapped[str] = mapped_column(String(8))
     purpose: Mapped[str] = mapped_column(String(32))
@@ -285,12 +290,13 @@ class Batch(Base):
 
     __tablename__ = "batches"
     __table_args__ = (
+        UniqueConstraint("openai_id", name="uq_batches_openai_id"),
         UniqueConstraint("tenant_id", "idempotency_key"),
         Index("ix_batches_tenant_id_id", "tenant_id", "id"),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    openai_id: Mapped[str] = mapped_column(String(64), unique=True)
+    openai_id: Mapped[str] = mapped_column(String(64))
     tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
     key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
     job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"),

@@ -53,8 +53,9 @@ async def upload_file(request: Request, who: Who) -> dict[str, Any]:
     settings: Settings = request.app.state.settings
     limit = settings.api_max_file_bytes
     length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > limit + 65536:
-        raise _too_large(limit)
+    if length and length.isdigit() and int(length) > 2 * limit + 65536:
+        raise _too_large(limit)  # far too large to be worth reading (a smaller excess is
+        # read and dropped, so that the client sees this answer, not a reset connection)
     try:
         boundary = boundary_of(request.headers.get("content-type"))
     except MultipartError as exc:
