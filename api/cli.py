@@ -41,6 +41,8 @@ HEAVY = {
                     "engine faults: lost, duplicated, wrongly failed"),
     "bench-fleet": ("specq.bench.fleet", "the control plane at scale: a big job, many "
                     "workers, a stand-in engine; rates, waits, memory, a small job behind it"),
+    "bench-serve": ("specq.bench.serve", "the HTTP door: upload and create rates, polling "
+                    "latency, download rate, a restart, memory during a big upload"),
 }
 
 
