@@ -266,8 +266,6 @@ class File(Base):
     filename: Mapped[str] = mapped_column(String(512))
     bytes: Mapped[int | None] = mapped_column(BigInteger)
     lines: Mapped[int | None] = mapped_column(Integer)
-    model: Mapped[str | None] = mapped_column(String(300))
-    url: Mapped[str | None] = mapped_column(String(64))
     stored_in: Mapped[str | None] = mapped_column(String(16))  # directory | database
     batch_id: Mapped[int | None] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -33,8 +33,9 @@ from specq.api.client import Client
 from specq.api.inputs import OPENAI_URLS, InputError
 from specq.api.server.auth import caller
 from specq.api.server.errors import ApiError, not_found
-from specq.api.server.files import aware, unix, upload_path
+from specq.api.server.files import aware, input_bytes, refused, unix, upload_path
 from specq.api.server.models import UnknownModel, resolve
+from specq.api.server.uploads import LineScan
 from specq.broker.names import PRIORITIES
 from specq.db import batches as store
 from specq.db import repository as repo
@@ -263,22 +264,20 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
         f = store.get_file(s, tenant_id=who.tenant_id, openai_id=body.input_file_id)
     if f is None or f.kind != "input":
         raise not_found("File", body.input_file_id, param="input_file_id")
-    if f.url != body.endpoint:
-        raise ApiError(400, f"endpoint: the file's requests are for {f.url}, not "
+    scan = read_requests(client, f, request.app.state.presets)
+    if scan.url != body.endpoint:
+        raise ApiError(400, f"endpoint: the file's requests are for {scan.url}, not "
                        f"{body.endpoint} (one endpoint per batch)", param="endpoint",
                        code="endpoint_mismatch")
-    try:
-        preset = resolve(f.model or "", request.app.state.presets)
-    except UnknownModel as exc:
-        raise ApiError(400, f"body.model: {exc}", param="input_file_id",
-                       code="model_not_found") from None
-    _check_quota(client, who, f.lines or 0)
+    preset = resolve(scan.model or "", request.app.state.presets)
+    _check_quota(client, who, scan.lines)
     try:
         with client.sessions.begin() as s:
             batch = store.add_batch(
                 s, openai_id="batch_" + secrets.token_hex(12), tenant_id=who.tenant_id,
                 key_id=who.key_id, status="validating", input_file_id=f.openai_id,
-                endpoint=body.endpoint, model=f.model, completion_window=body.completion_window,
+                endpoint=body.endpoint, model=scan.model,
+                completion_window=body.completion_window,
                 metadata_=body.metadata, idempotency_key=idempotency_key, request_hash=digest,
                 expires_at=utcnow() + timedelta(seconds=seconds))
     except IntegrityError:  # the same key, at the same moment, from another request
@@ -290,6 +289,29 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
     with client.sessions() as s:
         batch = store.get_batch(s, tenant_id=who.tenant_id, openai_id=batch.openai_id)
     return read_objects(client, [batch])[0]
+
+
+def read_requests(client: Client, f: Any, presets: dict[str, Any]) -> LineScan:
+    """The file's lines read as requests (uploads.LineScan); 400 naming every line that is
+    not one (nothing is stored)."""
+
+    def check_model(model: str) -> str | None:
+        try:
+            resolve(model, presets)
+        except UnknownModel as exc:
+            return str(exc)
+        return None
+
+    scan = LineScan(max_lines=client.settings.api_max_file_lines, check_model=check_model)
+    for data in input_bytes(client, client.settings, f):
+        scan.feed(data)
+        if scan.done:
+            break
+    else:
+        scan.finish()
+    if scan.problems:
+        raise refused(scan.problems, "no batch was made")
+    return scan
 
 
 def _replay(client: Client, who: Caller, key: str, digest: str) -> dict[str, Any] | None:

@@ -13,11 +13,19 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
+from specq.api.inputs import MAX_PROBLEMS
 from specq.api.server import outputs
 from specq.api.server.auth import caller
 from specq.api.server.errors import ApiError, not_found
-from specq.api.server.models import UnknownModel, resolve
-from specq.api.server.uploads import LineScan, MultipartError, Upload, boundary_of, keep, store_path
+from specq.api.server.uploads import (
+    FileCheck,
+    MultipartError,
+    Problem,
+    Upload,
+    boundary_of,
+    keep,
+    store_path,
+)
 from specq.configs.settings import Settings
 from specq.db import batches as store
 from specq.db.models import File
@@ -60,16 +68,7 @@ async def upload_file(request: Request, who: Who) -> dict[str, Any]:
         boundary = boundary_of(request.headers.get("content-type"))
     except MultipartError as exc:
         raise ApiError(400, str(exc), code="invalid_multipart") from None
-    presets = request.app.state.presets
-
-    def check_model(model: str) -> str | None:
-        try:
-            resolve(model, presets)
-        except UnknownModel as exc:
-            return str(exc)
-        return None
-
-    scan = LineScan(max_lines=settings.api_max_file_lines, check_model=check_model)
+    scan = FileCheck(max_lines=settings.api_max_file_lines)
     up = Upload(boundary, settings.files_dir / ".incoming", scan, limit)
     kept = False
     try:
@@ -96,7 +95,7 @@ async def upload_file(request: Request, who: Who) -> dict[str, Any]:
         if up.oversize:
             raise _too_large(limit)
         if scan.problems:
-            raise _refused(scan)
+            raise refused(scan.problems)
         row = await run_in_threadpool(_store, request.app.state.client, settings, who, up)
         kept = True
         return file_object(row)
@@ -112,13 +111,13 @@ def _too_large(limit: int) -> ApiError:
                     f"SPECQ_API_MAX_FILE_BYTES)", param="file", code="file_too_large")
 
 
-def _refused(scan: LineScan) -> ApiError:
-    first = scan.problems[0]
-    more = len(scan.problems) - 1
-    text = "; ".join(p.text() for p in scan.problems)
-    message = (f"The batch file is not valid, nothing was stored: {text}"
-               + (" (and maybe more)" if more >= 19 else ""))
-    return ApiError(400, message, param=first.param or "file", code=first.code)
+def refused(problems: list[Problem], what: str = "nothing was stored") -> ApiError:
+    """A 400 naming every problem found (up to MAX_PROBLEMS), coded as the first one."""
+    first = problems[0]
+    text = "; ".join(p.text() for p in problems)
+    more = " (and maybe more)" if len(problems) >= MAX_PROBLEMS else ""
+    return ApiError(400, f"The batch file is not valid, {what}: {text}{more}",
+                    param=first.param or "file", code=first.code)
 
 
 def _store(client: Any, settings: Settings, who: Caller, up: Upload) -> File:
@@ -126,8 +125,8 @@ def _store(client: Any, settings: Settings, who: Caller, up: Upload) -> File:
     with client.sessions.begin() as s:
         row = store.add_file(
             s, openai_id=openai_id, tenant_id=who.tenant_id, kind="input", purpose="batch",
-            filename=up.filename, bytes=up.size, lines=up.scan.lines, model=up.scan.model,
-            url=up.scan.url, stored_in=settings.api_file_store)
+            filename=up.filename, bytes=up.size, lines=up.scan.lines,
+            stored_in=settings.api_file_store)
         if settings.api_file_store == "database":
             with up.path.open("rb") as f:
                 for part, data in enumerate(iter(lambda: f.read(PART_BYTES), b"")):

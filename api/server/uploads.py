@@ -1,16 +1,18 @@
-"""Uploading a batch input file: the multipart body is parsed as it arrives, its file part
-written to a temporary file and checked line by line on the way (`LineScan`), so a file of
-any size is held in memory one piece at a time. What the scan refuses is never stored.
+"""Batch input files: the multipart body of an upload is parsed as it arrives, its file
+part written to a temporary file and checked on the way, so a file of any size is held in
+memory one piece at a time; what the check refuses is never stored.
 
-The scan checks what makes a file a batch file, the cheap way (one json.loads a line):
-UTF-8, one JSON object per line, an OpenAI request line (custom_id, method, url, body),
-custom_ids unique, one url and one model for the whole file, a model this server serves,
-no ``stream: true``, and the size and line limits. Each line's generation parameters are
-checked in full when a batch is made from the file (api/server/batches.py).
+Two checks, each where it pays. An upload (`FileCheck`) runs at the speed of the bytes: the
+size and line limits, UTF-8, no empty file, and each line an object ({...}), named by its
+line number. A batch made from the file (`LineScan`, api/server/batches.py) reads each line
+as JSON: an OpenAI request line (custom_id, method, url, body), custom_ids unique, one url
+and one model for the whole file, a model this server serves, no ``stream: true``; then
+Client.submit checks each request's parameters in full.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import secrets
@@ -162,15 +164,76 @@ class LineScan:
                        n, "body.stream", "stream_not_supported")
 
 
+@dataclass
+class FileCheck:
+    """The upload's checks, a piece of the file at a time (`feed`, then `finish`)."""
+
+    max_lines: int
+    problems: list[Problem] = field(default_factory=list)
+    lines: int = 0  # non-blank lines
+    _number: int = 0  # lines seen, blank included
+    _rest: bytes = b""
+
+    @property
+    def done(self) -> bool:
+        return len(self.problems) >= MAX_PROBLEMS or any(p.code in FATAL for p in self.problems)
+
+    def feed(self, data: bytes) -> None:
+        if self.done:
+            return
+        pieces = (self._rest + data).split(b"\n")
+        self._rest = pieces.pop()
+        if len(self._rest) > MAX_LINE_BYTES:
+            self._fail(f"longer than {MAX_LINE_BYTES} bytes", self._number + 1, "line_too_long")
+            return
+        for raw in pieces:
+            self._line(raw)
+            if self.done:
+                return
+
+    def finish(self) -> None:
+        if not self.done and self._rest:
+            self._line(self._rest)
+        self._rest = b""
+        if not self.problems and self.lines == 0:
+            self._fail("the file holds no requests (it is empty or blank)", None, "empty_file")
+
+    def _fail(self, message: str, line: int | None, code: str) -> None:
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(Problem(message, line, "file", code))
+
+    def _line(self, raw: bytes) -> None:
+        self._number += 1
+        text = raw.strip()
+        if not text:
+            return
+        self.lines += 1
+        if self.lines > self.max_lines:
+            self._fail(f"the file holds more than {self.max_lines} requests (the limit, "
+                       f"SPECQ_API_MAX_FILE_LINES)", None, "too_many_lines")
+            return
+        if self._number == 1:
+            text = text.removeprefix(codecs.BOM_UTF8)
+        try:
+            text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self._fail(f"not valid UTF-8 (byte 0x{text[exc.start]:02x} at byte "
+                       f"{exc.start + 1} of the line)", self._number, "invalid_utf8")
+            return
+        if text[:1] != b"{" or text[-1:] != b"}":
+            self._fail("not a JSON object: a batch file is JSONL, one request object per "
+                       "line", self._number, "invalid_json_line")
+
+
 class MultipartError(ValueError):
     """A body that is not the multipart form an upload is."""
 
 
 class Upload:
     """One multipart upload (`write` each piece of the body, then `finish`): its form
-    fields, and its file part written to ``incoming``/NAME.part and scanned."""
+    fields, and its file part written to ``incoming``/NAME.part and checked."""
 
-    def __init__(self, boundary: bytes, incoming: Path, scan: LineScan, max_bytes: int) -> None:
+    def __init__(self, boundary: bytes, incoming: Path, scan: FileCheck, max_bytes: int) -> None:
         self.scan, self.max_bytes = scan, max_bytes
         self.fields: dict[str, str] = {}
         self.filename: str | None = None

@@ -332,11 +332,19 @@ def counts(settings) -> tuple[int, int, int]:
         return tuple(s.scalar(select(func.count()).select_from(m)) for m in (File, Batch, Job))
 
 
-BAD_FILES = {
+# (file, code, what the message says); the first ones are refused by the upload, at the
+# speed of the bytes, the rest when a batch is made of the file (each line read as JSON)
+BAD_UPLOADS = {
     "not JSONL": (b"custom_id,prompt\nx,hello\n", "invalid_json_line", "line 1"),
     "not UTF-8": (jsonl([line("a", "ok")]) + b'{"custom_id": "\xff"}\n', "invalid_utf8",
                   "line 2"),
     "empty": (b"\n\n", "empty_file", "no requests"),
+    "too many lines": (jsonl([line(f"n{i}", "x") for i in range(3001)]), "too_many_lines",
+                       "3000"),
+}
+BAD_REQUESTS = {
+    "not JSON": (jsonl([line("a", "x")]) + b"{custom_id: b}\n", "invalid_json_line",
+                 "line 2"),
     "mixed models": (jsonl([line("a", "x"), line("b", "y", model="tiny")]), "mixed_models",
                      "line 2"),
     "unknown model": (jsonl([line("a", "x", model="gpt-4o")]), "model_not_found",
@@ -348,14 +356,12 @@ BAD_FILES = {
     "stream": (jsonl([line("a", "x", stream=True)]), "stream_not_supported", "body.stream"),
     "unsupported url": (jsonl([{**line("a", "x"), "url": "/v1/embeddings"}]),
                         "unsupported_url", "/v1/embeddings"),
-    "too many lines": (jsonl([line(f"n{i}", "x") for i in range(3001)]), "too_many_lines",
-                       "3000"),
 }
 
 
-@pytest.mark.parametrize("case", list(BAD_FILES))
+@pytest.mark.parametrize("case", list(BAD_UPLOADS))
 def test_a_bad_file_is_refused_whole(sdk, http_settings, case):
-    data, code, says = BAD_FILES[case]
+    data, code, says = BAD_UPLOADS[case]
     before = counts(http_settings)
     with pytest.raises(openai.BadRequestError) as err:
         upload(sdk, data)
@@ -363,6 +369,17 @@ def test_a_bad_file_is_refused_whole(sdk, http_settings, case):
     assert err.value.body["type"] == "invalid_request_error"
     assert counts(http_settings) == before
     assert list((http_settings.files_dir / ".incoming").iterdir()) == []
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_a_file_of_bad_requests_makes_no_batch(sdk, http_settings, case):
+    data, code, says = BAD_REQUESTS[case]
+    f = upload(sdk, data)
+    before = counts(http_settings)
+    with pytest.raises(openai.BadRequestError) as err:
+        create(sdk, f.id)
+    assert err.value.code == code and says in err.value.message, err.value.message
+    assert counts(http_settings) == before and sdk.batches.list().data == []
 
 
 def test_refusals_of_uploads_and_creates(sdk, server, http_settings):

@@ -92,8 +92,6 @@ def upgrade() -> None:
         sa.Column("filename", sa.String(length=512), nullable=False),
         sa.Column("bytes", sa.BigInteger(), nullable=True),
         sa.Column("lines", sa.Integer(), nullable=True),
-        sa.Column("model", sa.String(length=300), nullable=True),
-        sa.Column("url", sa.String(length=64), nullable=True),
         sa.Column("stored_in", sa.String(length=16), nullable=True),
         sa.Column("batch_id", sa.Integer(), nullable=True),
         _when("created_at", nullable=False),
