@@ -425,3 +425,29 @@ def test_refusals_of_uploads_and_creates(sdk, server, http_settings):
         "message", "type", "param", "code"}
     assert counts(http_settings)[1:] == (before[1] + 1, before[2])  # the failed batch alone
     assert os.listdir(http_settings.files_dir / ".incoming") == []
+
+
+def test_files_kept_in_the_database_serve_as_those_in_a_directory(http_settings, tmp_path):
+    """SPECQ_API_FILE_STORE=database (servers on several machines): an upload lands in
+    file_parts, a mebibyte a row, and reads back, and a batch is made from it."""
+    kept = Server(http_settings.model_copy(update={"api_file_store": "database"}),
+                  tmp_path / "serve.log")
+    kept.start()
+    try:
+        sdk = openai.OpenAI(base_url=kept.url, api_key=new_key(http_settings), max_retries=0)
+        lines = [line(f"d{i}", "z" * 400, model="tiny-lookup") for i in range(2400)]
+        f = upload(sdk, lines)
+        assert sdk.files.content(f.id).content == jsonl(lines)
+        with Client(http_settings).sessions() as s:
+            parts = s.execute(text("SELECT COUNT(*) FROM file_parts p JOIN files f ON "
+                                   "f.id = p.file_id WHERE f.openai_id = :f"),
+                              {"f": f.id}).scalar()
+        assert parts == 2  # 1.3 MB, in parts of 1 MiB
+        batch = create(sdk, f.id)
+        assert batch.status == "in_progress" and batch.request_counts.total == 2400
+        assert sdk.batches.cancel(batch.id).status == "cancelled"
+        sdk.files.delete(f.id)
+        with pytest.raises(openai.NotFoundError):
+            sdk.files.retrieve(f.id)
+    finally:
+        kept.stop()
