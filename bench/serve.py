@@ -115,12 +115,13 @@ def write_file(path: Path, lines: int, line_bytes: int, model: str, tag: str) ->
 
 
 async def _poll(url: str, key: str, batch_id: str, clients: int, every: float,
-                seconds: float) -> tuple[list[float], int]:
-    """``clients`` pollers, each GET every ``every`` s for ``seconds``: latencies (s), and
-    how many answers said in_progress."""
+                seconds: float) -> tuple[list[float], int, int]:
+    """``clients`` pollers, each GET every ``every`` s for ``seconds``: latencies (s), how
+    many answers said in_progress, and how many requests failed (a dropped connection)."""
     import httpx2
 
     latencies: list[float] = []
+    failures: list[float] = []
     running = 0
     limits = httpx2.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx2.AsyncClient(limits=limits, timeout=30,
@@ -132,14 +133,18 @@ async def _poll(url: str, key: str, batch_id: str, clients: int, every: float,
             await asyncio.sleep(random.random() * every)
             while time.monotonic() < end:
                 t0 = time.perf_counter()
-                r = await http.get(f"{url}/batches/{batch_id}")
+                try:
+                    r = await http.get(f"{url}/batches/{batch_id}")
+                except httpx2.TransportError:  # counted, and the poll goes on
+                    failures.append(time.perf_counter() - t0)
+                    continue
                 latencies.append(time.perf_counter() - t0)
                 r.raise_for_status()
                 running += r.json()["status"] == "in_progress"
                 await asyncio.sleep(max(0.0, every - (time.perf_counter() - t0)))
 
         await asyncio.gather(*(one() for _ in range(clients)))
-    return latencies, running
+    return latencies, running, len(failures)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -202,7 +207,7 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         if batch.status == "failed":
             raise RuntimeError(f"the batch failed its check: {batch.errors.data[0].message}")
 
-        latencies, running = asyncio.run(_poll(url, key, batch.id, args.pollers,
+        latencies, running, r["poll_failures"] = asyncio.run(_poll(url, key, batch.id, args.pollers,
                                                args.poll_every, args.poll_seconds))
         r["polls"], r["polls_in_progress"] = len(latencies), running
         r["poll_ms"] = {q: 1000 * _pct(latencies, p) for q, p in
@@ -261,8 +266,8 @@ def run(args: argparse.Namespace) -> int:
           f"sent)")
     p = r["poll_ms"]
     print(f"poll        {r['polls']} GETs ({r['polls_in_progress']} while in progress): "
-          f"p50 {p['p50']:.1f} ms, p95 {p['p95']:.1f} ms, p99 {p['p99']:.1f} ms  "
-          f"(target p95 < 50)")
+          f"p50 {p['p50']:.1f} ms, p95 {p['p95']:.1f} ms, p99 {p['p99']:.1f} ms, "
+          f"{r['poll_failures']} failed  (target p95 < 50)")
     print(f"download    {r['download_lines']:8d} lines in {r['download_s']:6.2f} s  "
           f"{r['download_lines_per_s']:8.0f} lines/s     (target >= 20,000)")
     print(f"restart     batch and output the same after it: {r['restart_same']}")
