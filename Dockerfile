@@ -1,4 +1,4 @@
-# The specq image: workers, beat, migrations and Flower all run from it, as the unprivileged
+# The specq image: workers, beat, migrations, the HTTP API and Flower all run from it, as the unprivileged
 # user specq (uid 10001), never as root.
 #   docker build --build-arg TORCH=cu128 -t specq .     # CUDA 12.8 torch (GPU workers)
 #   docker build --build-arg TORCH=cpu -t specq .       # CPU torch (beat, Flower, tests)
@@ -28,7 +28,7 @@ COPY configs configs
 COPY schema schema
 COPY bench bench
 COPY src src
-RUN pip install ".[worker,flower]"
+RUN pip install ".[worker,flower,serve]"
 # alembic.ini (script_location db/migrations) and the sources stay in /app, the working dir.
 # Numeric, so that a runtime that refuses root (Kubernetes runAsNonRoot) can check it.
 USER 10001:10001

@@ -41,6 +41,8 @@ HEAVY = {
                     "engine faults: lost, duplicated, wrongly failed"),
     "bench-fleet": ("specq.bench.fleet", "the control plane at scale: a big job, many "
                     "workers, a stand-in engine; rates, waits, memory, a small job behind it"),
+    "bench-serve": ("specq.bench.serve", "the HTTP door: upload and create rates, polling "
+                    "latency, download rate, a restart, memory during a big upload"),
 }
 
 
@@ -326,6 +328,28 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--hostname", "-n", default=None, help="worker name (default PAIR@HOST)")
     s.set_defaults(func=cmd_worker)
 
+    s = sub.add_parser("serve", help="the OpenAI Files and Batches API over HTTP (each tenant "
+                       "behind its own key: specq keys)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    s.add_argument("--port", type=_count(), default=8000)
+    s.add_argument("--workers", type=_count(), default=1, help="server processes")
+    s.add_argument("--loglevel", default="info", type=_log_level)
+    s.set_defaults(func=cmd_serve)
+
+    keys = sub.add_parser("keys", help="API keys of the HTTP server's tenants")
+    ksub = keys.add_subparsers(required=True, metavar="ACTION")
+    s = ksub.add_parser("create", help="a new key for tenant NAME (made if new); the last "
+                        "line printed is the key, shown this once")
+    s.add_argument("name")
+    s.set_defaults(func=cmd_keys_create)
+    s = ksub.add_parser("list", help="every key: tenant, first characters, created, revoked")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_keys_list)
+    s = ksub.add_parser("revoke", help="revoke tenant NAME's keys (or the one shown as --key)")
+    s.add_argument("name")
+    s.add_argument("--key", help="only the key whose first characters `keys list` shows")
+    s.set_defaults(func=cmd_keys_revoke)
+
     s = sub.add_parser("migrate", help="create or upgrade the database schema (alembic)")
     s.set_defaults(func=cmd_migrate)
 
@@ -543,7 +567,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         return 0
     print(f"{'id':>6}  {'status':<11} {'pair':<16} {'drafting':<24} {'completed':>15} "
           f"{'failed':>7} {'cancel':>7}  {'accept':>6}  {'len':>5}  {'g':>5}  {'tok/s':>7}  "
-          f"{'speedup':>7}  created")
+          f"{'speedup':>7}  {'created':<19}  tenant")
     for j in jobs:
         print(f"{j.id:>6}  {j.status:<11} {j.pair:<16} {drafting(j):<24} "
               f"{f'{j.completed}/{j.total}':>15} {j.failed:>7} {j.cancelled:>7}  "
@@ -552,7 +576,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
               f"{shown('mean_draft_length', j.mean_draft_length):>5}  "
               f"{shown('tokens_per_second', j.tokens_per_second):>7}  "
               f"{shown('estimated_speedup', j.estimated_speedup, drafted=drafted(j)):>7}  "
-              f"{j.created_at.strftime('%Y-%m-%d %H:%M:%S') if j.created_at else ''}")
+              f"{j.created_at.strftime('%Y-%m-%d %H:%M:%S') if j.created_at else '':<19}  "
+              f"{j.tenant or '-'}")
     return 0
 
 
@@ -664,6 +689,66 @@ def cmd_cache_tokenizer(args: argparse.Namespace) -> int:
     print(f"pair {preset.name}: tokenizer of {preset.target.label} (context "
           f"{target_context(preset, settings)} tokens) in {folder}", file=sys.stderr)
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run the HTTP server (uvicorn); an embedded SQLite database is migrated first."""
+    from specq.api.server.app import serve
+    from specq.db.session import migrate
+
+    settings = get_settings()
+    if settings.sqlalchemy_url.startswith("sqlite"):
+        migrate(settings.sqlalchemy_url)
+    serve(args.host, args.port, args.workers, args.loglevel)
+    return 0
+
+
+def _tenant_name(name: str) -> str:
+    name = name.strip()
+    if not name or len(name) > 200 or not name.isprintable():
+        raise InputError(["name: 1 to 200 printable characters"])
+    return name
+
+
+def cmd_keys_create(args: argparse.Namespace) -> int:
+    from specq.db import tenants
+
+    name = _tenant_name(args.name)
+    with Client().sessions.begin() as s:
+        key = tenants.create_key(s, tenant=name)
+    print(f"tenant {name}: a new API key (stored hashed: shown this once; keep it secret):",
+          file=sys.stderr)
+    print(key)
+    return 0
+
+
+def cmd_keys_list(args: argparse.Namespace) -> int:
+    from specq.db import tenants
+
+    with Client().sessions() as s:
+        keys = tenants.list_keys(s)
+    if args.json:
+        print(json.dumps([{"tenant": k.tenant, "key": k.prefix + "...",
+                           "created_at": k.created_at.isoformat(),
+                           "revoked_at": k.revoked_at.isoformat() if k.revoked_at else None}
+                          for k in keys], indent=2))
+        return 0
+    print(f"{'tenant':<24} {'key':<20} {'created':<19}  revoked")
+    for k in keys:
+        revoked = k.revoked_at.strftime("%Y-%m-%d %H:%M:%S") if k.revoked_at else "-"
+        print(f"{k.tenant:<24} {k.prefix + '...':<20} "
+              f"{k.created_at.strftime('%Y-%m-%d %H:%M:%S')}  {revoked}")
+    return 0
+
+
+def cmd_keys_revoke(args: argparse.Namespace) -> int:
+    from specq.db import tenants
+
+    prefix = args.key.removesuffix("...") if args.key else None
+    with Client().sessions.begin() as s:
+        n = tenants.revoke(s, tenant=_tenant_name(args.name), prefix=prefix)
+    print(f"tenant {args.name}: {n} key{'s' * (n != 1)} revoked", file=sys.stderr)
+    return 0 if n else 1
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

@@ -41,7 +41,7 @@ from specq.api.tokenizer import (
 from specq.broker.names import PRIORITIES, queue_name
 from specq.configs.presets import PairPreset, UnknownPair, get_preset
 from specq.configs.settings import Settings, get_settings
-from specq.db import chunks
+from specq.db import batches, chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
 from specq.db.session import migrate, session_factory
@@ -116,11 +116,12 @@ class JobSummary(JobState):
     tokens_per_second: float | None = None
     engine_tokens_per_second: float | None = None
     estimated_speedup: float | None = None
+    tenant: str | None = None  # whose batch it runs (the HTTP door); None: client or CLI
 
     @classmethod
     def from_row(cls, row: Any) -> JobSummary:
         """From a job_metrics row (a mapping of its columns)."""
-        names = {f.name for f in fields(cls)} - {"id", "note"}
+        names = {f.name for f in fields(cls)} - {"id", "note", "tenant"}
         values = {k: row[k] for k in names}
         for name in ("acceptance_rate", "mean_acceptance_length", "mean_draft_length",
                      "tokens_per_pass", "tokens_per_second", "engine_tokens_per_second",
@@ -382,11 +383,16 @@ class Client:
 
     def jobs(self, limit: int = 50, schedule: str | None = None) -> list[JobSummary]:
         """The latest jobs, newest first (only one beat schedule's runs if ``schedule``),
-        with how each drafts and its figures: one query of the view job_metrics."""
+        with how each drafts and its figures (one query of the view job_metrics), and the
+        tenant of those made over HTTP."""
         with self.sessions() as s:
             ids = repo.latest_job_ids(s, limit=limit, schedule=schedule)
             rows = repo.job_figures(s, job_ids=ids)
-        return [JobSummary.from_row(r) for r in rows]
+            tenants = batches.job_tenants(s, job_ids=ids)
+        jobs = [JobSummary.from_row(r) for r in rows]
+        for j in jobs:
+            j.tenant = tenants.get(j.id)
+        return jobs
 
     def workers_for(self, pair: str) -> list[str] | None:
         """Hostnames of the live workers serving ``pair``; None if the broker cannot be

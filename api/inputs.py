@@ -78,6 +78,8 @@ def storable(value: Any, path: str) -> str | None:
     64 bits, finite floats; at most MAX_DEPTH levels and MAX_VALUES values (cycles and
     YAML alias bombs end there). ``path`` names ``value``; nested ones read
     'messages[0].content'."""
+    if _fine(value):  # the common case, without a path built for every value
+        return None
     stack: list[tuple[str, Any, int]] = [(path, value, 0)]
     seen = 0
     while stack:
@@ -112,6 +114,38 @@ def storable(value: Any, path: str) -> str | None:
         if problem:
             return f"{where or 'entry'}: {problem}"
     return None
+
+
+def _fine(value: Any) -> bool:
+    """True when `storable` finds nothing wrong with ``value``; False when it may (it then
+    walks again, naming the place). Plain JSON types only: anything else is for storable."""
+    stack: list[tuple[Any, int]] = [(value, 0)]
+    seen = 0
+    while stack:
+        v, depth = stack.pop()
+        seen += 1
+        if seen > MAX_VALUES or depth > MAX_DEPTH:
+            return False
+        kind = type(v)
+        if kind is str:
+            if "\x00" in v or (not v.isascii() and text_problem(v)):
+                return False
+        elif kind is dict:
+            for k, x in v.items():
+                if type(k) is not str or "\x00" in k or (not k.isascii() and text_problem(k)):
+                    return False
+                stack.append((x, depth + 1))
+        elif kind is list:
+            stack.extend((x, depth + 1) for x in v)
+        elif kind is int:
+            if not -INT64 <= v < INT64:
+                return False
+        elif kind is float:
+            if not math.isfinite(v):
+                return False
+        elif v is not None and kind is not bool:
+            return False
+    return True
 
 
 def check_count(name: str, value: Any, *, low: int = 1, high: int = INT32_MAX) -> int:

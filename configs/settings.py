@@ -101,6 +101,30 @@ class Settings(BaseSettings):
         description="seconds a schedule's firing lock lives if its holder dies"
     )
 
+    # The OpenAI Batch API over HTTP (`specq serve`, api/server/).
+    api_file_store: str = Field(
+        "directory", description="where uploaded batch files are kept: directory (under "
+        "api_files_dir) or database (the table file_parts: servers on several machines)")
+    api_files_dir: Path | None = Field(
+        None, description="uploaded batch files with api_file_store=directory; default "
+        "DATA_DIR/files")
+    api_max_file_bytes: int = Field(
+        200 * 1024 * 1024, ge=1, le=2**40, description="largest upload, in bytes (OpenAI's 200 MB)")
+    api_max_file_lines: int = Field(
+        50_000, ge=1, le=100_000_000, description="most requests in one batch file (OpenAI's "
+        "50,000; a million and more if set)")
+    api_quota_items: int = Field(
+        1_000_000, ge=0, le=2**40, description="unfinished requests a tenant may have in its "
+        "batches at once; a create beyond it answers 429; 0: no quota")
+    api_max_window: int = Field(
+        7 * 86400, ge=1, le=365 * 86400, description="longest completion_window, seconds")
+    api_expire_every: float = Field(
+        5.0, gt=0, le=3600, description="seconds between a server's passes that expire "
+        "batches past their completion_window")
+    api_max_header_bytes: int = Field(
+        16384, ge=1024, le=1024 * 1024, description="request headers larger than this are "
+        "refused (431)")
+
     @field_validator("*", mode="before")
     @classmethod
     def _whole_numbers(cls, value: Any, info: ValidationInfo) -> Any:
@@ -168,6 +192,18 @@ class Settings(BaseSettings):
             raise ValueError("file not found")
         return None if value is None else anchor(value)
 
+    @field_validator("api_file_store")
+    @classmethod
+    def _api_file_store(cls, value: str) -> str:
+        if value not in ("directory", "database"):
+            raise ValueError("must be directory or database")
+        return value
+
+    @field_validator("api_files_dir")
+    @classmethod
+    def _api_files_dir(cls, value: Path | None) -> Path | None:
+        return None if value is None else anchor(value)
+
     @field_validator("schedules_file")
     @classmethod
     def _schedules_file(cls, value: Path) -> Path:
@@ -200,6 +236,11 @@ class Settings(BaseSettings):
         if self.database_url:
             return self.database_url
         return f"sqlite:///{(self.data_dir / 'specq.db').resolve()}"
+
+    @property
+    def files_dir(self) -> Path:
+        """Where uploaded batch files are kept (api_file_store=directory)."""
+        return self.api_files_dir or self.data_dir / "files"
 
     @property
     def beat_schedule_file(self) -> Path:

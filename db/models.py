@@ -8,12 +8,14 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Float,
     ForeignKey,
     Index,
     Integer,
+    LargeBinary,
     MetaData,
     String,
     Text,
@@ -215,3 +217,102 @@ _COUNTER_TYPES = {"int": Integer, "float": Float, "array": JSON}
 for _table in (Item, Chunk):
     for _name, _kind in counter_kinds().items():
         setattr(_table, _name, mapped_column(_name, _COUNTER_TYPES[_kind], nullable=True))
+
+
+# -- the OpenAI Batch API's tenants, keys, files and batches (api/server/) ----------------
+
+
+class Tenant(Base):
+    """Who owns files and batches over HTTP; one tenant never sees another's."""
+
+    __tablename__ = "tenants"
+    __table_args__ = (UniqueConstraint("name", name="uq_tenants_name"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    name: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class ApiKey(Base):
+    """A tenant's key, stored as the SHA-256 of the key (a random 256-bit secret, so a plain
+    hash is as strong as a slow one) and its first characters, to tell keys apart."""
+
+    __tablename__ = "api_keys"
+    __table_args__ = (UniqueConstraint("key_hash", name="uq_api_keys_key_hash"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"),
+                                           index=True)
+    key_hash: Mapped[str] = mapped_column(String(64))
+    prefix: Mapped[str] = mapped_column(String(32))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class File(Base):
+    """A file of the Files API: an uploaded batch input (kind 'input', its bytes in the
+    file store), or a batch's output or error file (kind 'output' | 'error', made from the
+    items on download)."""
+
+    __tablename__ = "files"
+    __table_args__ = (
+        UniqueConstraint("openai_id", name="uq_files_openai_id"),
+        Index("ix_files_tenant_id_id", "tenant_id", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    openai_id: Mapped[str] = mapped_column(String(64))
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(8))
+    purpose: Mapped[str] = mapped_column(String(32))
+    filename: Mapped[str] = mapped_column(String(512))
+    bytes: Mapped[int | None] = mapped_column(BigInteger)
+    lines: Mapped[int | None] = mapped_column(Integer)
+    stored_in: Mapped[str | None] = mapped_column(String(16))  # directory | database
+    batch_id: Mapped[int | None] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class FilePart(Base):
+    """A piece of an uploaded file kept in the database (SPECQ_FILE_STORE=database)."""
+
+    __tablename__ = "file_parts"
+
+    file_id: Mapped[int] = mapped_column(ForeignKey("files.id", ondelete="CASCADE"),
+                                         primary_key=True)
+    part: Mapped[int] = mapped_column(Integer, primary_key=True)
+    data: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class Batch(Base):
+    """A batch of the Batch API: its request, and the job that runs it. Its status is the
+    job's once the job exists (api/server/batches.py); before, validating or failed."""
+
+    __tablename__ = "batches"
+    __table_args__ = (
+        UniqueConstraint("openai_id", name="uq_batches_openai_id"),
+        UniqueConstraint("tenant_id", "idempotency_key"),
+        Index("ix_batches_tenant_id_id", "tenant_id", "id"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    openai_id: Mapped[str] = mapped_column(String(64))
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
+    job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"),
+                                               index=True)
+    status: Mapped[str] = mapped_column(String(16))  # validating | failed | submitted
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    endpoint: Mapped[str] = mapped_column(String(64))
+    model: Mapped[str | None] = mapped_column(String(300))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata", JSON)
+    errors: Mapped[list[dict[str, Any]] | None] = mapped_column(JSON)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255))
+    request_hash: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    in_progress_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -106,7 +106,8 @@ def bindings(service: dict):
 
 
 def test_services_and_persistence():
-    assert {"redis", "postgres", "migrate", "worker-gpu0", "beat", "flower"} <= set(SERVICES)
+    assert {"redis", "postgres", "migrate", "worker-gpu0", "beat", "flower", "api"} <= set(
+        SERVICES)
     redis_cmd = " ".join(SERVICES["redis"]["command"])
     assert "--appendonly yes" in redis_cmd and "--maxmemory-policy noeviction" in redis_cmd
     volumes = set(COMPOSE["volumes"])
@@ -187,7 +188,7 @@ def test_command_resolves_in_the_image(name):
         if "flower" in cmd:
             assert any(d.startswith("flower") for d in
                        PYPROJECT["project"]["optional-dependencies"]["flower"])
-            assert 'pip install ".[worker,flower]"' in DOCKERFILE
+            assert 'pip install ".[worker,flower,serve]"' in DOCKERFILE
     else:
         pytest.fail(f"{name}: unknown command {cmd}")
 
@@ -232,7 +233,7 @@ def test_dockerfile_builds_what_the_package_needs():
 
 def test_published_ports_listen_on_loopback_unless_the_user_opts_in():
     published = {name: list(bindings(s)) for name, s in SERVICES.items() if s.get("ports")}
-    assert set(published) == {"redis", "postgres", "flower"}
+    assert set(published) == {"redis", "postgres", "flower", "api"}
     for name, ports in published.items():
         for address, host_port, container_port in ports:
             where = f"{name}: {address}:{host_port}:{container_port}"

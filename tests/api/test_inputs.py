@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specq.api.inputs import InputError, JsonLine, normalise, open_source
 
@@ -51,3 +53,21 @@ def test_bad_lines_name_the_field(obj, message):
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(InputError, match="nope.jsonl: file not found"):
         open_source(tmp_path / "nope.jsonl")
+
+
+_TEXT = st.text(st.characters(blacklist_categories=[]), max_size=6)  # NUL, lone surrogates
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-2**70, max_value=2**70)
+    | st.floats(allow_nan=True, allow_infinity=True) | _TEXT,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(_TEXT, inner, max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None)
+@given(_JSON)
+def test_the_fast_check_of_storable_values_agrees_with_the_full_walk(value):
+    """`storable` skips its path-naming walk when `_fine` passes a value: on JSON's own
+    types the two agree, so the walk runs exactly when there is a problem to name."""
+    from specq.api.inputs import _fine, storable
+
+    assert _fine(value) == (storable(value, "prompt") is None)

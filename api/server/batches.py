@@ -1,0 +1,382 @@
+"""/v1/batches: a batch is made from an uploaded file (its job submitted through
+Client.submit, which checks every line in full), read back as OpenAI's Batch object with
+its live counts and specq's figures, listed, cancelled, and expired when its completion
+window ends.
+
+Its status comes from its job (db/models.py: JobStatus), which the workers drive:
+
+    validating   the batch row exists, its job not yet (a create still checking the file)
+    failed       the file failed the full check (``errors`` names each line), or the job failed
+    in_progress  the job is queued or running
+    finalizing   the window ended and the requests still running finish (then: expired)
+    completed / cancelling / cancelled / expired   as the job ends
+
+Nothing here is held in memory between requests: the database is the truth, and every
+server can answer for every batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import secrets
+from datetime import datetime, timedelta
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, Header, Query, Request
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from sqlalchemy.exc import IntegrityError
+
+from specq.api.client import Client
+from specq.api.inputs import OPENAI_URLS, InputError
+from specq.api.server.auth import caller
+from specq.api.server.errors import ApiError, not_found
+from specq.api.server.files import aware, input_bytes, refused, unix, upload_path
+from specq.api.server.models import UnknownModel, resolve
+from specq.api.server.uploads import LineScan
+from specq.broker.names import PRIORITIES
+from specq.db import batches as store
+from specq.db import repository as repo
+from specq.db.models import Batch, JobStatus, utcnow
+from specq.db.tenants import Caller
+
+log = logging.getLogger(__name__)
+router = APIRouter()
+Who = Annotated[Caller, Depends(caller)]
+WINDOW = re.compile(r"(\d{1,8})([smhd])")
+UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+LINE = re.compile(r"line (\d+): (.*)", re.S)
+FIELD = re.compile(r"([\w.\[\]]+): ")
+
+
+class BatchCreate(BaseModel):
+    """The create request; fields OpenAI adds (output_expires_after, ...) are accepted and
+    not used."""
+
+    model_config = ConfigDict(extra="allow")
+
+    input_file_id: str = Field(max_length=64)
+    endpoint: str = Field(max_length=64)
+    completion_window: str = Field(max_length=16)
+    metadata: dict[str, str] | None = None
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None:
+            if len(value) > 16:
+                raise ValueError("at most 16 keys")
+            if any(len(k) > 64 or len(v) > 512 for k, v in value.items()):
+                raise ValueError("keys of at most 64 characters, values of at most 512")
+        return value
+
+
+def window_seconds(text: str, most: int) -> int:
+    """'24h', '30m', '2d', '90s' in seconds, within [1, most]; ApiError otherwise."""
+    found = WINDOW.fullmatch(text)
+    seconds = int(found.group(1)) * UNITS[found.group(2)] if found else 0
+    if not found or not 1 <= seconds <= most:
+        raise ApiError(400, f"completion_window: {text[:20]!r} is not served; give a duration "
+                       f"such as '24h' (units s, m, h, d) of at most {most} s",
+                       param="completion_window", code="invalid_completion_window")
+    return seconds
+
+
+# -- the Batch object ---------------------------------------------------------------------
+
+def status_of(batch: Batch, job_status: str | None, now: datetime) -> str:
+    if batch.status == "failed":
+        return "failed"
+    if job_status is None:  # a create that died while checking its file
+        return "expired" if now > aware(batch.expires_at) else "validating"
+    job = JobStatus(job_status)
+    if job in (JobStatus.completed, JobStatus.failed):
+        return job.value
+    if batch.expired_at is not None:
+        return "expired" if job == JobStatus.cancelled else "finalizing"
+    if job in (JobStatus.cancelled, JobStatus.cancelling):
+        return job.value
+    return "in_progress"
+
+
+FIGURES = ("acceptance_rate", "mean_acceptance_length", "tokens_per_second",
+           "engine_tokens_per_second", "estimated_speedup")
+
+
+def batch_object(batch: Batch, row: Any, files: dict[str, Any], lines: int | None
+                 ) -> dict[str, Any]:
+    """OpenAI's Batch object; ``row``: its job's job_metrics row (None before the job),
+    ``files``: its output and error files, ``lines``: requests in its input file."""
+    now = utcnow()
+    status = status_of(batch, row["status"] if row else None, now)
+    finished = unix(row["finished_at"]) if row else None
+    counts = ({"total": row["total"], "completed": row["completed"], "failed": row["failed"]}
+              if row else {"total": lines or 0, "completed": 0, "failed": 0})
+    errors = ({"object": "list", "data": batch.errors} if batch.errors else None)
+    output = files.get("output")
+    error = files.get("error")
+    has_errors = row is not None and (row["failed"] or row["cancelled"])
+    out: dict[str, Any] = {
+        "id": batch.openai_id, "object": "batch", "endpoint": batch.endpoint,
+        "model": batch.model, "errors": errors, "input_file_id": batch.input_file_id,
+        "completion_window": batch.completion_window, "status": status,
+        "output_file_id": output.openai_id if output is not None and row else None,
+        "error_file_id": error.openai_id if error is not None and has_errors else None,
+        "created_at": unix(batch.created_at), "in_progress_at": unix(batch.in_progress_at),
+        "expires_at": unix(batch.expires_at),
+        "finalizing_at": (finished if status == "completed" else unix(batch.expired_at)),
+        "completed_at": finished if status == "completed" else None,
+        "failed_at": unix(batch.failed_at) or (finished if status == "failed" else None),
+        "expired_at": unix(batch.expired_at),
+        "cancelling_at": unix(batch.cancelling_at),
+        "cancelled_at": finished if status == "cancelled" else None,
+        "request_counts": counts,
+        "metadata": batch.metadata_,
+    }
+    if row is not None:  # specq's own figures: an extra field every OpenAI SDK keeps
+        out["specq"] = {
+            "job_id": row["job_id"], "pair": row["pair"], "drafter": row["drafter"],
+            "cancelled": row["cancelled"], "pending": row["pending"],
+            "new_tokens": int(row["new_tokens"] or 0),
+            **{k: None if row[k] is None else float(row[k]) for k in FIGURES},
+        }
+    return out
+
+
+def read_objects(client: Client, batches: list[Batch]) -> list[dict[str, Any]]:
+    """The Batch objects of these rows: one query for their jobs' figures."""
+    with client.sessions() as s:
+        rows = {r["job_id"]: r for r in repo.job_figures(
+            s, job_ids=[b.job_id for b in batches if b.job_id is not None])}
+        out = []
+        for b in batches:
+            files = store.batch_files(s, batch_id=b.id) if b.job_id else {}
+            lines = None if b.job_id else _lines_of(s, b)
+            out.append(batch_object(b, rows.get(b.job_id), files, lines))
+    return out
+
+
+def _lines_of(session: Any, batch: Batch) -> int | None:
+    f = store.get_file(session, tenant_id=batch.tenant_id, openai_id=batch.input_file_id)
+    return f.lines if f else None
+
+
+# -- expiry -------------------------------------------------------------------------------
+
+def expire(client: Client, batch_id: int, job_id: int) -> None:
+    """The window ended: the job's unfinished requests are cancelled (a chunk running now
+    finishes its own), and the batch is expired once they are."""
+    with client.sessions.begin() as s:
+        if store.mark(s, batch_id=batch_id, column="expired_at"):
+            repo.request_cancel(s, job_id=job_id)
+            log.info("batch %d: completion window ended; job %d cancelled", batch_id, job_id)
+
+
+def expire_overdue(client: Client) -> int:
+    with client.sessions() as s:
+        due = store.overdue(s)
+    for batch_id, job_id in due:
+        expire(client, batch_id, job_id)
+    return len(due)
+
+
+def _fresh(client: Client, who: Caller, batch_id: str) -> dict[str, Any]:
+    """The tenant's batch as a Batch object, expired first if its window ended (so an
+    answer never waits on the next expiry pass): three queries."""
+    with client.sessions() as s:
+        batch = store.get_batch(s, tenant_id=who.tenant_id, openai_id=batch_id)
+        if batch is None:
+            raise not_found("Batch", batch_id, param="batch_id")
+        rows = repo.job_figures(s, job_ids=[batch.job_id]) if batch.job_id else []
+        row = rows[0] if rows else None
+        due = (row is not None and batch.expired_at is None
+               and not JobStatus(row["status"]).finished and utcnow() > aware(batch.expires_at))
+        if not due:
+            files = store.batch_files(s, batch_id=batch.id) if row is not None else {}
+            lines = None if row is not None else _lines_of(s, batch)
+    if due:  # (outside the read: SQLite's snapshot would not see the expiry)
+        expire(client, batch.id, batch.job_id)
+        return _fresh(client, who, batch_id)
+    return batch_object(batch, row, files, lines)
+
+
+# -- routes -------------------------------------------------------------------------------
+
+@router.get("/v1/batches/{batch_id}")
+def get_batch(request: Request, batch_id: str, who: Who) -> dict[str, Any]:
+    return _fresh(request.app.state.client, who, batch_id)
+
+
+@router.get("/v1/batches")
+def list_batches(request: Request, who: Who,
+                 after: Annotated[str | None, Query(max_length=64)] = None,
+                 limit: Annotated[int, Query(ge=1, le=100)] = 20) -> dict[str, Any]:
+    client = request.app.state.client
+    with client.sessions() as s:
+        try:
+            rows, more = store.list_batches(s, tenant_id=who.tenant_id, after=after,
+                                            limit=limit)
+        except KeyError:
+            raise not_found("Batch", after or "", param="after") from None
+    data = read_objects(client, rows)
+    return {"object": "list", "data": data, "has_more": more,
+            "first_id": data[0]["id"] if data else None,
+            "last_id": data[-1]["id"] if data else None}
+
+
+@router.post("/v1/batches/{batch_id}/cancel")
+def cancel_batch(request: Request, batch_id: str, who: Who) -> dict[str, Any]:
+    client = request.app.state.client
+    current = _fresh(client, who, batch_id)
+    if current["status"] != "in_progress":
+        raise ApiError(400, f"Cannot cancel a batch that is {current['status']}: only a batch "
+                       "in progress can be", param="batch_id", code="batch_not_cancellable")
+    with client.sessions.begin() as s:
+        batch = store.get_batch(s, tenant_id=who.tenant_id, openai_id=batch_id)
+        store.mark(s, batch_id=batch.id, column="cancelling_at")
+        repo.request_cancel(s, job_id=batch.job_id)
+    return _fresh(client, who, batch_id)
+
+
+@router.post("/v1/batches")
+def create_batch(request: Request, body: BatchCreate, who: Who,
+                 idempotency_key: Annotated[str | None, Header(max_length=255)] = None
+                 ) -> dict[str, Any]:
+    client: Client = request.app.state.client
+    settings = client.settings
+    digest = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True)
+                            .encode()).hexdigest()
+    if idempotency_key is not None:
+        seen = _replay(client, who, idempotency_key, digest)
+        if seen is not None:
+            return seen
+    if body.endpoint not in OPENAI_URLS:
+        raise ApiError(400, f"endpoint: {body.endpoint!r} is not served; one of "
+                       f"{', '.join(OPENAI_URLS)}", param="endpoint", code="unsupported_endpoint")
+    seconds = window_seconds(body.completion_window, settings.api_max_window)
+    priority = (body.metadata or {}).get("priority", "normal")
+    if priority not in PRIORITIES:
+        raise ApiError(400, f"metadata.priority: {priority[:20]!r} is not one of "
+                       f"{', '.join(PRIORITIES)}", param="metadata.priority",
+                       code="invalid_priority")
+    with client.sessions() as s:
+        f = store.get_file(s, tenant_id=who.tenant_id, openai_id=body.input_file_id)
+    if f is None or f.kind != "input":
+        raise not_found("File", body.input_file_id, param="input_file_id")
+    scan = read_requests(client, f, request.app.state.presets)
+    if scan.url != body.endpoint:
+        raise ApiError(400, f"endpoint: the file's requests are for {scan.url}, not "
+                       f"{body.endpoint} (one endpoint per batch)", param="endpoint",
+                       code="endpoint_mismatch")
+    preset = resolve(scan.model or "", request.app.state.presets)
+    _check_quota(client, who, scan.lines)
+    try:
+        with client.sessions.begin() as s:
+            batch = store.add_batch(
+                s, openai_id="batch_" + secrets.token_hex(12), tenant_id=who.tenant_id,
+                key_id=who.key_id, status="validating", input_file_id=f.openai_id,
+                endpoint=body.endpoint, model=scan.model,
+                completion_window=body.completion_window,
+                metadata_=body.metadata, idempotency_key=idempotency_key, request_hash=digest,
+                expires_at=utcnow() + timedelta(seconds=seconds))
+    except IntegrityError:  # the same key, at the same moment, from another request
+        seen = _replay(client, who, idempotency_key or "", digest)
+        if seen is None:
+            raise
+        return seen
+    _submit(client, batch, f, preset.name, priority)
+    with client.sessions() as s:
+        batch = store.get_batch(s, tenant_id=who.tenant_id, openai_id=batch.openai_id)
+    return read_objects(client, [batch])[0]
+
+
+def read_requests(client: Client, f: Any, presets: dict[str, Any]) -> LineScan:
+    """The file's lines read as requests (uploads.LineScan); 400 naming every line that is
+    not one (nothing is stored)."""
+
+    def check_model(model: str) -> str | None:
+        try:
+            resolve(model, presets)
+        except UnknownModel as exc:
+            return str(exc)
+        return None
+
+    scan = LineScan(max_lines=client.settings.api_max_file_lines, check_model=check_model)
+    for data in input_bytes(client, client.settings, f):
+        scan.feed(data)
+        if scan.done:
+            break
+    else:
+        scan.finish()
+    if scan.problems:
+        raise refused(scan.problems, "no batch was made")
+    return scan
+
+
+def _replay(client: Client, who: Caller, key: str, digest: str) -> dict[str, Any] | None:
+    """The batch an earlier create with this Idempotency-Key made (409 if its body was
+    another), or None."""
+    with client.sessions() as s:
+        batch = store.by_idempotency_key(s, tenant_id=who.tenant_id, key=key)
+    if batch is None:
+        return None
+    if batch.request_hash != digest:
+        raise ApiError(409, "This Idempotency-Key was used with another request body; use a "
+                       "new key for a new batch", code="idempotency_key_reused")
+    return read_objects(client, [batch])[0]
+
+
+def _check_quota(client: Client, who: Caller, lines: int) -> None:
+    quota = client.settings.api_quota_items
+    if not quota:
+        return
+    with client.sessions() as s:
+        unfinished = store.unfinished_items(s, tenant_id=who.tenant_id)
+    if unfinished + lines > quota:
+        raise ApiError(429, f"Quota exceeded: your batches have {unfinished} unfinished "
+                       f"requests and this one has {lines}; at most {quota} may be "
+                       f"unfinished at once (SPECQ_API_QUOTA_ITEMS). Wait for batches to "
+                       f"finish, or cancel some.", code="quota_exceeded")
+
+
+def _submit(client: Client, batch: Batch, f: Any, pair: str, priority: str) -> None:
+    """The job of the batch: every line checked (Client.submit), stored and sent; a line
+    that fails the check fails the batch, naming it, and nothing else is stored."""
+    path, temporary = upload_path(client, f)
+    try:
+        job = client.submit(path, pair=pair, priority=priority)
+    except InputError as exc:
+        with client.sessions.begin() as s:
+            store.fail_batch(s, batch_id=batch.id, errors=batch_errors(exc))
+        return
+    except Exception as exc:
+        with client.sessions.begin() as s:
+            store.fail_batch(s, batch_id=batch.id, errors=[{
+                "code": "server_error", "line": None, "param": None,
+                "message": f"the batch could not be stored ({type(exc).__name__})"}])
+        raise
+    finally:
+        if temporary:
+            path.unlink(missing_ok=True)
+    with client.sessions.begin() as s:
+        store.attach_job(s, batch_id=batch.id, job_id=job.id)
+        for kind in ("output", "error"):
+            store.add_file(s, openai_id="file-" + secrets.token_hex(12),
+                           tenant_id=batch.tenant_id, kind=kind, purpose="batch_output",
+                           filename=f"{batch.openai_id}_{kind}.jsonl", batch_id=batch.id)
+    log.info("batch %s: job %d, %d requests on pair %s", batch.openai_id, job.id,
+             f.lines or 0, pair)
+
+
+def batch_errors(exc: InputError) -> list[dict[str, Any]]:
+    """InputError's problems ('line 7: body.temperature: ...') as OpenAI's batch errors."""
+    out = []
+    for problem in exc.problems:
+        found = LINE.fullmatch(problem)
+        line, text = (int(found.group(1)), found.group(2)) if found else (None, problem)
+        field = FIELD.match(text)
+        out.append({"code": "invalid_request", "line": line, "message": text,
+                    "param": field.group(1) if field else None})
+    return out

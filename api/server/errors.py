@@ -1,0 +1,105 @@
+"""Every refusal in OpenAI's error shape: {"error": {"message", "type", "param", "code"}},
+with the status code OpenAI uses for it. No message ever holds a key."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+TYPES = {401: "invalid_request_error", 429: "insufficient_quota", 500: "server_error"}
+
+
+class ApiError(Exception):
+    """A refusal: HTTP ``status``, a message for people, the request field it concerns
+    (``param``) and a code for programs."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    kind = TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def respond(exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+def not_found(what: str, ident: str, param: str | None = None) -> ApiError:
+    return ApiError(404, f"No such {what}: '{ident[:100]}'", param=param,
+                    code=f"{what.lower()}_not_found".replace(" ", "_"))
+
+
+def install(app: FastAPI) -> None:
+    """The handlers that turn every error, FastAPI's and Starlette's included, into the
+    OpenAI shape."""
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError) -> JSONResponse:
+        return respond(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        err = (exc.errors() or [{}])[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        param = ".".join(loc) or None
+        if err.get("type") == "json_invalid":
+            message = ("We could not parse the JSON body of your request: "
+                       f"{err.get('ctx', {}).get('error', 'not valid JSON')}")
+            return respond(ApiError(400, message, code="invalid_json"))
+        message = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
+        if param and err.get("type") == "missing":
+            message = f"Missing required parameter: '{param}'."
+        elif param:
+            message = f"{param}: {message}"
+        return respond(ApiError(400, message, param=param, code="invalid_request"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"Invalid URL ({request.method} {request.url.path[:200]})"
+            return respond(ApiError(404, message, code="unknown_url"))
+        if exc.status_code == 405:
+            message = f"Method not allowed ({request.method} {request.url.path[:200]})"
+            return respond(ApiError(405, message, code="method_not_allowed"))
+        return respond(ApiError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("%s %s failed", request.method, request.url.path)
+        return respond(ApiError(500, f"The server had an error while processing your request "
+                                f"({type(exc).__name__})"))
+
+
+class HeaderLimit:
+    """ASGI middleware: a request whose headers exceed ``limit`` bytes is refused with 431
+    in the OpenAI shape, before any route runs."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            size = sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+            if size > self.limit:
+                response = respond(ApiError(
+                    431, f"Request headers are too large ({size} bytes; at most {self.limit})",
+                    code="headers_too_large"))
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -1,0 +1,350 @@
+"""Batch input files: the multipart body of an upload is parsed as it arrives, its file
+part written to a temporary file and checked on the way, so a file of any size is held in
+memory one piece at a time; what the check refuses is never stored.
+
+Two checks, each where it pays. An upload (`FileCheck`) runs at the speed of the bytes: the
+size and line limits, UTF-8, no empty file, and each line an object ({...}), named by its
+line number. A batch made from the file (`LineScan`, api/server/batches.py) reads each line
+as JSON: an OpenAI request line (custom_id, method, url, body), custom_ids unique, one url
+and one model for the whole file, a model this server serves, no ``stream: true``; then
+Client.submit checks each request's parameters in full.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from python_multipart.multipart import MultipartParser, parse_options_header
+
+from specq.api.inputs import MAX_CUSTOM_ID, MAX_PROBLEMS, OPENAI_URLS, show
+
+MAX_LINE_BYTES = 64 * 1024 * 1024  # one request line
+FATAL = ("too_many_lines", "line_too_long")  # problems after which the rest is not read
+
+
+@dataclass
+class Problem:
+    """What is wrong, where: a line number (None: the whole file), the field, a code."""
+
+    message: str
+    line: int | None = None
+    param: str | None = None
+    code: str = "invalid_file"
+
+    def text(self) -> str:
+        return f"line {self.line}: {self.message}" if self.line else self.message
+
+
+@dataclass
+class LineScan:
+    """Checks a batch file's lines as its bytes arrive (`feed`, then `finish`)."""
+
+    max_lines: int
+    check_model: Callable[[str], str | None]  # model -> why it is not served, or None
+    problems: list[Problem] = field(default_factory=list)
+    lines: int = 0  # requests (non-blank lines)
+    model: str | None = None
+    url: str | None = None
+    _number: int = 0  # lines seen, blank included
+    _rest: bytes = b""
+    _ids: set[str] = field(default_factory=set)
+
+    @property
+    def done(self) -> bool:
+        """True once the file is refused: the rest need not be read."""
+        return len(self.problems) >= MAX_PROBLEMS or any(p.code in FATAL for p in self.problems)
+
+    def feed(self, data: bytes) -> None:
+        if self.done:
+            return
+        pieces = (self._rest + data).split(b"\n")
+        self._rest = pieces.pop()
+        if len(self._rest) > MAX_LINE_BYTES:
+            self._fail(f"longer than {MAX_LINE_BYTES} bytes", self._number + 1,
+                       code="line_too_long")
+            return
+        for raw in pieces:
+            self._line(raw)
+            if self.done:
+                return
+
+    def finish(self) -> None:
+        if not self.done and self._rest:
+            self._line(self._rest)
+        self._rest = b""
+        if not self.problems and self.lines == 0:
+            self._fail("the file holds no requests (it is empty or blank)", code="empty_file")
+
+    def _fail(self, message: str, line: int | None = None, param: str | None = None,
+              code: str = "invalid_file") -> None:
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(Problem(message, line, param, code))
+
+    def _line(self, raw: bytes) -> None:
+        self._number += 1
+        n = self._number
+        if not raw.strip():
+            return
+        self.lines += 1
+        if self.lines > self.max_lines:
+            self._fail(f"the file holds more than {self.max_lines} requests (the limit, "
+                       f"SPECQ_API_MAX_FILE_LINES)", code="too_many_lines")
+            return
+        try:
+            value = json.loads(raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw)
+        except UnicodeDecodeError as exc:
+            self._fail(f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} "
+                       f"of the line)", n, code="invalid_utf8")
+            return
+        except json.JSONDecodeError as exc:
+            self._fail(f"not valid JSON ({exc.msg} at column {exc.colno}): the file must be "
+                       f"JSONL, one request object per line", n, code="invalid_json_line")
+            return
+        except (ValueError, RecursionError):
+            self._fail("not valid JSON", n, code="invalid_json_line")
+            return
+        if not isinstance(value, dict):
+            self._fail(f"expected a request object, got {type(value).__name__}", n,
+                       code="invalid_json_line")
+            return
+        self._request(value, n)
+
+    def _request(self, value: dict[str, Any], n: int) -> None:
+        cid = value.get("custom_id")
+        if not isinstance(cid, str) or not cid or len(cid) > MAX_CUSTOM_ID:
+            self._fail(f"custom_id: required, a string of 1 to {MAX_CUSTOM_ID} characters",
+                       n, "custom_id")
+            return
+        if cid in self._ids:
+            self._fail(f"custom_id: {show(cid)!r} is used more than once (each request "
+                       f"needs its own)", n, "custom_id", "duplicate_custom_id")
+            return
+        self._ids.add(cid)
+        if value.get("method", "POST") != "POST":
+            self._fail(f"method: must be POST, got {show(value.get('method'))}", n, "method")
+            return
+        url = value.get("url")
+        if not isinstance(url, str) or url not in OPENAI_URLS:
+            self._fail(f"url: {show(url)} is not served; one of {', '.join(OPENAI_URLS)}", n,
+                       "url", "unsupported_url")
+            return
+        if self.url is None:
+            self.url = url
+        elif url != self.url:
+            self._fail(f"url: {url} differs from the file's {self.url} (one endpoint per "
+                       f"batch)", n, "url", "mixed_urls")
+            return
+        body = value.get("body")
+        if not isinstance(body, dict):
+            self._fail("body: required, an object", n, "body")
+            return
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            self._fail("body.model: required, a string", n, "body.model", "missing_model")
+            return
+        if self.model is None:
+            self.model = model
+            why = self.check_model(model)
+            if why:
+                self._fail(f"body.model: {why}", n, "body.model", "model_not_found")
+                return
+        elif model != self.model:
+            self._fail(f"body.model: {show(model)!r} differs from the file's {show(self.model)!r}"
+                       f" (one model per batch)", n, "body.model", "mixed_models")
+            return
+        if body.get("stream") not in (None, False):
+            self._fail("body.stream: a batch request cannot stream; leave stream out or false",
+                       n, "body.stream", "stream_not_supported")
+
+
+@dataclass
+class FileCheck:
+    """The upload's checks, a piece of the file at a time (`feed`, then `finish`)."""
+
+    max_lines: int
+    problems: list[Problem] = field(default_factory=list)
+    lines: int = 0  # non-blank lines
+    _number: int = 0  # lines seen, blank included
+    _rest: bytes = b""
+
+    @property
+    def done(self) -> bool:
+        return len(self.problems) >= MAX_PROBLEMS or any(p.code in FATAL for p in self.problems)
+
+    def feed(self, data: bytes) -> None:
+        if self.done:
+            return
+        pieces = (self._rest + data).split(b"\n")
+        self._rest = pieces.pop()
+        if len(self._rest) > MAX_LINE_BYTES:
+            self._fail(f"longer than {MAX_LINE_BYTES} bytes", self._number + 1, "line_too_long")
+            return
+        for raw in pieces:
+            self._line(raw)
+            if self.done:
+                return
+
+    def finish(self) -> None:
+        if not self.done and self._rest:
+            self._line(self._rest)
+        self._rest = b""
+        if not self.problems and self.lines == 0:
+            self._fail("the file holds no requests (it is empty or blank)", None, "empty_file")
+
+    def _fail(self, message: str, line: int | None, code: str) -> None:
+        if len(self.problems) < MAX_PROBLEMS:
+            self.problems.append(Problem(message, line, "file", code))
+
+    def _line(self, raw: bytes) -> None:
+        self._number += 1
+        text = raw.strip()
+        if not text:
+            return
+        self.lines += 1
+        if self.lines > self.max_lines:
+            self._fail(f"the file holds more than {self.max_lines} requests (the limit, "
+                       f"SPECQ_API_MAX_FILE_LINES)", None, "too_many_lines")
+            return
+        if self._number == 1:
+            text = text.removeprefix(codecs.BOM_UTF8)
+        try:
+            text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self._fail(f"not valid UTF-8 (byte 0x{text[exc.start]:02x} at byte "
+                       f"{exc.start + 1} of the line)", self._number, "invalid_utf8")
+            return
+        if text[:1] != b"{" or text[-1:] != b"}":
+            self._fail("not a JSON object: a batch file is JSONL, one request object per "
+                       "line", self._number, "invalid_json_line")
+
+
+class MultipartError(ValueError):
+    """A body that is not the multipart form an upload is."""
+
+
+class Upload:
+    """One multipart upload (`write` each piece of the body, then `finish`): its form
+    fields, and its file part written to ``incoming``/NAME.part and checked."""
+
+    def __init__(self, boundary: bytes, incoming: Path, scan: FileCheck, max_bytes: int) -> None:
+        self.scan, self.max_bytes = scan, max_bytes
+        self.fields: dict[str, str] = {}
+        self.filename: str | None = None
+        self.size = 0  # bytes of the file part
+        incoming.mkdir(parents=True, exist_ok=True)
+        self.path = incoming / f"{secrets.token_hex(12)}.part"
+        self._out: Any = None
+        self._headers: dict[bytes, bytes] = {}
+        self._name: list[bytes] = []
+        self._value: list[bytes] = []
+        self._part: str | None = None  # the form field being read; "" for the file
+        self._field: list[bytes] = []
+        self._parser = MultipartParser(boundary, {
+            "on_part_begin": self._begin, "on_header_field": self._header_name,
+            "on_header_value": self._header_value, "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_done, "on_part_data": self._data,
+            "on_part_end": self._end})
+
+    @property
+    def oversize(self) -> bool:
+        return self.size > self.max_bytes
+
+    def write(self, data: bytes) -> None:
+        try:
+            self._parser.write(data)
+        except MultipartError:
+            raise
+        except Exception as exc:  # noqa: BLE001 (python-multipart's parse errors)
+            raise MultipartError(f"the body is not a valid multipart form ({exc})") from None
+
+    def finish(self) -> None:
+        try:
+            self._parser.finalize()
+        except Exception as exc:  # noqa: BLE001
+            raise MultipartError(f"the body is not a valid multipart form ({exc})") from None
+        finally:
+            self._close()
+        if self.filename is None:
+            raise MultipartError("file: required, the batch file as a multipart file part")
+        self.scan.finish()
+
+    def discard(self) -> None:
+        self._close()
+        self.path.unlink(missing_ok=True)
+
+    def _close(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None
+
+    def _begin(self) -> None:
+        self._headers = {}
+
+    def _header_name(self, data: bytes, start: int, end: int) -> None:
+        self._name.append(data[start:end])
+
+    def _header_value(self, data: bytes, start: int, end: int) -> None:
+        self._value.append(data[start:end])
+
+    def _header_end(self) -> None:
+        self._headers[b"".join(self._name).lower()] = b"".join(self._value).strip()
+        self._name, self._value = [], []
+
+    def _headers_done(self) -> None:
+        _, options = parse_options_header(self._headers.get(b"content-disposition"))
+        name = options.get(b"name", b"").decode("utf-8", "replace")
+        filename = options.get(b"filename")
+        if name == "file" and filename is not None:
+            if self.filename is not None:
+                raise MultipartError("file: give one file per upload")
+            self.filename = filename.decode("utf-8", "replace")[:512] or "upload.jsonl"
+            self._part = ""
+            self._out = self.path.open("wb")
+        else:
+            self._part = name
+            self._field = []
+
+    def _data(self, data: bytes, start: int, end: int) -> None:
+        piece = data[start:end]
+        if self._part == "":
+            self.size += len(piece)
+            if self.oversize:
+                return  # the rest is read and dropped: the upload is refused
+            self._out.write(piece)
+            self.scan.feed(piece)
+        elif self._part is not None:
+            self._field.append(piece)
+            if sum(map(len, self._field)) > 4096:
+                raise MultipartError(f"{show(self._part)}: a form field longer than 4096 bytes")
+
+    def _end(self) -> None:
+        if self._part == "":
+            self._close()
+        elif self._part is not None:
+            self.fields[self._part] = b"".join(self._field).decode("utf-8", "replace")
+        self._part = None
+
+
+def boundary_of(content_type: str | None) -> bytes:
+    kind, options = parse_options_header(content_type or "")
+    if kind != b"multipart/form-data" or not options.get(b"boundary"):
+        raise MultipartError("an upload is a multipart/form-data body (file and purpose)")
+    return options[b"boundary"]
+
+
+def store_path(files_dir: Path, openai_id: str) -> Path:
+    return files_dir / f"{openai_id}.jsonl"
+
+
+def keep(upload: Upload, files_dir: Path, openai_id: str) -> Path:
+    """Move an accepted upload into the directory store."""
+    target = store_path(files_dir, openai_id)
+    os.replace(upload.path, target)
+    return target

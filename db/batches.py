@@ -1,0 +1,173 @@
+"""Files and batches of the OpenAI Batch API (api/server/), each owned by a tenant.
+Keyword-only functions over a Session, like db/repository.py.
+
+Every read takes the tenant: a file or batch of another tenant is not found, which is
+what the server answers (404), so no caller can forget the check. Lists are newest first
+and paged by an object's id (``after``), as OpenAI pages them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import and_, func, select, update
+from sqlalchemy.orm import Session
+
+from specq.db.models import Batch, Chunk, File, FilePart, Item, Job, JobStatus, Tenant, utcnow
+
+UNFINISHED = tuple(s.value for s in JobStatus if not s.finished)
+
+
+# -- files --------------------------------------------------------------------------------
+
+def add_file(session: Session, **columns: Any) -> File:
+    row = File(**columns)
+    session.add(row)
+    session.flush()
+    return row
+
+
+def add_part(session: Session, *, file_id: int, part: int, data: bytes) -> None:
+    session.add(FilePart(file_id=file_id, part=part, data=data))
+    session.flush()
+
+
+def iter_parts(session: Session, *, file_id: int) -> Iterator[bytes]:
+    """A file kept in the database, part by part (one part in memory at a time)."""
+    parts = session.scalars(select(FilePart.part).where(FilePart.file_id == file_id)
+                            .order_by(FilePart.part)).all()
+    for part in parts:
+        yield session.scalar(select(FilePart.data).where(FilePart.file_id == file_id,
+                                                          FilePart.part == part))
+
+
+def get_file(session: Session, *, tenant_id: int, openai_id: str) -> File | None:
+    return session.scalar(select(File).where(File.openai_id == openai_id,
+                                             File.tenant_id == tenant_id))
+
+
+def batch_files(session: Session, *, batch_id: int) -> dict[str, File]:
+    """The output and error files of a batch, by kind."""
+    return {f.kind: f for f in session.scalars(select(File).where(File.batch_id == batch_id))}
+
+
+def _page(session: Session, model: Any, *, tenant_id: int, after: str | None, limit: int,
+          ascending: bool = False, where: Sequence[Any] = ()) -> tuple[list[Any], bool]:
+    """A page of ``model`` rows of the tenant after the one whose id is ``after``, newest
+    first (oldest first if ``ascending``), and whether more follow."""
+    stmt = select(model).where(model.tenant_id == tenant_id, *where)
+    if after is not None:
+        seq = session.scalar(select(model.id).where(model.openai_id == after,
+                                                    model.tenant_id == tenant_id))
+        if seq is None:
+            raise KeyError(after)
+        stmt = stmt.where(model.id > seq if ascending else model.id < seq)
+    stmt = stmt.order_by(model.id.asc() if ascending else model.id.desc()).limit(limit + 1)
+    rows = list(session.scalars(stmt))
+    return rows[:limit], len(rows) > limit
+
+
+def list_files(session: Session, *, tenant_id: int, after: str | None, limit: int,
+               ascending: bool = False, purpose: str | None = None) -> tuple[list[File], bool]:
+    where = [] if purpose is None else [File.purpose == purpose]
+    return _page(session, File, tenant_id=tenant_id, after=after, limit=limit,
+                 ascending=ascending, where=where)
+
+
+def delete_file(session: Session, *, file_id: int) -> None:
+    session.execute(FilePart.__table__.delete().where(FilePart.file_id == file_id))
+    session.execute(File.__table__.delete().where(File.id == file_id))
+
+
+def set_file_bytes(session: Session, *, file_id: int, size: int) -> None:
+    session.execute(update(File).where(File.id == file_id).values(bytes=size))
+
+
+# -- batches ------------------------------------------------------------------------------
+
+def add_batch(session: Session, **columns: Any) -> Batch:
+    row = Batch(**columns)
+    session.add(row)
+    session.flush()
+    return row
+
+
+def get_batch(session: Session, *, tenant_id: int, openai_id: str) -> Batch | None:
+    return session.execute(
+        select(Batch).where(Batch.openai_id == openai_id, Batch.tenant_id == tenant_id)
+        .execution_options(populate_existing=True)).scalar_one_or_none()
+
+
+def by_idempotency_key(session: Session, *, tenant_id: int, key: str) -> Batch | None:
+    return session.scalar(select(Batch).where(Batch.tenant_id == tenant_id,
+                                              Batch.idempotency_key == key))
+
+
+def list_batches(session: Session, *, tenant_id: int, after: str | None, limit: int
+                 ) -> tuple[list[Batch], bool]:
+    return _page(session, Batch, tenant_id=tenant_id, after=after, limit=limit)
+
+
+def attach_job(session: Session, *, batch_id: int, job_id: int) -> None:
+    session.execute(update(Batch).where(Batch.id == batch_id).values(
+        job_id=job_id, status="submitted", in_progress_at=utcnow()))
+
+
+def fail_batch(session: Session, *, batch_id: int, errors: list[dict[str, Any]]) -> None:
+    session.execute(update(Batch).where(Batch.id == batch_id).values(
+        status="failed", errors=errors, failed_at=utcnow()))
+
+
+def mark(session: Session, *, batch_id: int, column: str) -> bool:
+    """Set the batch's time ``column`` (cancelling_at, expired_at) unless it is set;
+    whether this call set it."""
+    col = getattr(Batch, column)
+    return bool(session.execute(update(Batch).where(Batch.id == batch_id, col.is_(None))
+                                .values({column: utcnow()})).rowcount)
+
+
+def unfinished_items(session: Session, *, tenant_id: int) -> int:
+    """Requests of the tenant's batches whose job is not finished and that have no outcome
+    yet (from the chunks' counts: a few rows per thousand items)."""
+    c = Chunk.__table__.c
+    done = func.coalesce(func.sum(c.completed + c.failed + c.cancelled), 0)
+    jobs = (select(Job.id.label("job_id"), Job.total.label("total"), done.label("done"))
+            .select_from(Batch).join(Job, Job.id == Batch.job_id)
+            .outerjoin(Chunk.__table__, c.job_id == Job.id)
+            .where(Batch.tenant_id == tenant_id, Job.status.in_(UNFINISHED))
+            .group_by(Job.id, Job.total).subquery())
+    return int(session.scalar(select(func.coalesce(func.sum(jobs.c.total - jobs.c.done), 0))))
+
+
+def overdue(session: Session, *, now: datetime | None = None) -> list[tuple[int, int]]:
+    """(batch id, job id) of the batches past their completion window whose job is not
+    finished and that were not expired yet."""
+    return [tuple(r) for r in session.execute(
+        select(Batch.id, Batch.job_id).join(Job, Job.id == Batch.job_id)
+        .where(Batch.expires_at < (now or utcnow()), Batch.expired_at.is_(None),
+               Job.status.in_(UNFINISHED)))]
+
+
+def job_tenants(session: Session, *, job_ids: Iterable[int]) -> dict[int, str]:
+    """The tenant of each job made through the HTTP door (the others have none)."""
+    ids = list(job_ids)
+    if not ids:
+        return {}
+    rows = session.execute(select(Batch.job_id, Tenant.name)
+                           .join(Tenant, Tenant.id == Batch.tenant_id)
+                           .where(Batch.job_id.in_(ids)))
+    return {job_id: name for job_id, name in rows}
+
+
+def iter_outcomes(session: Session, *, job_id: int, statuses: Sequence[str],
+                  columns: Sequence[str], batch: int = 1000) -> Iterator[Any]:
+    """The job's items of these statuses in index order, rows of ``columns``, streamed
+    (a server-side cursor where there is one)."""
+    table = Item.__table__
+    stmt = (select(*(table.c[c] for c in columns))
+            .where(and_(table.c.job_id == job_id, table.c.status.in_(list(statuses))))
+            .order_by(table.c.index).execution_options(yield_per=batch))
+    for part in session.execute(stmt).partitions():
+        yield from part
