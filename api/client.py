@@ -27,7 +27,6 @@ from specq.api.inputs import (
     check_count,
     check_job_id,
     describe,
-    item_row,
     open_source,
     parse_entries,
 )
@@ -54,6 +53,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 RUNNABLE = (JobStatus.queued.value, JobStatus.in_progress.value)  # waiting for workers
+
+
+@dataclass
+class _Check:
+    """What checking a submission found besides its problems."""
+
+    unchecked: str | None = None  # why prompt lengths were not checked
 
 
 @dataclass
@@ -288,10 +294,9 @@ class Client:
         chunk_size = (self.settings.chunk_size if chunk_size is None
                       else check_count("chunk_size", chunk_size))
         name, entries = open_source(source)
-        total, unchecked = self._validate(entries, defaults, preset)
-        if total == 0:
-            raise InputError([f"{name or 'prompts'}: no prompts"])
-        t1 = time.perf_counter()
+        check = _Check()
+        # one pass: each entry is checked and stored as it is read, in the transaction that
+        # makes the job; a problem anywhere rolls it all back (nothing stored)
         with self.sessions.begin() as s:
             job = repo.create_job(s, pair=preset.name, params=defaults, chunk_size=chunk_size,
                                   source=name,
@@ -299,10 +304,11 @@ class Client:
                                   else None,
                                   origin=origin, drafting=preset.drafting(),
                                   priority=priority)
-            rows = (dict(item_row(raw), index=i) for i, (_, raw) in enumerate(entries))
-            stored = repo.insert_items(s, job_id=job.id, rows=rows)
-            if stored != total:
-                raise InputError([f"{name}: changed while it was submitted"])
+            stored = repo.insert_items(s, job_id=job.id,
+                                       rows=self._checked(entries, defaults, preset, check))
+            if stored == 0:
+                raise InputError([f"{name or 'prompts'}: no prompts"])
+            unchecked = check.unchecked
             job.total = stored
             job.status = JobStatus.queued.value
             chunks.insert_chunks(s, job_id=job.id, total=stored, chunk_size=chunk_size)
@@ -310,9 +316,8 @@ class Client:
             # chunks waiting and sends them first
             turn = (chunks.take_unsent(s, job_id=job.id, n=self.settings.dispatch_window)
                     if enqueue else [])
-        t2 = time.perf_counter()
-        log.info("job %d: %d items validated in %.2f s, stored in %.2f s",
-                 job.id, total, t1 - t0, t2 - t1)
+        log.info("job %d: %d items checked and stored in %.2f s", job.id, stored,
+                 time.perf_counter() - t0)
         handle = Job(self, job.id)
         handle.unchecked = unchecked
         if unchecked:
@@ -327,22 +332,21 @@ class Client:
         except UnknownPair as exc:
             raise InputError([f"pair: {exc}"]) from None
 
-    def _validate(self, entries: Any, defaults: dict[str, Any], preset: PairPreset
-                  ) -> tuple[int, str | None]:
-        """Every entry checked; the count, and why prompt lengths were not checked (None
-        when they were). The target's tokenizer is loaded only when a prompt may not fit
-        by its size alone, and only from files on this machine (api/tokenizer.py)."""
-        unchecked: str | None = None
+    def _checked(self, entries: Any, defaults: dict[str, Any], preset: PairPreset,
+                 check: _Check) -> Iterator[dict[str, Any]]:
+        """Each entry checked, the item rows of good ones (numbered in order) while no
+        entry was bad; at the end, or at MAX_PROBLEMS, InputError naming every problem.
+        ``check.unchecked``: why prompt lengths were not checked (None when they were). The
+        target's tokenizer is loaded only when a prompt may not fit by its size alone, and
+        only from files on this machine (api/tokenizer.py)."""
         try:
             context: int | None = target_context(preset, self.settings)
         except TokenizerUnavailable as exc:
-            context, unchecked = None, unchecked_note(preset, exc)
+            context, check.unchecked = None, unchecked_note(preset, exc)
         tokenizer: PromptTokenizer | None = None
         problems: list[str] = []
         seen: dict[str, str] = {}
-        total = 0
-        for where, got in parse_entries(entries, defaults):
-            total += 1
+        for index, (where, got) in enumerate(parse_entries(entries, defaults)):
             if isinstance(got, list):
                 problems += got
             else:
@@ -359,12 +363,13 @@ class Client:
                 except RequestError as exc:
                     problems.append(f"{where}: {exc}")
                 except TokenizerUnavailable as exc:
-                    context, unchecked = None, unchecked_note(preset, exc)
+                    context, check.unchecked = None, unchecked_note(preset, exc)
+                if not problems:
+                    yield dict(got.row, index=index)
             if len(problems) >= MAX_PROBLEMS:
                 raise InputError(problems, truncated=True)
         if problems:
             raise InputError(problems)
-        return total, unchecked
 
     # -- reading --------------------------------------------------------------------
 

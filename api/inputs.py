@@ -272,12 +272,6 @@ class _Problem(ValueError):
     pass
 
 
-def item_row(raw: Any) -> dict[str, Any]:
-    """The row ``normalise(raw)`` gives; a plain prompt's read faster, by `plain_row`."""
-    value = _loads(raw) if isinstance(raw, JsonLine) else raw
-    return plain_row(value) or normalise(value)
-
-
 _PLAIN_KEYS = frozenset({"prompt", "custom_id"})
 
 

@@ -17,7 +17,6 @@ from specq.api.inputs import (
     JsonLine,
     _Problem,
     describe,
-    item_row,
     normalise,
     parse_entries,
     plain_row,
@@ -128,15 +127,6 @@ def test_parse_entries_is_the_full_path(entries, defaults, as_file):
     else:
         raw = [(f"prompt {i + 1}", e) for i, e in enumerate(entries)]
     same(list(parse_entries(raw, defaults)), list(full_entries(raw, defaults)))
-
-
-@EXAMPLES
-@given(entry=ENTRY, as_file=st.booleans())
-def test_item_rows_are_normalised_rows(entry, as_file):
-    json_ok = type(entry) is not Text and not (
-        isinstance(entry, dict) and any(type(k) is not str for k in entry))
-    raw = as_line(entry) if as_file and json_ok else entry
-    assert outcome(item_row, raw) == outcome(normalise, raw)
 
 
 @EXAMPLES
