@@ -132,12 +132,13 @@ def start_worker(tmp_path_factory):
 
     def start(settings: Settings, pair: str = "tiny", name: str = "w",
               faults: Path | None = None, ready: Settings | None = None,
-              standin: bool = False) -> WorkerProcess:
+              standin: bool = False, wait: bool = True) -> WorkerProcess:
         """``ready``: the settings to ask the broker through (the worker's may go through
-        a proxy the test cuts)."""
+        a proxy the test cuts); ``wait=False`` returns at once, as a supervisor restarts."""
         w = WorkerProcess(settings, pair, name, log_dir, faults, standin)
         started.append(w)
-        w.wait_ready(Client(ready or settings), pair)
+        if wait:
+            w.wait_ready(Client(ready or settings), pair)
         return w
 
     yield start

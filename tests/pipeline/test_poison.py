@@ -38,8 +38,10 @@ class Supervisor:
             for i, w in enumerate(self.workers):
                 if w.proc.poll() is not None and not self._stop.is_set():
                     self.restarts += 1
+                    # not waiting for ready: a restarted worker may take the poison and die
+                    # before it is seen ready, and that death is counted too
                     self.workers[i] = self.start(self.settings, PAIR, f"p{i}r{self.restarts}",
-                                                 faults=self.faults)
+                                                 faults=self.faults, wait=False)
                     self.started.append(self.workers[i])
 
     def stop(self) -> None:
