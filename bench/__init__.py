@@ -36,8 +36,10 @@ from specq.bench.greedy import NearTieCheck, compare
 from specq.bench.prompts import load_prompts
 from specq.bench.report import (
     LEGEND,
+    PROFILE_LEGEND,
     WORKLOAD_LEGEND,
     plot,
+    profile_table,
     table,
     workload_table,
     write_json,
@@ -299,8 +301,11 @@ def run(args: argparse.Namespace) -> int:
               f"{env['device']} {env['dtype']}, {env['cpu_count']} CPUs, torch "
               f"{env['torch']}; reference: {report['reference']}")
         print(table(report["runs"]))
+        print()
+        print(profile_table(report["runs"]))
         print(f"wrote {out / stem}.json and {out / stem}.png\n")
     print(LEGEND)
+    print(PROFILE_LEGEND)
     if None not in reports:
         print()
         print(workload_table(reports))

@@ -109,6 +109,7 @@ def figures(run: Run, hf: Run | None, none: Run | None) -> dict:
     out["speedup_vs_none"] = _ratio(out["tokens_per_s"], none)
     out["prefill_seconds"] = run.prefill_seconds
     out["decode_speedup_vs_none"] = decode_speedup(run, none)
+    out.update(profile_figures(run))
     if run.results is None:
         return out
     counters = [r.counters for r in run.results]
@@ -184,6 +185,17 @@ def decode_speedup(run: Run, none: Run | None) -> float | None:
     if mine <= 0 or base <= 0 or not none.new_tokens:
         return None
     return (run.new_tokens / mine) / (none.new_tokens / base)
+
+
+def profile_figures(run: Run) -> dict:
+    """Where the run's time went (worker/engine/profile.py): seconds per phase, each
+    phase's share of the run's wall time, and the phases' sum over the wall time (the run's
+    time the profile saw; the rest is the bench's own sync around generate)."""
+    if run.profile is None or run.seconds <= 0:
+        return {"profile": None, "profile_shares": None, "profile_coverage": None}
+    return {"profile": dict(run.profile),
+            "profile_shares": {p: s / run.seconds for p, s in run.profile.items()},
+            "profile_coverage": sum(run.profile.values()) / run.seconds}
 
 
 def step_time(run: Run) -> float | None:

@@ -58,6 +58,36 @@ LEGEND = (
 )
 
 
+def profile_table(rows: list[dict]) -> str:
+    """One line per specq run: each phase's share of its wall time, in percent, and the
+    phases' sum (worker/engine/profile.py)."""
+    runs = [r for r in rows if r.get("profile_shares")]
+    if not runs:
+        return ""
+    phases = list(runs[0]["profile_shares"])
+    head = ["draft", "method", "B", "g", *phases, "sum"]
+    cells = [head]
+    for r in runs:
+        shares = r["profile_shares"]
+        cells.append([_cell(r, "draft", "{}"), _cell(r, "method", "{}"),
+                      _cell(r, "batch_size", "{}"), _cell(r, "g", "{}"),
+                      *(f"{100 * shares[p]:.1f}" for p in phases),
+                      f"{100 * r['profile_coverage']:.1f}"])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells]
+    lines.insert(1, "-" * len(lines[0]))
+    return "\n".join(lines)
+
+
+PROFILE_LEGEND = (
+    "where each run's wall time went, % (worker/engine/profile.py): admit: refills "
+    "(encode, prefill, first token); propose: drafting; verify: the target pass; accept: "
+    "acceptance, cache keep and the step's sync; upkeep: drafter update, compaction, "
+    "retiring rows; host: per-row parameters and handing tokens to rows; results: "
+    "on_result callbacks; sum: the phases over the wall time."
+)
+
+
 WORKLOAD_COLUMNS = [  # header, key, format
     ("draft", "draft", "{}"), ("method", "method", "{}"), ("B", "batch_size", "{}"),
     ("g", "g", "{}"), ("tok/pass", "tokens_per_step", "{:.2f}"),

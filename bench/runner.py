@@ -41,6 +41,7 @@ class Run:
     steps: list[Step] = field(default_factory=list)
     snapshot: dict | None = None  # the engine policy's own (decayed) estimates
     prefill_seconds: float | None = None  # of ``seconds``, spent prefilling prompts (specq)
+    profile: dict[str, float] | None = None  # of ``seconds``, per phase (engine/profile.py)
 
     @property
     def new_tokens(self) -> int:
@@ -123,6 +124,7 @@ def run_specq(t: Target, prompts: list[list[int]], batch_size: int, max_new: int
                  job=WARM_UP)
     eng.calibrate()
     eng.prefill_seconds = 0.0
+    eng.profile.reset()
     # every step of the timed run: the policy's own estimates are decayed means, weighted
     # to the latest steps, and the bench wants the whole run
     steps: list[Step] = []
@@ -138,4 +140,4 @@ def run_specq(t: Target, prompts: list[list[int]], batch_size: int, max_new: int
     method = NONE if g == 0 else ADAPTIVE if adaptive else FIXED
     return Run(method, batch_size, seconds, [r.token_ids for r in results], draft=draft, g=g,
                results=results, steps=steps, snapshot=eng.policy.snapshot(),
-               prefill_seconds=eng.prefill_seconds)
+               prefill_seconds=eng.prefill_seconds, profile=dict(eng.profile.seconds))

@@ -17,6 +17,7 @@ from specq.worker.engine.batch import KVRows, Row, fill_holes
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from specq.worker.engine.drafting import drafting_for
 from specq.worker.engine.prefix import PrefixStore, prefill
+from specq.worker.engine.profile import Profile
 from specq.worker.engine.rejection import accept_matching, rejection_sample
 from specq.worker.engine.result import Result
 from specq.worker.engine.sampling import (
@@ -117,6 +118,7 @@ class SpeculativeEngine:
         self._admit_group = admit_group  # None: a quarter of the batch (ADMIT_SHARE)
         self.max_batch_size = max_batch_size  # the property sets admit_group too
         self.on_step = on_step
+        self.profile = Profile()  # where generate's time goes (profile.py)
         self.context = model_context(target)
         eos = target.generation_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -166,17 +168,27 @@ class SpeculativeEngine:
         def hand_back(i: int, res: Result) -> None:
             results[i] = res
             if on_result:
-                on_result(res)
+                with self.profile.aside("results"):
+                    on_result(res)
 
         self.reset()
         self.drafter.use_job(job)
-        while waiting or self.rows:
-            if waiting and self._room_for(len(waiting)):
-                self._admit(waiting, hand_back, on_admit)
-                self._retire(hand_back)  # max_new_tokens = 1, or EOS first
-            if self.rows:
-                self._apply(self.step())
-                self._retire(hand_back)
+        lap = self.profile.lap
+        self.profile.start()
+        try:
+            while waiting or self.rows:
+                if waiting and self._room_for(len(waiting)):
+                    self._admit(waiting, hand_back, on_admit)
+                    lap("admit")
+                    self._retire(hand_back)  # max_new_tokens = 1, or EOS first
+                    lap("upkeep")
+                if self.rows:
+                    self._apply(self.step())  # the step laps its own phases
+                    lap("host")
+                    self._retire(hand_back)
+                    lap("upkeep")
+        finally:
+            self.profile.stop()
         return [results[i] for i in sorted(results)]
 
     def _room_for(self, waiting: int) -> bool:
@@ -287,6 +299,8 @@ class SpeculativeEngine:
         params = self._params(self.rows)  # seeds, temperature, top_k, top_p
         inputs = DraftInputs([r.tokens for r in self.rows], *params,
                              greedy=bool((params[1] <= 0).all()))
+        lap = self.profile.lap
+        lap("host")
         clock = StepClock(dev)
         g, full = self.drafting.propose(inputs, self.rows)
         prop = full.cut(g)
@@ -295,6 +309,7 @@ class SpeculativeEngine:
         draft_probs = None if prop.probs is None else prop.probs[:, :n]  # [B, n, V]
         num_draft = prop.num_draft.to(dev)  # [B]
         clock.mark()
+        lap("propose")
 
         ids = torch.cat([self.last[:, None].to(dev), draft_ids], 1)  # [B, n + 1]
         valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev),
@@ -302,6 +317,7 @@ class SpeculativeEngine:
         start = self.kv.length
         logits = self.kv.forward(ids, valid)  # [B, n + 1, V]
         clock.mark()
+        lap("verify")
         out, accepted = self._accept(logits, draft_ids, num_draft, draft_probs, params,
                                      inputs.greedy)  # [B, n + 1], [B]
         self.kv.keep(start, accepted + 1)  # the last token and the accepted drafts stay
@@ -310,9 +326,11 @@ class SpeculativeEngine:
         host = torch.cat([accepted[:, None], out], 1).tolist()  # the step's one sync
         accepted_l = [row[0] for row in host]
         tokens = [row[1 : k + 2] for row, k in zip(host, accepted_l)]
+        lap("accept")
         self.drafter.update(accepted_l, tokens)
         self.kv.compact()  # both compact only when enough rejected columns piled up
         self.drafter.compact()
+        lap("upkeep")
         t_draft, t_verify = clock.phases()
         return Step(g, prop.num_draft.tolist(), accepted_l, t_draft, t_verify, n + 1, tokens,
                     clock.elapsed())
