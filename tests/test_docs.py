@@ -1,0 +1,204 @@
+"""README.md and docs/*.md stay true where a machine can tell: every relative link reaches
+a file and, with #anchor, one of its headings; every `specq` command, flag and `make`
+target they show exists; every `python -m` module they show is there and takes the flags
+shown. (docs/database.md's columns and queries: tests/db/test_docs.py.)"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from specq.api import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+LINK = re.compile(r"(?<!!)\[[^\]]+\]\(([^)\s]+)\)")
+
+
+def name(page: Path) -> str:
+    return page.relative_to(ROOT).as_posix()
+
+
+def prose(text: str) -> str:
+    """The text without code blocks and inline code (where [x](y) is not a link)."""
+    return re.sub(r"`[^`\n]*`", "", FENCE.sub("", text))
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors for the page's headings: lower case, punctuation dropped, spaces to
+    hyphens, a repeated one numbered -1, -2, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    for heading in re.findall(r"^#{1,6} (.+)$", FENCE.sub("", page.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def links() -> list[tuple[str, str]]:
+    return [(name(page), target) for page in PAGES
+            for target in LINK.findall(prose(page.read_text()))
+            if not re.match(r"[a-z]+:", target)]  # http:, https:, mailto: are not ours
+
+
+def test_the_pages_link_to_each_other():
+    """The README reaches every page of docs/ (a page nobody links to is lost)."""
+    readme = {t.split("#")[0] for page, t in links() if page == "README.md"}
+    pages = {name(p) for p in PAGES if p.parent.name == "docs"}
+    assert pages <= readme, f"not linked from README.md: {sorted(pages - readme)}"
+
+
+@pytest.mark.parametrize(("page", "target"), links())
+def test_every_relative_link_resolves(page, target):
+    path, _, anchor = target.partition("#")
+    where = ((ROOT / page).parent / path).resolve() if path else ROOT / page
+    assert where.exists(), f"{page}: {target}: no file {where.relative_to(ROOT)}"
+    if anchor:
+        assert where.suffix == ".md", f"{page}: {target}: an anchor in a file that is not a page"
+        assert anchor in anchors(where), (
+            f"{page}: {target}: no heading #{anchor} in {where.relative_to(ROOT)}; "
+            f"its headings: {sorted(anchors(where))}")
+
+
+def shell_lines() -> list[tuple[str, str]]:
+    """(page, command line) for every line of every bash block, continuations joined."""
+    out = []
+    for page in PAGES:
+        for lang, body in FENCE.findall(page.read_text()):
+            if lang not in ("bash", "sh", ""):
+                continue
+            for line in body.replace("\\\n", " ").splitlines():
+                line = re.split(r"(?:^|\s)#\s", line.strip(), maxsplit=1)[0].strip()
+                if line:
+                    out.append((name(page), line))
+    return out
+
+
+def words(line: str, program: str) -> list[str] | None:
+    """The words after ``program`` on a shell line (after any VAR=value, before a pipe's
+    next command or &), or None if the line does not run it."""
+    for part in re.split(r"\s[|&;]\s?|\s&$", line):
+        try:
+            tokens = shlex.split(part)
+        except ValueError:  # a here-document's line, not a command
+            return None
+        while tokens and re.fullmatch(r"\w+=.*", tokens[0]):
+            tokens = tokens[1:]
+        if tokens and tokens[0] == program:
+            return tokens[1:]
+    return None
+
+
+def commands() -> list[tuple[str, list[str]]]:
+    return [(page, rest) for page, line in shell_lines()
+            if (rest := words(line, "specq")) is not None]
+
+
+def choices(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    (action,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return action.choices
+
+
+def subparser(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The parser that reads argv's flags (a HEAVY command's own, as `specq` builds it) and
+    the command words that chose it."""
+    parser, chosen = cli.parser(), []
+    while any(isinstance(a, argparse._SubParsersAction) for a in parser._actions):
+        word = next((w for w in argv if not w.startswith("-")), None)
+        known = choices(parser)
+        assert word in known, f"`specq {' '.join(chosen + [str(word)])}`: no such command; " \
+                              f"known: {', '.join(known)}"
+        parser, chosen = known[word], chosen + [word]
+        argv = argv[argv.index(word) + 1:]
+    if chosen[0] in cli.HEAVY:
+        parser = argparse.ArgumentParser(prog=f"specq {chosen[0]}")
+        importlib.import_module(cli.HEAVY[chosen[0]][0]).add_arguments(parser)
+    return parser, chosen
+
+
+def flags(argv: list[str]) -> list[str]:
+    """The --flags and -f short flags a command line shows ([--a x|y] included)."""
+    text = " ".join(argv)
+    return re.findall(r"(?<![\w-])(--[a-z][\w-]*|-[a-zA-Z])(?![\w-])", text)
+
+
+def test_the_docs_show_commands():
+    """The parsing below has something to check (a change to the fences would hide them)."""
+    shown = {page for page, _ in commands()}
+    assert {"README.md", "docs/jobs.md", "docs/operations.md", "docs/benchmarks.md",
+            "docs/synthesis.md", "docs/http.md"} <= shown
+
+
+@pytest.mark.parametrize(("page", "argv"), commands(),
+                         ids=[f"{p}:{' '.join(a)[:60]}" for p, a in commands()])
+def test_every_specq_command_and_flag_exists(page, argv):
+    parser, chosen = subparser(argv)
+    known = set(parser._option_string_actions)
+    wrong = [f for f in flags(argv) if f not in known]
+    assert not wrong, f"{page}: `specq {' '.join(chosen)}` has no {', '.join(wrong)}"
+
+
+def inline_commands() -> list[tuple[str, str]]:
+    return [(name(page), m) for page in PAGES
+            for m in re.findall(r"`specq ([a-z][\w-]*(?: [a-z][\w-]*)?)", page.read_text())]
+
+
+def test_every_specq_command_named_in_the_text_exists():
+    top = choices(cli.parser())
+    wrong = []
+    for page, found in inline_commands():
+        first, _, second = found.partition(" ")
+        if first not in top:
+            wrong.append(f"{page}: `specq {found}`")
+        elif second and any(isinstance(a, argparse._SubParsersAction)
+                            for a in top[first]._actions) and second not in choices(top[first]):
+            wrong.append(f"{page}: `specq {found}`")
+    assert not wrong, "\n".join(wrong)
+
+
+class _Built(Exception):
+    """Raised in place of parsing: carries the parser a module's main() built."""
+
+
+def test_every_python_module_shown_exists_and_parses_its_line(monkeypatch):
+    """Each `python -m specq....` line is parsed by the module's own parser, as its main()
+    builds it (stopped before it runs anything): the flags exist and take those values."""
+    shown = [(page, rest) for page, line in shell_lines()
+             if (rest := words(line, "python")) and rest[0] == "-m"]
+    assert shown
+
+    def built(self, args=None, namespace=None):
+        raise _Built(self)
+
+    parse = argparse.ArgumentParser.parse_args
+    for page, rest in shown:
+        module = rest[1]
+        assert module.startswith("specq."), f"{page}: python -m {module}: not specq.<room>..."
+        assert importlib.util.find_spec(module), f"{page}: python -m {module}: no such module"
+        with monkeypatch.context() as m:
+            m.setattr(argparse.ArgumentParser, "parse_args", built)
+            with pytest.raises(_Built) as caught:
+                importlib.import_module(module).main(rest[2:])
+        try:
+            parse(caught.value.args[0], rest[2:])
+        except SystemExit:
+            pytest.fail(f"{page}: `python -m {' '.join(rest[1:])}` does not parse (above)")
+
+
+def test_every_make_target_shown_exists():
+    targets = set(re.findall(r"^([\w-]+):", (ROOT / "Makefile").read_text(), re.M))
+    shown = [(page, rest[0]) for page, line in shell_lines()
+             if (rest := words(line, "make"))]
+    shown += [(name(p), t) for p in PAGES for t in re.findall(r"`make ([\w-]+)", p.read_text())]
+    assert shown
+    wrong = [f"{page}: make {t}" for page, t in shown if t not in targets]
+    assert not wrong, "\n".join(wrong)
