@@ -165,6 +165,26 @@ def test_every_specq_command_named_in_the_text_exists():
     assert not wrong, "\n".join(wrong)
 
 
+ROOMS = ("api", "broker", "worker", "db", "configs", "schema", "bench", "tests", "docs",
+         "examples", "src", ".ci")
+PATH = re.compile(r"`((?:" + "|".join(map(re.escape, ROOMS)) + r")/[\w./-]*)(?:: (\w+))?`")
+
+
+def test_every_file_named_exists():
+    """`worker/engine/suffix.py`, `db/models.py: JobStatus`: the file (or folder) is there,
+    and the name is defined in it."""
+    wrong = []
+    for page in PAGES:
+        for path, defined in PATH.findall(page.read_text()):
+            where = ROOT / path
+            if not where.exists():
+                wrong.append(f"{name(page)}: {path}: no such file")
+            elif defined and not re.search(rf"^\s*(?:class|def) {defined}\b|^{defined} =",
+                                          where.read_text(), re.M):
+                wrong.append(f"{name(page)}: {path}: {defined} is not defined there")
+    assert not wrong, "\n".join(wrong)
+
+
 class _Built(Exception):
     """Raised in place of parsing: carries the parser a module's main() built."""
 
@@ -202,3 +222,25 @@ def test_every_make_target_shown_exists():
     assert shown
     wrong = [f"{page}: make {t}" for page, t in shown if t not in targets]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_settings_table_is_the_settings():
+    """docs/configuration.md's table names every setting, and nothing else, with its default
+    where the default is a plain value."""
+    from specq.configs.settings import Settings
+
+    rows = re.findall(r"^\| (`SPECQ_\w+`(?: / `SPECQ_\w+`)*) \| ([^|]*) \|",
+                      (ROOT / "docs" / "configuration.md").read_text(), re.M)
+    documented: dict[str, str] = {}
+    for names, default in rows:
+        found = re.findall(r"`SPECQ_(\w+)`", names)
+        values = [v.strip() for v in default.split(" / ")]
+        for i, setting in enumerate(found):
+            documented[setting.lower()] = values[i] if len(values) == len(found) else ""
+    assert set(documented) == set(Settings.model_fields)
+    for setting, shown in documented.items():
+        default = Settings.model_fields[setting].default
+        if isinstance(default, (int, float, str)) and not isinstance(default, bool):
+            plain = f"{default:g}" if isinstance(default, float) else str(default)
+            assert shown == f"`{plain}`", f"SPECQ_{setting.upper()}: documented {shown}, " \
+                                          f"default {default!r}"
