@@ -244,3 +244,23 @@ def test_the_settings_table_is_the_settings():
             plain = f"{default:g}" if isinstance(default, float) else str(default)
             assert shown == f"`{plain}`", f"SPECQ_{setting.upper()}: documented {shown}, " \
                                           f"default {default!r}"
+
+
+def test_the_readme_client_example_names_what_the_client_has():
+    """The README's Python example calls only what Client, Job, the items and the metrics
+    have (it needs a fleet to run; the names are checked here)."""
+    import ast
+
+    from specq.api.client import Client, ItemResult, Job, JobMetrics
+
+    (code,) = [body for lang, body in FENCE.findall((ROOT / "README.md").read_text())
+               if lang == "python" and "Client()" in body]
+    kinds = {"client": Client, "job": Job, "item": ItemResult}
+    used = [(node.value.id, node.attr) for node in ast.walk(ast.parse(code))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)]
+    assert {name for name, _ in used} >= set(kinds)
+    wrong = [f"{name}.{attr}" for name, attr in used
+             if name in kinds and not hasattr(kinds[name], attr)
+             and attr not in getattr(kinds[name], "__dataclass_fields__", {})]
+    assert not wrong, f"README.md: the example uses {', '.join(wrong)}, which do not exist"
+    assert hasattr(JobMetrics, "as_dict") and "metrics().as_dict()" in code
