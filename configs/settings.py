@@ -62,7 +62,7 @@ class Settings(BaseSettings):
         "take turns and a small job starts within a few chunks of a huge one")
     worker_pair: str | None = Field(None, min_length=1, max_length=200,
                                     description="the pair a worker serves (specq worker)")
-    # Faults (worker/keeper.py, broker/reconciler.py; README "Failures and recovery").
+    # Faults (worker/keeper.py, broker/reconciler.py; docs/operations.md, Failures and recovery).
     max_attempts: int = Field(
         3, ge=1, le=1000, description="engine failures an item survives before it fails")
     lease_seconds: float = Field(

@@ -1,6 +1,7 @@
 """docs/database.md stays true: it lists every column of every table and view, and its
 worked queries run, from psql (the real psql, on PostgreSQL) and from pandas (on SQLite and
-PostgreSQL), giving the figures of the Python metrics. So does the README's query."""
+PostgreSQL), giving the figures of the Python metrics. So does the overview's query
+("Querying the database")."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from tests.db.conftest import known_jobs, python_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "database.md").read_text()
-README = (ROOT / "README.md").read_text()
 KINDS = {"key", "input", "state", "time", "count", "counter", "derived"}
 QUERIES = dict(re.findall(r"<!-- query: ([\w-]+) -->\n```sql\n(.*?)```", DOC, re.S))
 (PANDAS,) = re.findall(r"<!-- pandas -->\n```python\n(.*?)```", DOC, re.S)
@@ -185,8 +185,8 @@ def test_the_worked_queries_from_psql_give_what_pandas_gives(db_url, jobs, sched
                     assert pd.Timestamp(got[column]) == pd.Timestamp(value), (query, column)
 
 
-def test_the_readme_query_runs(db_url, jobs, schedule):
-    section = README.split("## Querying the database", 1)[1].split("\n## ", 1)[0]
+def test_the_overview_query_runs(db_url, jobs, schedule):
+    section = DOC.split("## Querying the database", 1)[1].split("\n## ", 1)[0]
     (sql,) = re.findall(r"```sql\n(.*?)```", section, re.S)
     (name,) = re.findall(r"schedule = '([^']+)'", sql)
     assert name in load_schedules(Settings().schedules_file)  # a schedule specq ships
