@@ -281,6 +281,7 @@ def plain_row(raw: Any) -> dict[str, Any] | None:
     types); None for anything else, which `normalise` and Request then read in full. What
     it accepts they accept (a prompt not blank, storable text, a custom_id as stored),
     and its row is theirs (tests/api/test_plain_prompts.py)."""
+    prompt: Any  # a str, checked below
     if type(raw) is str:
         prompt, cid = raw, None
     elif type(raw) is dict and raw.keys() <= _PLAIN_KEYS and all(type(k) is str for k in raw):

@@ -129,6 +129,7 @@ class Settings(BaseSettings):
     @classmethod
     def _whole_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         """An integer setting is written as one ('1.0' is refused, not truncated)."""
+        assert info.field_name is not None  # a field's validator
         if cls.model_fields[info.field_name].annotation is int and isinstance(value, str):
             try:
                 int(value)
