@@ -18,7 +18,9 @@ def data_dir(tmp_path_factory):
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
-def client(request, data_dir, tmp_path):
+def db_client(request, data_dir, tmp_path):
+    """A client on a database of its own (SQLite, then the session's PostgreSQL) that no
+    worker or broker serves: its jobs are stored and run in-process (run_inline)."""
     if request.param == "sqlite":
         url = f"sqlite:///{tmp_path / 'specq.db'}"
     else:

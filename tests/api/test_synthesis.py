@@ -42,12 +42,12 @@ def spec_file(tmp_path, **over) -> str:
     ({"output": {"path": "out.txt"}}, "output.format"),
     ({"colour": "red"}, "colour: Extra inputs are not permitted"),
 ])
-def test_bad_spec_names_field_and_submits_nothing(client, tmp_path, over, field):
-    before = jobs_count(client)
+def test_bad_spec_names_field_and_submits_nothing(db_client, tmp_path, over, field):
+    before = jobs_count(db_client)
     with pytest.raises(SpecError) as exc:
-        synthesis.submit(client, load_spec(spec_file(tmp_path, **over)))
+        synthesis.submit(db_client, load_spec(spec_file(tmp_path, **over)))
     assert field in str(exc.value)
-    assert jobs_count(client) == before
+    assert jobs_count(db_client) == before
 
 
 def test_missing_column_in_a_later_row(tmp_path):
