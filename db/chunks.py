@@ -173,12 +173,18 @@ def take_unsent(session: Session, *, job_id: int, n: int) -> list[ChunkRef]:
 def unsend(session: Session, *, refs: Iterable[ChunkRef]) -> None:
     """Undo take_unsent for chunks whose messages could not be sent."""
     c = Chunk.__table__.c
+    _update_each(session, refs, sent_at=None, sends=c.sends - 1)
+
+
+def _update_each(session: Session, refs: Iterable[ChunkRef], **values: Any) -> None:
+    """Set ``values`` on each of these chunks, in one statement run for all of them."""
+    c = Chunk.__table__.c
     rows = [{"b_job": r.job_id, "b_start": r.start} for r in refs]
     if rows:
         session.execute(
             update(Chunk.__table__)
             .where(c.job_id == bindparam("b_job"), c.start == bindparam("b_start"))
-            .values(sent_at=None, sends=c.sends - 1),
+            .values(**values),
             rows,
         )
 
@@ -230,14 +236,7 @@ def cancel_unsent(session: Session, *, job_id: int) -> int:
 def mark_sent(session: Session, *, refs: Iterable[ChunkRef]) -> None:
     """Stamp chunks as sent now, once their messages are on the broker."""
     c = Chunk.__table__.c
-    rows = [{"b_job": r.job_id, "b_start": r.start} for r in refs]
-    if rows:
-        session.execute(
-            update(Chunk.__table__)
-            .where(c.job_id == bindparam("b_job"), c.start == bindparam("b_start"))
-            .values(sent_at=db_now(), sends=c.sends + 1),
-            rows,
-        )
+    _update_each(session, refs, sent_at=db_now(), sends=c.sends + 1)
 
 
 def containing(session: Session, *, job_id: int, indices: Iterable[int]) -> list[ChunkRef]:
