@@ -79,6 +79,7 @@ def _stuck(client: Client, schedule: Schedule, running: list[int], settings: Set
         except Exception as exc:  # noqa: BLE001 (the broker away: say so, go on)
             log.warning("schedule %s: run %d not reconciled: %s", schedule.name, job_id, exc)
         state = client.job(job_id).status(check_workers=False)
+        assert state.created_at is not None  # a stored job's
         age = (utcnow() - _aware(state.created_at)).total_seconds()
         if age < schedule.stuck_after:
             log.info("schedule %s: run %d still going (%d/%d done); slot skipped",

@@ -572,15 +572,17 @@ class Job:
             rows = repo.job_figures(s, job_ids=[self.id])
             if not rows:
                 raise KeyError(f"job {self.id}: not found")
-            arrays = {"accepted_by_position": repo.accepted_by_position(s, job_id=self.id),
-                      "steps_by_draft_length": repo.steps_by_draft_length(s, job_id=self.id)}
+            arrays: dict[str, Any] = {
+                "accepted_by_position": repo.accepted_by_position(s, job_id=self.id),
+                "steps_by_draft_length": repo.steps_by_draft_length(s, job_id=self.id)}
             timeline = repo.chunk_timeline(s, job_id=self.id)
         row = rows[0]
         kind = counter_kinds()
+        counts: dict[str, Any] = {s.value: row[s.value] for s in ItemStatus}
+        sums: dict[str, Any] = {k: (float(row[k]) if kind[k] == "float" else int(row[k]))
+                                for k in SCALARS}
         return JobMetrics(
-            job_id=self.id, status=row["status"], total=row["total"],
-            **{s.value: row[s.value] for s in ItemStatus},
-            **{k: (float(row[k]) if kind[k] == "float" else int(row[k])) for k in SCALARS},
+            job_id=self.id, status=row["status"], total=row["total"], **counts, **sums,
             **arrays,
             wall_time=None if row["wall_time"] is None else float(row["wall_time"]),
             draft_length_over_time=_mean_g_by_tenths([(t1, steps) for _, t1, _, steps

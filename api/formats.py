@@ -232,7 +232,7 @@ def openai_rows(job: Job) -> Iterator[dict[str, Any]]:
     """OpenAI Batch output lines: id, custom_id, response (status_code, request_id, body: a
     chat.completion or text_completion object with usage) or error, for every item."""
     with job.client.sessions() as s:
-        model = repo.get_job(s, job_id=job.id).pair
+        model = repo.require_job(s, job_id=job.id).pair
         for row in repo.iter_items(s, job_id=job.id, batch=BATCH, columns=OPENAI_COLUMNS):
             yield openai_line(dict(zip(OPENAI_COLUMNS, row)), job.id, model)
 
@@ -291,6 +291,7 @@ def export(job: Job, output: str | os.PathLike, fmt: Format = "jsonl", *,
         raise OutputError(f"format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
     if check_output(output, fmt) != "-":
         Path(output).parent.mkdir(parents=True, exist_ok=True)
+    sink: Sink
     if fmt == "parquet":
         rows, sink = flat_rows(job, input), ParquetSink(output, result_schema(input))
     else:

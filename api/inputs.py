@@ -249,23 +249,35 @@ def parse_entries(
     except ValidationError:  # every entry fails: the slow path names how
         template = None
     for index, (where, raw) in enumerate(raw_entries):
-        try:
-            value = _loads(raw) if isinstance(raw, JsonLine) else raw
-            if template is not None and (row := plain_row(value)) is not None:
-                request = template.model_copy(update={"id": index, "prompt": row["prompt"]})
-            else:
-                row = normalise(value)
-                request = Request(id=index, prompt=row["prompt"], messages=row["messages"],
-                                  **merge(defaults, row["params"]))
-        except _Problem as exc:
-            yield where, [f"{where}: {exc}"]
-        except ValidationError as exc:  # one line per entry: its first problem
-            problems = describe(exc)
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            yield where, [f"{where}: {problems[0]}{more}"]
+        yield where, read_entry(index, where, raw, defaults, template)
+
+
+def read_entry(index: int, where: str, raw: Any, defaults: dict[str, Any],
+               template: Request | None = None) -> Entry | list[str]:
+    """Entry ``index`` (named ``where``) as an Entry, or [the problem naming it]. With a
+    ``template`` (a request validated with the job's defaults) a plain prompt takes the
+    fast path; without one every entry is read in full."""
+    try:
+        value = _loads(raw) if isinstance(raw, JsonLine) else raw
+        if template is not None and (row := plain_row(value)) is not None:
+            request = template.model_copy(update={"id": index, "prompt": row["prompt"]})
         else:
-            row["index"] = index
-            yield where, Entry(row, request)
+            row = normalise(value)
+            request = Request(id=index, prompt=row["prompt"], messages=row["messages"],
+                              **merge(defaults, row["params"]))
+    except _Problem as exc:
+        return [f"{where}: {exc}"]
+    except ValidationError as exc:
+        return [first_problem(where, exc)]
+    row["index"] = index
+    return Entry(row, request)
+
+
+def first_problem(where: str, exc: ValidationError) -> str:
+    """One line for an entry: its first problem, and how many more it has."""
+    problems = describe(exc)
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return f"{where}: {problems[0]}{more}"
 
 
 class _Problem(ValueError):
@@ -281,6 +293,7 @@ def plain_row(raw: Any) -> dict[str, Any] | None:
     types); None for anything else, which `normalise` and Request then read in full. What
     it accepts they accept (a prompt not blank, storable text, a custom_id as stored),
     and its row is theirs (tests/api/test_plain_prompts.py)."""
+    prompt: Any  # a str, checked below
     if type(raw) is str:
         prompt, cid = raw, None
     elif type(raw) is dict and raw.keys() <= _PLAIN_KEYS and all(type(k) is str for k in raw):

@@ -227,16 +227,16 @@ def _anchored_output(path: str, base: Path, data_dir: Path | None) -> str:
 
 def seed_rows(spec: SynthSpec) -> Iterator[dict[str, Any]]:
     """The seed data set's rows, streamed from its file (or the inline list)."""
-    fmt = spec.resolved_seed_format()
-    if fmt == "inline":
-        yield from spec.seed_data
+    fmt, seed = spec.resolved_seed_format(), spec.seed_data
+    if isinstance(seed, list):  # fmt "inline"
+        yield from seed
     elif fmt == "jsonl":
-        with open(spec.seed_data, "rb") as f:
+        with open(seed, "rb") as f:
             for n, data in enumerate(f, 1):
                 if data.strip():
                     yield _json_row(data, n)
     elif fmt == "csv":
-        with open(spec.seed_data, encoding="utf-8", newline="") as f:
+        with open(seed, encoding="utf-8", newline="") as f:
             reader = csv.DictReader(f)
             for row in reader:
                 if None in row:
@@ -244,7 +244,7 @@ def seed_rows(spec: SynthSpec) -> Iterator[dict[str, Any]]:
                                      f"the header has columns"])
                 yield row
     else:
-        for batch in pq.ParquetFile(spec.seed_data).iter_batches(batch_size=BATCH):
+        for batch in pq.ParquetFile(seed).iter_batches(batch_size=BATCH):
             yield from batch.to_pylist()
 
 
@@ -412,11 +412,13 @@ def write_output(client: Client, job_id: int) -> Path:
 def _seed_schema(spec: SynthSpec) -> list[pa.Field] | None:
     """The seed columns' Arrow fields: the file's own for Parquet, strings for CSV, None
     (inferred from the first batch) otherwise."""
-    fmt = spec.resolved_seed_format()
+    fmt, seed = spec.resolved_seed_format(), spec.seed_data
+    if isinstance(seed, list):  # fmt "inline"
+        return None
     if fmt == "parquet":
-        return list(pq.read_schema(spec.seed_data))
+        return list(pq.read_schema(seed))
     if fmt == "csv":
-        with open(spec.seed_data, encoding="utf-8", newline="") as f:
+        with open(seed, encoding="utf-8", newline="") as f:
             return [pa.field(c, pa.string()) for c in next(csv.reader(f), [])]
     return None
 
@@ -428,10 +430,11 @@ def _output_rows(client: Client, spec: SynthSpec, job_id: int) -> Iterator[dict[
         for item in repo.iter_items(s, job_id=job_id, batch=BATCH):
             r, k = divmod(item.index, spec.n)
             if k == 0:
-                row = next(rows, None)
-                if row is None:
+                next_row = next(rows, None)
+                if next_row is None:
                     raise RuntimeError(f"job {job_id}: {spec.seed_data} has fewer rows than the "
                                        f"job; it changed since the run was submitted")
+                row = next_row
             rate = acceptance_rate(item.accepted, item.proposed) if item.proposed else None
             yield {**row, "row_index": r, "sample_index": k,
                    "seed": (item.params or {}).get("seed"), "custom_id": item.custom_id,

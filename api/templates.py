@@ -64,9 +64,10 @@ class _Guards(NodeTransformer):
         return _call(CONCAT_GUARD, list(node.nodes), node.lineno)
 
 
-def _call(name: str, args: list[nodes.Expr], lineno: int) -> nodes.Call:
+def _call(name: str, args: list[Any], lineno: int) -> nodes.Call:
     call = nodes.Call(nodes.Name(name, "load"), args, [], None, None)
-    return call.set_lineno(lineno)
+    call.set_lineno(lineno)
+    return call
 
 
 class BoundedSandbox(ImmutableSandboxedEnvironment):
@@ -148,7 +149,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         self._chars(sum(map(len, texts)))
         return "".join(texts)
 
-    def concat(self, pieces: Iterable[str]) -> str:  # type: ignore[override]
+    def concat(self, pieces: Iterable[str]) -> str:
         """Joins captured blocks, macro bodies and whole renders (Jinja's own concat)."""
         pieces = list(pieces)
         self._chars(sum(map(len, pieces)))
@@ -226,8 +227,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         elif name == "expandtabs":
             size = args[0] if args else kwargs.get("tabsize", 8)
             if isinstance(size, int):
-                self._chars(len(text) + text.count("\t" if isinstance(text, str) else b"\t")
-                            * size)
+                tabs = text.count("\t") if isinstance(text, str) else text.count(b"\t")
+                self._chars(len(text) + tabs * size)
         elif name == "replace" and len(args) >= 2:
             self._replace(text, *args[:3])
         elif name == "join" and args:

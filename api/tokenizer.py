@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from specq.configs import tokenizer_cache
 from specq.configs.hub import hub_problem
@@ -61,6 +61,7 @@ class PromptTokenizer:
     def render(self, request: Request) -> str:
         if not self.chat_template:
             raise RequestError("messages", "this model's tokenizer has no chat template")
+        assert request.messages is not None  # encode renders requests of messages only
         try:
             return _compile(self.chat_template).render(
                 messages=[m.model_dump() for m in request.messages], tools=None,
@@ -238,6 +239,10 @@ def cache_from_hub(preset: PairPreset, settings: Settings) -> Path:
     return folder
 
 
+@overload
+def _download(repo: str, name: str, kwargs: dict, required: Literal[True] = True) -> Path: ...
+@overload
+def _download(repo: str, name: str, kwargs: dict, required: bool) -> Path | None: ...
 def _download(repo: str, name: str, kwargs: dict, required: bool = True) -> Path | None:
     """One file of a hub model (asking the hub: `specq cache-tokenizer` only)."""
     from huggingface_hub import hf_hub_download

@@ -24,6 +24,7 @@ import platform
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -151,11 +152,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _drafters(spec: str, pair: Pair, lookup_tokens: int
-              ) -> list[tuple[str, Callable[[], Drafter], dict]]:
-    """(name, drafter factory, HF assisted kwargs) for each drafter named in ``spec``."""
+              ) -> list[tuple[str, Callable[[], Drafter], dict | None]]:
+    """(name, drafter factory, HF assisted kwargs or None) for each drafter named in
+    ``spec``."""
     pad = pair.tokenizer.pad_token_id if pair.tokenizer.pad_token_id is not None else 0
     vocab = pair.target.get_output_embeddings().weight.shape[0]
-    out = []
+    out: list[tuple[str, Callable[[], Drafter], dict | None]] = []
     for name in [x.strip() for x in spec.split(",") if x.strip()]:
         kind = name
         if name == "preset":
@@ -177,7 +179,7 @@ def _drafters(spec: str, pair: Pair, lookup_tokens: int
                 first, last = (int(x) for x in kind.split(":", 1)[1].split("+"))
                 total = pair.target.config.num_hidden_layers
                 model = skip_draft(pair.target, [*range(first), *range(total - last, total)])
-            out.append((name, lambda m=model: DraftModel(m, pad_id=pad, vocab_size=vocab),
+            out.append((name, partial(DraftModel, model, pad_id=pad, vocab_size=vocab),
                         {"assistant_model": model}))
         else:
             raise ValueError(f"--draft: unknown drafter {name!r}")
@@ -248,9 +250,10 @@ def bench(args: argparse.Namespace, workload: str | None = None) -> dict:
                                                         max_g=max_g))
     if ASSISTED in methods:  # batch size is irrelevant: compare with the smallest's baselines
         for _ in range(args.repeat):
-            for name, _, assistant in filter(lambda d: d[2] is not None, drafters):
-                done((ASSISTED, min(args.batch_sizes), name),
-                     run_assisted(target, prompts, new, name, assistant))
+            for name, _, assistant in drafters:
+                if assistant is not None:  # HF has such an assistant
+                    done((ASSISTED, min(args.batch_sizes), name),
+                         run_assisted(target, prompts, new, name, assistant))
     median = {k: sorted(v, key=lambda r: r.seconds)[len(v) // 2] for k, v in tried.items()}
     runs = [(median[k], median.get((HF, k[1])), median.get((NONE, k[1]))) for k in tried]
     reference = next((r for r, _, _ in runs if r.method == HF), None) or runs[0][0]

@@ -91,9 +91,10 @@ def measure(model: PreTrainedModel, batch: int, columns: int, steps: int,
     one = KVRows(model)  # one row's prompt, prefilled once and copied into every cache
     one.forward(ids, torch.ones_like(ids, dtype=torch.bool), last_only=True)
     layers = one.columns(0, 0, columns)
-    caches = {"in-place": _KVRowsCache(model, layers, batch),
-              "static": _HFCache(model, "static", layers, batch, steps),
-              "dynamic": _HFCache(model, "dynamic", layers, batch, steps)}
+    caches: dict[str, _KVRowsCache | _HFCache] = {
+        "in-place": _KVRowsCache(model, layers, batch),
+        "static": _HFCache(model, "static", layers, batch, steps),
+        "dynamic": _HFCache(model, "dynamic", layers, batch, steps)}
     times: dict[str, list[float]] = {k: [] for k in CACHES}
     for r in range(rounds + 1):  # round 0 warms up, untimed
         for name in CACHES:

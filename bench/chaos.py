@@ -183,7 +183,7 @@ def _holding(client: Client, job_id: int, workers: list[Worker]) -> list[tuple[i
             Chunk.job_id == job_id, Chunk.done.is_(False),
             Chunk.lease_owner.is_not(None))).all()
     return [(start, w) for start, owner in held for w in workers
-            if owner.startswith(w.name + "@") and w.proc.poll() is None]
+            if owner is not None and owner.startswith(w.name + "@") and w.proc.poll() is None]
 
 
 def _wait_ready(client: Client, pair: str, n: int, timeout: float = 300) -> None:
@@ -220,6 +220,8 @@ def _kill_one(client: Client, job_id: int, workers: list[Worker], via: Settings,
     while time.monotonic() - killed_at < 600:  # resumed elsewhere, or nothing left to do
         with client.sessions() as s:
             chunk = s.get(Chunk, (job_id, start), populate_existing=True)
+            if chunk is None:
+                raise RuntimeError(f"job {job_id}: chunk {start} is gone")
             left = chunks.pending_count(s, job_id=job_id, start=start, end=chunk.end)
             if not left or (chunk.lease_owner and
                             not chunk.lease_owner.startswith(victim.name + "@")):

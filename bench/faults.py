@@ -120,11 +120,11 @@ def install(plan: FaultPlan) -> Callable[[], None]:
             raise make_fault(kind)
         return forward(self, *args, **kwargs)
 
-    SpeculativeEngine.step = faulty_step
-    KVRows.forward = faulty_forward
+    SpeculativeEngine.step = faulty_step  # type: ignore[method-assign]
+    KVRows.forward = faulty_forward  # type: ignore[method-assign]
 
     def undo() -> None:
-        SpeculativeEngine.step, KVRows.forward = step, forward
+        SpeculativeEngine.step, KVRows.forward = step, forward  # type: ignore[method-assign]
 
     return undo
 

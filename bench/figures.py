@@ -63,12 +63,12 @@ def verify_times(steps: list[Step]) -> dict[int, float]:
     return {n: fmean(v) for n, v in sorted(by_n.items())}
 
 
-def t_verify_at(n: int, table: dict[int, float]) -> float | None:
+def t_verify_at(n: int, table: dict[int, float]) -> float:
     """t_verify(n): measured, else the line through the smallest and largest n seen."""
     if n in table:
         return table[n]
     if not table:
-        return None
+        raise ValueError("t_verify: no target pass measured")
     pts = sorted(table.items())
     if len(pts) == 1:
         return pts[0][1]
@@ -145,7 +145,8 @@ def figures(run: Run, hf: Run | None, none: Run | None) -> dict:
         "efficiency": None,
         "policy_snapshot": _jsonable(run.snapshot),
     })
-    if None not in (alpha, f, t_draft, t_step) and any(g for g in g_counts):
+    if (alpha is not None and f is not None and t_draft is not None and t_step is not None
+            and any(g for g in g_counts)):
         thm, by_alpha = predicted(alpha, f, g_counts, t_draft, t_step, t_verify)
         out["predicted_theorem"], out["predicted_alpha_cost"] = thm, by_alpha
     if None not in (out["tokens_per_step"], out["step_seconds"], t_step):

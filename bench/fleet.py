@@ -170,12 +170,12 @@ def progress(client: Client, job_id: int) -> tuple[bool, int]:
     c = Chunk.__table__.c
     with client.sessions() as s:
         status = s.scalar(select(Job.status).where(Job.id == job_id))
-        done = s.scalar(select(func.coalesce(func.sum(c.completed + c.failed + c.cancelled), 0))
-                        .where(c.job_id == job_id))
+        done = s.execute(select(func.coalesce(func.sum(c.completed + c.failed + c.cancelled), 0))
+                         .where(c.job_id == job_id)).scalar_one()
     return JobStatus(status).finished, int(done)
 
 
-def exactly_once(client: Client, job_id: int) -> dict[str, int]:
+def exactly_once(client: Client, job_id: int) -> dict[str, Any]:
     with client.sessions() as s:
         row = s.execute(select(
             func.count(),
@@ -191,7 +191,7 @@ def exactly_once(client: Client, job_id: int) -> dict[str, int]:
 
 def _job_times(client: Client, job_id: int) -> tuple[Any, Any, Any]:
     with client.sessions() as s:
-        job = repo.get_job(s, job_id=job_id)
+        job = repo.require_job(s, job_id=job_id)
         return job.created_at, job.started_at, job.finished_at
 
 

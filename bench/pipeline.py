@@ -136,7 +136,7 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         # poll gently: this process must not take the CPU from the worker it measures
         state = job.wait(progress=False, poll=0.5)
         with client.sessions() as s:
-            finished = repo.get_job(s, job_id=job.id).finished_at
+            finished = repo.require_job(s, job_id=job.id).finished_at
         t_job = repo.elapsed(submitted_at, finished)  # submit call -> outcomes written
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -147,7 +147,8 @@ def bench_pipeline(args: argparse.Namespace) -> dict:
         "pair": args.pair, "prompts": len(messages), "max_new_tokens": args.max_new_tokens,
         "batch_size": args.batch_size, "chunk_size": args.chunk_size or len(messages),
         "database": settings.sqlalchemy_url.split(":", 1)[0], "job_status": state.status,
-        "engine_alone_s": t_engine, "job_path_s": t_job, "overhead_ratio": t_job / t_engine,
+        "engine_alone_s": t_engine, "job_path_s": t_job,
+        "overhead_ratio": None if t_job is None else t_job / t_engine,
         "same_outputs": same, "engine_faults": state.engine_faults,
         "first_fault": state.first_fault,
         "submission_prompts_per_s": submission_rate(client, args.pair, args.submit_prompts,

@@ -29,6 +29,7 @@ import logging
 import statistics
 import sys
 import time
+from typing import Any
 
 import torch
 
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                else [(False, None), (True, None)])
     new = varied(len(prompts), args.max_new_tokens) if args.admit_groups else args.max_new_tokens
     runs: dict[tuple, list[tuple[int, float, float]]] = {c: [] for c in configs}
-    tokens, steps = {}, {}
+    tokens: dict[tuple | str, list] = {}  # by config, and 'alone'
+    steps: dict[tuple, Any] = {}
     for _ in range(args.repeat):  # rounds interleave the configurations
         for share, group in configs:
             engine, wall, tokens[share, group], steps[share, group] = run_once(

@@ -11,9 +11,10 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
 from specq.schema.generation import Request
 from specq.worker.engine.batch import left_pad
@@ -53,7 +54,7 @@ class Target:
     """What every runner needs to know of the target."""
 
     model: PreTrainedModel
-    tokenizer: object
+    tokenizer: PreTrainedTokenizerBase
     eos_ids: set[int]
     pad_id: int
 
@@ -72,7 +73,7 @@ def cut_at_eos(ids: list[int], eos_ids: set[int]) -> list[int]:
 
 def _hf_generate(t: Target, prompts: list[list[int]], max_new: int, **extra) -> list[list[int]]:
     ids, valid = left_pad(prompts, t.pad_id, t.model.device)  # [B, T]
-    out = t.model.generate(
+    out = cast(GenerationMixin, t.model).generate(  # a causal LM's (AutoModelForCausalLM)
         input_ids=ids, attention_mask=valid.long(), max_new_tokens=max_new, do_sample=False,
         pad_token_id=t.pad_id, eos_token_id=sorted(t.eos_ids), **extra,
     )  # [B, T + new]
@@ -113,7 +114,7 @@ def run_specq(t: Target, prompts: list[list[int]], batch_size: int, max_new: int
     what the warm-up showed of acceptance, before the timed run.
     """
     adaptive = g is None
-    length = min(4, max_g) if adaptive else g
+    length = min(4, max_g) if g is None else g
     eng = SpeculativeEngine(t.model, t.tokenizer, make_drafter(), max_batch_size=batch_size,
                             draft_length=length, adaptive=adaptive,
                             max_draft_length=max(max_g, length))

@@ -27,14 +27,14 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from specq.api.client import Client
 from specq.configs.settings import Settings, get_settings, subprocess_env
 from specq.db import tenants
 from specq.db.session import migrate
 
-CHAT = "/v1/chat/completions"
+CHAT: Final = "/v1/chat/completions"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -77,6 +77,11 @@ class Process:
         self.proc = subprocess.Popen([sys.executable, "-m", *self.argv], env=self.env,
                                      stdout=self.log.open("a"), stderr=subprocess.STDOUT)
 
+    def exited(self) -> bool:
+        """Whether the started process has ended."""
+        assert self.proc is not None, "not started"
+        return self.proc.poll() is not None
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
@@ -91,7 +96,7 @@ def _wait_http(url: str, server: Process, timeout: float = 60) -> None:
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
+        if server.exited():
             raise RuntimeError(f"the server exited; see {server.log}")
         try:
             httpx2.get(f"{url}/files", timeout=2)
@@ -185,7 +190,7 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         _wait_http(url, server)
         deadline = time.monotonic() + 300
         while not client.workers_for(args.pair):
-            if time.monotonic() > deadline or worker.proc.poll() is not None:
+            if time.monotonic() > deadline or worker.exited():
                 raise RuntimeError(f"the stand-in worker did not start; see {worker.log}")
             time.sleep(0.5)
         sdk = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=3600)
@@ -205,7 +210,9 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         r["create_s"] = time.perf_counter() - t0
         r["create_lines_per_s"] = args.lines / r["create_s"]
         if batch.status == "failed":
-            raise RuntimeError(f"the batch failed its check: {batch.errors.data[0].message}")
+            errors = batch.errors.data if batch.errors else None
+            raise RuntimeError(f"the batch failed its check: "
+                               f"{errors[0].message if errors else batch}")
 
         latencies, running, r["poll_failures"] = asyncio.run(_poll(url, key, batch.id, args.pollers,
                                                args.poll_every, args.poll_seconds))
@@ -217,6 +224,8 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
                 "completed", "failed", "cancelled", "expired"):
             time.sleep(1)
         r["batch_status"] = b.status
+        if b.output_file_id is None:
+            raise RuntimeError(f"the batch ended {b.status} with no output file")
         t0 = time.perf_counter()
         n = 0
         with sdk.files.with_streaming_response.content(b.output_file_id) as resp:
@@ -230,7 +239,7 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         server.start()
         _wait_http(url, server)
         again = sdk.batches.retrieve(b.id)
-        lines_after = sdk.files.content(again.output_file_id).text.count("\n")
+        lines_after = sdk.files.content(again.output_file_id or b.output_file_id).text.count("\n")
         r["restart_same"] = (again.status == b.status and again.request_counts ==
                              b.request_counts and lines_after == n)
 
@@ -246,6 +255,7 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
                 sdk.files.create(file=f, purpose="batch")
             r["big_upload_mb"] = big_size / 1e6
             r["big_upload_mb_per_s"] = big_size / 1e6 / (time.perf_counter() - t0)
+            assert server.proc is not None  # started above
             r["big_upload_server_peak_mb"] = _peak_mb(server.proc.pid)
             big.unlink()
     finally:

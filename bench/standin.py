@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 
 from specq.schema.generation import Request
 from specq.worker.engine.result import Result
@@ -24,8 +24,8 @@ STANDIN_TEXT = "ok"
 
 
 def standin_generate(self: SpeculativeEngine, requests: Iterable[Request],
-                     on_result: Callable[[Result], None] | None = None,
-                     job: int | None = None,
+                     on_result: Callable[[Result], None] | None = None, *,
+                     job: Hashable = None,
                      on_admit: Callable[[list[int | str]], None] | None = None) -> list[Result]:
     """Every request finished at once with one token; results in request order. The
     requests join in batches of the engine's size, announced as a real engine does."""
@@ -45,8 +45,9 @@ def standin_generate(self: SpeculativeEngine, requests: Iterable[Request],
 
 
 def install() -> None:
-    SpeculativeEngine.generate = standin_generate
-    SpeculativeEngine.calibrate = lambda self, *a, **k: None  # nothing to calibrate
+    SpeculativeEngine.generate = standin_generate  # type: ignore[method-assign]
+    SpeculativeEngine.calibrate = (  # type: ignore[method-assign]
+        lambda self, *a, **k: None)  # nothing to calibrate
 
 
 def main(argv: list[str]) -> None:

@@ -19,7 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import redis
 from celery import Celery
@@ -119,12 +119,12 @@ def held(client: redis.Redis, queues: Iterable[str], recent: float,
                 if ref:
                     out.add(ref)
     prefix = broker_keyprefix(settings)
-    tags = client.zrangebyscore(prefix + Channel.unacked_index_key, time.time() - recent,
-                                "+inf")
+    tags = cast(list[bytes], client.zrangebyscore(  # members only: no scores asked
+        prefix + Channel.unacked_index_key, time.time() - recent, "+inf"))
     if tags:
-        for raw in client.hmget(prefix + Channel.unacked_key, tags):
+        for message in client.hmget(prefix + Channel.unacked_key, tags):
             try:
-                ref = _chunk_of(json.loads(raw)[0]) if raw else None
+                ref = _chunk_of(json.loads(message)[0]) if message else None
             except (ValueError, TypeError, IndexError):
                 ref = None
             if ref:

@@ -28,7 +28,7 @@ import logging
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import redis
 from celery import Celery
@@ -85,7 +85,7 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
                 .distinct())
         if job_id is not None:
             stmt = stmt.where(Job.id == job_id)
-        queues = set(s.scalars(stmt))
+        queues = cast(set[str], set(s.scalars(stmt)))  # queue IS NOT NULL
     if not queues:
         return report
     # the broker first: a message taken by a worker after this read shows as its lease

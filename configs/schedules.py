@@ -61,7 +61,10 @@ class Schedule(BaseModel):
         return self
 
     def celery_schedule(self) -> crontab | float:
-        return to_crontab(self.cron) if self.cron is not None else float(self.every)
+        if self.cron is not None:
+            return to_crontab(self.cron)
+        assert self.every is not None  # exactly one of the two (_one_timing)
+        return float(self.every)
 
 
 def to_crontab(expression: str) -> crontab:

@@ -28,6 +28,13 @@ DEVICES = re.compile(r"auto|cpu|mps|cuda(:\d+)?")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUEUE_PREFIX = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}")
 URL_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://.*", re.DOTALL)
+# settings whose whole value must match a pattern, and what they must be
+_PATTERNS = {
+    "broker_url": (URL_SCHEME, "must be a URL such as redis://host:6379/0"),
+    "device": (DEVICES, "must be auto, cpu, mps, cuda or cuda:N"),
+    "queue_prefix": (QUEUE_PREFIX, "must be 1 to 100 letters, digits or _.:- (starting with a "
+                     "letter or digit)"),
+}
 
 
 class Settings(BaseSettings):
@@ -129,6 +136,7 @@ class Settings(BaseSettings):
     @classmethod
     def _whole_numbers(cls, value: Any, info: ValidationInfo) -> Any:
         """An integer setting is written as one ('1.0' is refused, not truncated)."""
+        assert info.field_name is not None  # a field's validator
         if cls.model_fields[info.field_name].annotation is int and isinstance(value, str):
             try:
                 int(value)
@@ -136,11 +144,12 @@ class Settings(BaseSettings):
                 raise ValueError("must be an integer") from None
         return value
 
-    @field_validator("broker_url")
+    @field_validator(*_PATTERNS)
     @classmethod
-    def _broker_url(cls, value: str) -> str:
-        if not URL_SCHEME.fullmatch(value):
-            raise ValueError("must be a URL such as redis://host:6379/0")
+    def _matches(cls, value: str, info: ValidationInfo) -> str:
+        pattern, must = _PATTERNS[str(info.field_name)]
+        if not pattern.fullmatch(value):
+            raise ValueError(must)
         return value
 
     @field_validator("database_url")
@@ -209,26 +218,11 @@ class Settings(BaseSettings):
     def _schedules_file(cls, value: Path) -> Path:
         return anchor(value)
 
-    @field_validator("device")
-    @classmethod
-    def _device(cls, value: str) -> str:
-        if not DEVICES.fullmatch(value):
-            raise ValueError("must be auto, cpu, mps, cuda or cuda:N")
-        return value
-
     @field_validator("dtype")
     @classmethod
     def _dtype(cls, value: str) -> str:
         if value not in DTYPES:
             raise ValueError(f"must be one of {', '.join(DTYPES)}")
-        return value
-
-    @field_validator("queue_prefix")
-    @classmethod
-    def _queue_prefix(cls, value: str) -> str:
-        if not QUEUE_PREFIX.fullmatch(value):
-            raise ValueError("must be 1 to 100 letters, digits or _.:- (starting with a letter "
-                             "or digit)")
         return value
 
     @property

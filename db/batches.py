@@ -10,12 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.orm import Session
 
 from specq.db.models import Batch, Chunk, File, FilePart, Item, Job, JobStatus, Tenant, utcnow
+from specq.db.session import changed
 
 UNFINISHED = tuple(s.value for s in JobStatus if not s.finished)
 
@@ -39,8 +40,8 @@ def iter_parts(session: Session, *, file_id: int) -> Iterator[bytes]:
     parts = session.scalars(select(FilePart.part).where(FilePart.file_id == file_id)
                             .order_by(FilePart.part)).all()
     for part in parts:
-        yield session.scalar(select(FilePart.data).where(FilePart.file_id == file_id,
-                                                          FilePart.part == part))
+        yield session.scalars(select(FilePart.data).where(FilePart.file_id == file_id,
+                                                           FilePart.part == part)).one()
 
 
 def get_file(session: Session, *, tenant_id: int, openai_id: str) -> File | None:
@@ -124,8 +125,8 @@ def mark(session: Session, *, batch_id: int, column: str) -> bool:
     """Set the batch's time ``column`` (cancelling_at, expired_at) unless it is set;
     whether this call set it."""
     col = getattr(Batch, column)
-    return bool(session.execute(update(Batch).where(Batch.id == batch_id, col.is_(None))
-                                .values({column: utcnow()})).rowcount)
+    return bool(changed(session.execute(update(Batch).where(Batch.id == batch_id, col.is_(None))
+                                        .values({column: utcnow()}))))
 
 
 def unfinished_items(session: Session, *, tenant_id: int) -> int:
@@ -138,14 +139,15 @@ def unfinished_items(session: Session, *, tenant_id: int) -> int:
             .outerjoin(Chunk.__table__, c.job_id == Job.id)
             .where(Batch.tenant_id == tenant_id, Job.status.in_(UNFINISHED))
             .group_by(Job.id, Job.total).subquery())
-    return int(session.scalar(select(func.coalesce(func.sum(jobs.c.total - jobs.c.done), 0))))
+    return int(session.execute(select(func.coalesce(func.sum(jobs.c.total - jobs.c.done), 0)))
+               .scalar_one())
 
 
 def overdue(session: Session, *, now: datetime | None = None) -> list[tuple[int, int]]:
     """(batch id, job id) of the batches past their completion window whose job is not
     finished and that were not expired yet."""
-    return [tuple(r) for r in session.execute(
-        select(Batch.id, Batch.job_id).join(Job, Job.id == Batch.job_id)
+    return [(batch_id, job_id) for batch_id, job_id in session.execute(
+        select(Batch.id, Job.id).join(Job, Job.id == Batch.job_id)
         .where(Batch.expires_at < (now or utcnow()), Batch.expired_at.is_(None),
                Job.status.in_(UNFINISHED)))]
 
@@ -158,7 +160,7 @@ def job_tenants(session: Session, *, job_ids: Iterable[int]) -> dict[int, str]:
     rows = session.execute(select(Batch.job_id, Tenant.name)
                            .join(Tenant, Tenant.id == Batch.tenant_id)
                            .where(Batch.job_id.in_(ids)))
-    return {job_id: name for job_id, name in rows}
+    return {cast(int, job_id): name for job_id, name in rows}  # job_id IN ids
 
 
 def iter_outcomes(session: Session, *, job_id: int, statuses: Sequence[str],

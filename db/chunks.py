@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 
 from specq.db.clock import db_now
 from specq.db.models import RUNNING, Chunk, Item, ItemStatus, Job, utcnow
+from specq.db.session import changed
 from specq.schema.counters import ARRAYS, SCALARS
 
 PENDING = ItemStatus.pending.value
@@ -64,7 +65,7 @@ def claim(session: Session, *, job_id: int, start: int, owner: str, ttl: float) 
     another owner holds it (or the chunk does not exist).
     """
     c = Chunk.__table__.c
-    taken = session.execute(
+    taken = changed(session.execute(
         update(Chunk.__table__)
         .where(c.job_id == job_id, c.start == start,
                or_(c.lease_owner.is_(None), c.lease_until < db_now(), c.lease_owner == owner))
@@ -73,7 +74,7 @@ def claim(session: Session, *, job_id: int, start: int, owner: str, ttl: float) 
         .values(lease_owner=owner, lease_until=db_now() + ttl, runs=c.runs + 1,
                 leased_at=func.coalesce(c.leased_at, db_now()),
                 sent_at=func.coalesce(c.sent_at, db_now()))
-    ).rowcount
+    ))
     if not taken:
         return None
     return session.scalar(select(c.runs).where(c.job_id == job_id, c.start == start))
@@ -82,11 +83,11 @@ def claim(session: Session, *, job_id: int, start: int, owner: str, ttl: float) 
 def renew(session: Session, *, job_id: int, start: int, owner: str, ttl: float) -> bool:
     """Extend the lease by ``ttl`` seconds from now; False if ``owner`` no longer holds it."""
     c = Chunk.__table__.c
-    return bool(session.execute(
+    return bool(changed(session.execute(
         update(Chunk.__table__)
         .where(c.job_id == job_id, c.start == start, c.lease_owner == owner)
         .values(lease_until=db_now() + ttl)
-    ).rowcount)
+    )))
 
 
 def release(session: Session, *, job_id: int, start: int, end: int, owner: str) -> bool:
@@ -109,10 +110,10 @@ def mark_done(session: Session, *, job_id: int, start: int) -> None:
 
 
 def pending_count(session: Session, *, job_id: int, start: int, end: int) -> int:
-    return session.scalar(
+    return session.scalars(
         select(func.count()).where(Item.job_id == job_id, Item.index >= start,
                                    Item.index < end, Item.status == PENDING)
-    )
+    ).one()
 
 
 def deployment(queue_prefix: str) -> Any:
@@ -172,12 +173,18 @@ def take_unsent(session: Session, *, job_id: int, n: int) -> list[ChunkRef]:
 def unsend(session: Session, *, refs: Iterable[ChunkRef]) -> None:
     """Undo take_unsent for chunks whose messages could not be sent."""
     c = Chunk.__table__.c
+    _update_each(session, refs, sent_at=None, sends=c.sends - 1)
+
+
+def _update_each(session: Session, refs: Iterable[ChunkRef], **values: Any) -> None:
+    """Set ``values`` on each of these chunks, in one statement run for all of them."""
+    c = Chunk.__table__.c
     rows = [{"b_job": r.job_id, "b_start": r.start} for r in refs]
     if rows:
         session.execute(
             update(Chunk.__table__)
             .where(c.job_id == bindparam("b_job"), c.start == bindparam("b_start"))
-            .values(sent_at=None, sends=c.sends - 1),
+            .values(**values),
             rows,
         )
 
@@ -218,25 +225,18 @@ def cancel_unsent(session: Session, *, job_id: int) -> int:
         in_part = (select(c.start).where(c.job_id == job_id, c.start.in_(part),
                                          items.index >= c.start, items.index < c.end)
                    .exists())
-        n += session.execute(
+        n += changed(session.execute(
             update(Item.__table__)
             .where(items.job_id == job_id, items.status == PENDING, in_part)
             .values(status=ItemStatus.cancelled.value, finished_at=utcnow())
-        ).rowcount
+        ))
         recount(session, job_id=job_id, starts=part)
     return n
 
 def mark_sent(session: Session, *, refs: Iterable[ChunkRef]) -> None:
     """Stamp chunks as sent now, once their messages are on the broker."""
     c = Chunk.__table__.c
-    rows = [{"b_job": r.job_id, "b_start": r.start} for r in refs]
-    if rows:
-        session.execute(
-            update(Chunk.__table__)
-            .where(c.job_id == bindparam("b_job"), c.start == bindparam("b_start"))
-            .values(sent_at=db_now(), sends=c.sends + 1),
-            rows,
-        )
+    _update_each(session, refs, sent_at=db_now(), sends=c.sends + 1)
 
 
 def containing(session: Session, *, job_id: int, indices: Iterable[int]) -> list[ChunkRef]:
@@ -368,7 +368,7 @@ def resum(session: Session, *, job_id: int, starts: Iterable[int]) -> None:
         rows = session.execute(
             select(Item.started_at, Item.finished_at, *counters)
             .where(Item.job_id == job_id, Item.index >= chunk.start, Item.index < chunk.end,
-                   Item.draft_steps.is_not(None))
+                   Item.__table__.c.draft_steps.is_not(None))
         )
         more = _Sums()
         for started, finished, *values in rows:

@@ -12,17 +12,19 @@ import itertools
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import RowMapping, bindparam, case, func, insert, select, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
+from sqlalchemy.sql.schema import ScalarElementColumnDefault
 from sqlalchemy.types import JSON
 
 from specq.db import chunks, views
 from specq.db.models import RUNNING, UNFINISHED, Chunk, Item, ItemStatus, Job, JobStatus, utcnow
 from specq.db.outcomes import COLUMNS as OUTCOME_COLUMNS
 from specq.db.outcomes import Outcome
+from specq.db.session import changed
 from specq.schema.counters import ARRAYS, SCALARS
 
 PENDING = ItemStatus.pending.value
@@ -62,7 +64,7 @@ def insert_items(
         if first is None:
             return 0
         base = {c.name: c.default.arg for c in table.columns
-                if c.default is not None and c.default.is_scalar}
+                if isinstance(c.default, ScalarElementColumnDefault)}
         base.update(job_id=job_id, status=PENDING, writes=0)
         names = [*base, *(k for k in first if k not in base)]
         is_json = [isinstance(table.c[k].type, JSON) for k in names]
@@ -72,7 +74,7 @@ def insert_items(
 
         quote = dialect.identifier_preparer.quote
         sql = f"COPY {quote(table.name)} ({', '.join(map(quote, names))}) FROM STDIN"
-        raw = session.connection().connection.driver_connection
+        raw: Any = session.connection().connection.driver_connection  # psycopg's
         n = 0
         try:
             with raw.cursor() as cur, cur.copy(sql) as copy:
@@ -103,6 +105,14 @@ def get_job(session: Session, *, job_id: int) -> Job | None:
     return session.execute(
         select(Job).where(Job.id == job_id).execution_options(populate_existing=True)
     ).scalar_one_or_none()
+
+
+def require_job(session: Session, *, job_id: int) -> Job:
+    """The job, which the caller knows exists; KeyError naming it if it does not."""
+    job = get_job(session, job_id=job_id)
+    if job is None:
+        raise KeyError(f"job {job_id}: not found")
+    return job
 
 
 def unfinished_runs(session: Session, *, schedule: str) -> list[int]:
@@ -216,13 +226,13 @@ def record_failures(session: Session, *, job_id: int, start: int, indices: list[
     chunks.add_fault(session, job_id=job_id, start=start, error=error)
     if not indices:
         return 0
-    return session.execute(
+    return changed(session.execute(
         update(Item)
         .where(Item.job_id == job_id, *_among(indices), Item.status == PENDING)
         .values(attempts=Item.attempts + 1, error=error[:10000],
                 launch=case((Item.launch == launch, None), else_=Item.launch)),
         execution_options={"synchronize_session": False},
-    ).rowcount
+    ))
 
 
 def mark_launch(session: Session, *, job_id: int, indices: list[int], launch: str) -> None:
@@ -279,7 +289,7 @@ def died_in_flight(session: Session, *, job_id: int, start: int, end: int
     ).all()
     batches: dict[str, list[int]] = {}
     for launch, index in rows:
-        batches.setdefault(launch, []).append(index)
+        batches.setdefault(cast(str, launch), []).append(index)  # launch IS NOT NULL
     return batches
 
 
@@ -345,7 +355,7 @@ def cancel_pending(
         execution_options={"synchronize_session": False},
     )
     chunks.recount(session, job_id=job_id, start=start)
-    return result.rowcount
+    return changed(result)
 
 
 def status_counts(session: Session, *, job_id: int) -> dict[str, int]:
@@ -485,8 +495,8 @@ def chunk_timeline(session: Session, *, job_id: int) -> list[tuple[Any, Any, int
     written items, in finishing order: a timeline at the grain of chunks (draft length and
     throughput over time), read from a few thousand rows for a million items."""
     stmt = (
-        select(Chunk.first_started, Chunk.last_finished, Chunk.new_tokens,
-               Chunk.steps_by_draft_length)
+        select(Chunk.first_started, Chunk.last_finished, Chunk.__table__.c.new_tokens,
+               Chunk.__table__.c.steps_by_draft_length)
         .where(Chunk.job_id == job_id, Chunk.last_finished.is_not(None))
         .order_by(Chunk.last_finished, Chunk.start)
     )

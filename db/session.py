@@ -5,8 +5,9 @@ from __future__ import annotations
 import logging
 from functools import lru_cache
 from pathlib import Path
+from typing import Any, cast
 
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import CursorResult, Engine, Result, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -18,6 +19,11 @@ ALEMBIC_INI = Path(__file__).with_name("alembic.ini")
 def redact(url: str) -> str:
     """The URL with its password hidden, fit for logs and error messages."""
     return make_url(url).render_as_string(hide_password=True)
+
+
+def changed(result: Result[Any]) -> int:
+    """How many rows an executed UPDATE or DELETE changed (its result counts them)."""
+    return cast(CursorResult[Any], result).rowcount
 
 
 def _sqlite_pragmas(dbapi_conn, _record) -> None:

@@ -20,6 +20,7 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from specq.db.models import ApiKey, Tenant, utcnow
+from specq.db.session import changed
 
 KEY_PREFIX = "sk-specq-"
 SHOWN = len(KEY_PREFIX) + 6  # characters of a key `specq keys list` shows
@@ -87,7 +88,7 @@ def revoke(session: Session, *, tenant: str, prefix: str | None = None) -> int:
     stmt = update(ApiKey).where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))
     if prefix is not None:
         stmt = stmt.where(ApiKey.prefix == prefix)
-    return session.execute(stmt.values(revoked_at=utcnow())).rowcount
+    return changed(session.execute(stmt.values(revoked_at=utcnow())))
 
 
 def tenant_names(session: Session) -> list[str]:

@@ -135,5 +135,6 @@ def fits_by_size(request: Request, context: int) -> bool:
         n = sum(len(m.content.encode()) + len(m.role) + _TOKENS_PER_MESSAGE
                 for m in request.messages)
     else:
+        assert request.prompt is not None  # a Request holds exactly one of the three
         n = len(request.prompt.encode())
     return n + _TOKENS_BEYOND_BYTES + request.max_new_tokens <= context

@@ -3,9 +3,11 @@ database of this test session on the real server."""
 
 from __future__ import annotations
 
+import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import TypeVar
 
 import pytest
 import torch
@@ -16,6 +18,21 @@ from specq.db.session import get_engine
 from specq.worker.tiny import build_tiny_pair
 
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+T = TypeVar("T")
+
+
+def wait_until(check: Callable[[], T], timeout: float, what: str, poll: float = 0.1) -> T:
+    """check() until it returns something true; that value. TimeoutError naming ``what``
+    after ``timeout`` seconds: the condition a test waits for, never a fixed sleep."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not after {timeout} s")
+        time.sleep(poll)
 
 
 @contextmanager

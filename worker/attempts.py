@@ -32,7 +32,7 @@ import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 from pydantic import ValidationError
 
@@ -86,7 +86,7 @@ def generate_with_retries(
     hostname: str,
     keeper: ChunkKeeper,
     settings: Settings,
-    on_item: Callable[[], None] | None = None,
+    on_item: Callable[[], object] | None = None,
     job: int | None = None,
 ) -> Tally:
     """Generate every item once (each outcome goes to the keeper as it finishes).
@@ -196,6 +196,10 @@ def item_outcome(index: int, res: Result, hostname: str, started: Any, finished:
                    started_at=started, finished_at=finished, isolated=isolated)
 
 
+@overload
+def storable(text: str) -> str: ...
+@overload
+def storable(text: None) -> None: ...
 def storable(text: str | None) -> str | None:
     """Text as every database stores it: PostgreSQL text cannot hold NUL, so NUL becomes
     U+FFFD (the token ids keep the exact output); a lone surrogate becomes U+FFFD too."""

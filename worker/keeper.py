@@ -23,6 +23,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import cast
 
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -209,7 +210,7 @@ class ChunkKeeper:
                     continue
                 n = next((i for i, o in enumerate(batch) if isinstance(o, _Fault)),
                          len(batch))
-                self._write(batch[:n])
+                self._write(cast(list[Outcome], batch[:n]))  # no _Fault before n
                 del batch[:n]
         finally:
             if batch:  # put back, ahead of anything queued meanwhile
@@ -261,4 +262,4 @@ class ChunkKeeper:
             if done:  # this chunk's last items may have been the job's last
                 self.report.job_status = repo.settle_job(s, job_id=self.job_id).value
             else:
-                self.report.job_status = repo.get_job(s, job_id=self.job_id).status
+                self.report.job_status = repo.require_job(s, job_id=self.job_id).status

@@ -8,6 +8,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import (
@@ -95,7 +96,7 @@ def load_model(
         raise PairError(problem) from exc
     if saved is not None and kwargs:
         _save_converted(model, tokenizer, saved)
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # mypy misreads transformers' wrapped `to`
     _check_cache_layout(model, where)
     return model, tokenizer
 
@@ -183,11 +184,12 @@ def load_pair(preset: PairPreset, settings: Settings | None = None) -> Pair:
     settings = settings or get_settings()
     device = resolve_device(settings.device)
     dtype = resolve_dtype(preset.dtype or settings.dtype, device)
-    common = dict(device=device, dtype=dtype, data_dir=settings.data_dir,
+    common: dict[str, Any] = dict(device=device, dtype=dtype, data_dir=settings.data_dir,
                   trust_remote_code=preset.trust_remote_code)
     target, tokenizer = load_model(preset.target, **common)
     drafter: Drafter
     if preset.drafter == "model":
+        assert preset.draft is not None  # the preset's check
         draft, draft_tok = load_model(preset.draft, **common)
         check_vocab(tokenizer, draft_tok)
         drafter = DraftModel(draft, pad_id=_pad_id(tokenizer), vocab_size=_vocab(target))

@@ -118,15 +118,16 @@ class PairStartUp(bootsteps.StartStopStep):
         settings = get_settings()
         hostname = parent.hostname
         try:
-            phases = start_up(settings)
+            pair = _serving()
+            phases = start_up(settings, pair)
         except Exception as exc:  # noqa: BLE001 (anything that stops a load stops the worker)
             _exit_unstarted(settings, hostname, exc)
-        log.info("pair %s ready in %.1f s (%s)", settings.worker_pair, sum(phases.values()),
+        log.info("pair %s ready in %.1f s (%s)", pair, sum(phases.values()),
                  ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
         _cache_tokenizer(settings)
-        self.background.append(presence.Heartbeat(settings, settings.worker_pair, hostname).start())
-        _on_broker(settings, lambda r: presence.clear_start_failure(
-            r, settings, settings.worker_pair), "an earlier failed start is not cleared")
+        self.background.append(presence.Heartbeat(settings, pair, hostname).start())
+        _on_broker(settings, lambda r: presence.clear_start_failure(r, settings, pair),
+                   "an earlier failed start is not cleared")
         if settings.reconcile_every > 0:
             from specq.broker.reconciler import Background
 
@@ -172,9 +173,9 @@ def _exit_unstarted(settings: Settings, hostname: str, exc: BaseException) -> No
     log.critical("pair %s cannot start on this worker: %s. The worker exits (status %d) "
                  "without taking any chunk.", settings.worker_pair, error, code,
                  exc_info=not isinstance(exc, PairError))
-    if settings.worker_pair:
+    if pair := settings.worker_pair:
         _on_broker(settings, lambda r: presence.record_start_failure(
-            r, settings, settings.worker_pair, hostname, error),
+            r, settings, pair, hostname, error),
             "the failed start is not recorded on the broker")
     raise SystemExit(code)
 
@@ -253,7 +254,7 @@ def run_chunk(
     end: int,
     hostname: str,
     settings: Settings | None = None,
-    on_item: Callable[[], None] | None = None,
+    on_item: Callable[[], object] | None = None,
     send_next: bool = False,
 ) -> ChunkReport:
     """Claim the chunk's lease, generate its pending items (retrying engine faults) and
@@ -388,7 +389,7 @@ def run_inline(
     from tqdm import tqdm
 
     with sessions() as s:
-        job = repo.get_job(s, job_id=job_id)
+        job = repo.require_job(s, job_id=job_id)
         chunk_list = chunks.ranges(s, job_id=job_id)
         done = job.total - repo.status_counts(s, job_id=job_id)[ItemStatus.pending.value]
     hostname = f"{socket.gethostname()} (embedded)"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -47,7 +48,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def _config(vocab_size: int, layers: int, **over) -> LlamaConfig:
-    cfg = dict(
+    cfg: dict[str, Any] = dict(
         vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=128,

@@ -197,6 +197,7 @@ def _fresh(client: Client, who: Caller, batch_id: str) -> dict[str, Any]:
             files = store.batch_files(s, batch_id=batch.id) if row is not None else {}
             lines = None if row is not None else _lines_of(s, batch)
     if due:  # (outside the read: SQLite's snapshot would not see the expiry)
+        assert batch.job_id is not None  # due: its job's figures were read
         expire(client, batch.id, batch.job_id)
         return _fresh(client, who, batch_id)
     return batch_object(batch, row, files, lines)
@@ -235,6 +236,8 @@ def cancel_batch(request: Request, batch_id: str, who: Who) -> dict[str, Any]:
                        "in progress can be", param="batch_id", code="batch_not_cancellable")
     with client.sessions.begin() as s:
         batch = store.get_batch(s, tenant_id=who.tenant_id, openai_id=batch_id)
+        if batch is None or batch.job_id is None:  # in progress above: it has a job
+            raise not_found("Batch", batch_id, param="batch_id")
         store.mark(s, batch_id=batch.id, column="cancelling_at")
         repo.request_cancel(s, job_id=batch.job_id)
     return _fresh(client, who, batch_id)
@@ -288,8 +291,9 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
         return seen
     _submit(client, batch, f, preset.name, priority)
     with client.sessions() as s:
-        batch = store.get_batch(s, tenant_id=who.tenant_id, openai_id=batch.openai_id)
-    return read_objects(client, [batch])[0]
+        stored = store.get_batch(s, tenant_id=who.tenant_id, openai_id=batch.openai_id)
+    assert stored is not None  # made above
+    return read_objects(client, [stored])[0]
 
 
 def read_requests(client: Client, f: Any, presets: dict[str, Any]) -> LineScan:

@@ -42,19 +42,16 @@ class Problem:
         return f"line {self.line}: {self.message}" if self.line else self.message
 
 
-@dataclass
-class LineScan:
-    """Checks a batch file's lines as its bytes arrive (`feed`, then `finish`)."""
+@dataclass(kw_only=True)
+class _Lines:
+    """A file's lines as its bytes arrive (`feed`, then `finish`): each non-blank one goes to
+    `_check` with its number, within the line limit, until a problem refuses the file."""
 
     max_lines: int
-    check_model: Callable[[str], str | None]  # model -> why it is not served, or None
     problems: list[Problem] = field(default_factory=list)
     lines: int = 0  # requests (non-blank lines)
-    model: str | None = None
-    url: str | None = None
     _number: int = 0  # lines seen, blank included
     _rest: bytes = b""
-    _ids: set[str] = field(default_factory=set)
 
     @property
     def done(self) -> bool:
@@ -89,7 +86,6 @@ class LineScan:
 
     def _line(self, raw: bytes) -> None:
         self._number += 1
-        n = self._number
         if not raw.strip():
             return
         self.lines += 1
@@ -97,6 +93,23 @@ class LineScan:
             self._fail(f"the file holds more than {self.max_lines} requests (the limit, "
                        f"SPECQ_API_MAX_FILE_LINES)", code="too_many_lines")
             return
+        self._check(raw, self._number)
+
+    def _check(self, raw: bytes, n: int) -> None:
+        """Line ``n``, not blank."""
+        raise NotImplementedError
+
+
+@dataclass(kw_only=True)
+class LineScan(_Lines):
+    """Checks a batch file's lines as its bytes arrive (`feed`, then `finish`)."""
+
+    check_model: Callable[[str], str | None]  # model -> why it is not served, or None
+    model: str | None = None
+    url: str | None = None
+    _ids: set[str] = field(default_factory=set)
+
+    def _check(self, raw: bytes, n: int) -> None:
         try:
             value = json.loads(raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw)
         except UnicodeDecodeError as exc:
@@ -164,65 +177,27 @@ class LineScan:
                        n, "body.stream", "stream_not_supported")
 
 
-@dataclass
-class FileCheck:
+@dataclass(kw_only=True)
+class FileCheck(_Lines):
     """The upload's checks, a piece of the file at a time (`feed`, then `finish`)."""
 
-    max_lines: int
-    problems: list[Problem] = field(default_factory=list)
-    lines: int = 0  # non-blank lines
-    _number: int = 0  # lines seen, blank included
-    _rest: bytes = b""
+    def _fail(self, message: str, line: int | None = None, param: str | None = None,
+              code: str = "invalid_file") -> None:
+        super()._fail(message, line, "file", code)  # every problem is the file part's
 
-    @property
-    def done(self) -> bool:
-        return len(self.problems) >= MAX_PROBLEMS or any(p.code in FATAL for p in self.problems)
-
-    def feed(self, data: bytes) -> None:
-        if self.done:
-            return
-        pieces = (self._rest + data).split(b"\n")
-        self._rest = pieces.pop()
-        if len(self._rest) > MAX_LINE_BYTES:
-            self._fail(f"longer than {MAX_LINE_BYTES} bytes", self._number + 1, "line_too_long")
-            return
-        for raw in pieces:
-            self._line(raw)
-            if self.done:
-                return
-
-    def finish(self) -> None:
-        if not self.done and self._rest:
-            self._line(self._rest)
-        self._rest = b""
-        if not self.problems and self.lines == 0:
-            self._fail("the file holds no requests (it is empty or blank)", None, "empty_file")
-
-    def _fail(self, message: str, line: int | None, code: str) -> None:
-        if len(self.problems) < MAX_PROBLEMS:
-            self.problems.append(Problem(message, line, "file", code))
-
-    def _line(self, raw: bytes) -> None:
-        self._number += 1
+    def _check(self, raw: bytes, n: int) -> None:
         text = raw.strip()
-        if not text:
-            return
-        self.lines += 1
-        if self.lines > self.max_lines:
-            self._fail(f"the file holds more than {self.max_lines} requests (the limit, "
-                       f"SPECQ_API_MAX_FILE_LINES)", None, "too_many_lines")
-            return
-        if self._number == 1:
+        if n == 1:
             text = text.removeprefix(codecs.BOM_UTF8)
         try:
             text.decode("utf-8")
         except UnicodeDecodeError as exc:
             self._fail(f"not valid UTF-8 (byte 0x{text[exc.start]:02x} at byte "
-                       f"{exc.start + 1} of the line)", self._number, "invalid_utf8")
+                       f"{exc.start + 1} of the line)", n, code="invalid_utf8")
             return
         if text[:1] != b"{" or text[-1:] != b"}":
             self._fail("not a JSON object: a batch file is JSONL, one request object per "
-                       "line", self._number, "invalid_json_line")
+                       "line", n, code="invalid_json_line")
 
 
 class MultipartError(ValueError):

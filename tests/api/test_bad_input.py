@@ -108,14 +108,21 @@ def bad_value(field: str) -> st.SearchStrategy:
 
 
 @st.composite
+def bad_field(draw, prompt: str) -> tuple[str, dict]:
+    """(a field, an entry whose one problem is that field's value): ``prompt`` beside any
+    field but the prompt and the messages."""
+    field = draw(st.sampled_from(sorted(TYPES)))
+    value = draw(bad_value(field))
+    return field, ({field: value} if field in ("prompt", "messages")
+                   else {"prompt": prompt, field: value})
+
+
+@st.composite
 def bad_specq_line(draw) -> tuple[str, bytes]:
     """(what the error must name, a JSONL line with exactly one thing wrong)."""
     kind = draw(st.sampled_from(["field", "field", "field", "utf8", "json", "unknown", "shape"]))
     if kind == "field":
-        field = draw(st.sampled_from(sorted(TYPES)))
-        value = draw(bad_value(field))
-        line = {field: value} if field in ("prompt", "messages") else \
-            {"prompt": "Fix: he go", field: value}
+        field, line = draw(bad_field("Fix: he go"))
         return field, json.dumps(line).encode()
     if kind == "utf8":
         junk = draw(st.binary(min_size=1, max_size=6).filter(
@@ -191,10 +198,7 @@ def bad_python_entry(draw) -> tuple[str, object]:
     """(what the error must name, a prompt entry a Client must refuse)."""
     kind = draw(st.sampled_from(["line", "line", "scalar", "object", "text", "keys", "deep"]))
     if kind == "line":
-        field = draw(st.sampled_from(sorted(TYPES)))
-        value = draw(bad_value(field))
-        return field, ({field: value} if field in ("prompt", "messages")
-                       else {"prompt": "ok", field: value})
+        return draw(bad_field("ok"))
     if kind == "scalar":
         return "expected a prompt", draw(st.none() | st.booleans() | st.integers() | st.floats()
                                          | st.tuples(st.text()) | st.binary())

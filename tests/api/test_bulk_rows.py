@@ -95,9 +95,9 @@ def finished_job(client) -> int:
         return job.id
 
 
-def test_exports_read_what_the_items_hold(client, tmp_path):
-    job = client.job(finished_job(client))
-    with client.sessions() as s:
+def test_exports_read_what_the_items_hold(db_client, tmp_path):
+    job = db_client.job(finished_job(db_client))
+    with db_client.sessions() as s:
         items = list(repo.iter_items(s, job_id=job.id))
         model = repo.get_job(s, job_id=job.id).pair
     # Job.results as it read Item objects

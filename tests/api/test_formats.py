@@ -66,15 +66,15 @@ def openai_requests(path) -> list[str]:
     return [f"req-{i}" for i in range(6)]
 
 
-def test_openai_batch_round_trip(client, tmp_path):
+def test_openai_batch_round_trip(db_client, tmp_path):
     ids = openai_requests(tmp_path / "batch.jsonl")
-    job = client.submit(str(tmp_path / "batch.jsonl"), pair="tiny", enqueue=False)
-    with client.sessions() as s:
+    job = db_client.submit(str(tmp_path / "batch.jsonl"), pair="tiny", enqueue=False)
+    with db_client.sessions() as s:
         items = list(repo.iter_items(s, job_id=job.id))
     assert items[1].params == {"max_new_tokens": 5, "temperature": 0.7, "top_p": 0.9,
                                "seed": 1, "stop": ["\n\n"]}
     assert items[0].messages[0]["role"] == "system" and items[1].prompt == "Count to 1:"
-    run_inline(sessions=client.sessions, engine=tiny_engine(str(client.settings.data_dir)),
+    run_inline(sessions=db_client.sessions, engine=tiny_engine(str(db_client.settings.data_dir)),
                pair="tiny", job_id=job.id, progress=False)
 
     out = tmp_path / "out" / "batch_output.jsonl"
@@ -99,7 +99,7 @@ def test_openai_batch_round_trip(client, tmp_path):
         assert body.usage.total_tokens == body.usage.prompt_tokens + body.usage.completion_tokens
 
     # A failed item comes back as an error line with its custom_id, no response.
-    with client.sessions.begin() as s:
+    with db_client.sessions.begin() as s:
         s.execute(update(Item).where(Item.job_id == job.id, Item.index == 2)
                   .values(status="failed", error="engine said no"))
     export(job, out, "openai")
@@ -117,18 +117,18 @@ def test_openai_batch_round_trip(client, tmp_path):
     assert table.column("custom_id").to_pylist() == ids
 
 
-def test_exports_stream(client, tmp_path):
+def test_exports_stream(db_client, tmp_path):
     """20,000 items export in row groups of 1,000 while the memory peak stays far below what
     holding them all would take (their outputs alone are ~20 MB of text)."""
     n = 20_000
-    with client.sessions.begin() as s:
+    with db_client.sessions.begin() as s:
         job = repo.create_job(s, pair="tiny", params={}, chunk_size=1000, source=None)
         rows = ({"index": i, "custom_id": f"c{i}", "prompt": "p", "messages": None,
                  "params": None, "status": "completed", "output": "x" * 1000,
                  "finish_reason": "length", "new_tokens": 8} for i in range(n))
         repo.insert_items(s, job_id=job.id, rows=rows)
         job.total, job.status = n, "completed"
-    handle = client.job(job.id)
+    handle = db_client.job(job.id)
     for fmt in ("parquet", "openai"):
         tracemalloc.start()
         assert export(handle, tmp_path / f"big.{fmt}", fmt) == n
@@ -160,12 +160,12 @@ def rebuilt(row: dict) -> dict:
     return line
 
 
-def test_exports_round_trip_the_input(client, tmp_path):
+def test_exports_round_trip_the_input(db_client, tmp_path):
     """JSONL and Parquet rows carry the prompt or messages and the line's own parameters: the
     submitted lines can be rebuilt from either; --no-input leaves them out."""
     path = tmp_path / "in.jsonl"
     path.write_text("".join(json.dumps(x) + "\n" for x in SUBMITTED), encoding="utf-8")
-    job = client.submit(str(path), pair="tiny", enqueue=False, max_new_tokens=8)
+    job = db_client.submit(str(path), pair="tiny", enqueue=False, max_new_tokens=8)
 
     assert export(job, tmp_path / "r.jsonl") == 4
     rows = [json.loads(x) for x in (tmp_path / "r.jsonl").read_text("utf-8").splitlines()]
@@ -187,10 +187,10 @@ def test_exports_round_trip_the_input(client, tmp_path):
     assert pq.read_table(tmp_path / "lean.parquet").schema.equals(result_schema(input=False))
 
 
-def test_plain_prompts_get_stable_ids_in_every_format(client, tmp_path):
+def test_plain_prompts_get_stable_ids_in_every_format(db_client, tmp_path):
     """A list of plain prompts has no custom_id: every format gives request-INDEX, the id an
     OpenAI output line needs, the same on every export."""
-    job = client.submit(["first", "second", "third"], pair="tiny", enqueue=False)
+    job = db_client.submit(["first", "second", "third"], pair="tiny", enqueue=False)
     want = ["request-0", "request-1", "request-2"]
     assert [r.custom_id for r in job.results()] == want
     for fmt in ("jsonl", "openai"):

@@ -9,19 +9,17 @@ import os
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pydantic import ValidationError
 
 from specq.api.inputs import (
     MAX_CUSTOM_ID,
     Entry,
     JsonLine,
     _Problem,
-    describe,
-    normalise,
     parse_entries,
     plain_row,
+    read_entry,
 )
-from specq.schema.generation import Request, merge
+from specq.schema.generation import Request
 
 EXAMPLES = settings(max_examples=int(os.environ.get("BAD_INPUT_EXAMPLES", 300)), deadline=None)
 
@@ -77,21 +75,9 @@ def as_line(value) -> JsonLine:
 
 
 def full_entries(raw_entries, defaults):
-    """parse_entries as it was before the fast path: every entry read in full."""
+    """parse_entries without its fast path: every entry read in full."""
     for index, (where, raw) in enumerate(raw_entries):
-        try:
-            row = normalise(raw)
-            request = Request(id=index, prompt=row["prompt"], messages=row["messages"],
-                              **merge(defaults, row["params"]))
-        except _Problem as exc:
-            yield where, [f"{where}: {exc}"]
-        except ValidationError as exc:
-            problems = describe(exc)
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            yield where, [f"{where}: {problems[0]}{more}"]
-        else:
-            row["index"] = index
-            yield where, Entry(row, request)
+        yield where, read_entry(index, where, raw, defaults)
 
 
 def same(got, want) -> None:

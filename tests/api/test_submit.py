@@ -22,7 +22,7 @@ def write_jsonl(path, lines) -> str:
     return str(path)
 
 
-def test_a_file_is_stored_with_its_items(client, tmp_path):
+def test_a_file_is_stored_with_its_items(db_client, tmp_path):
     path = write_jsonl(tmp_path / "in.jsonl", [
         {"custom_id": "a", "prompt": "Correct: he go home"},
         "",
@@ -30,23 +30,23 @@ def test_a_file_is_stored_with_its_items(client, tmp_path):
         {"custom_id": "c", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "Rewrite: hi", "max_tokens": 3}},
     ])
-    job = client.submit(path, pair="tiny", enqueue=False, max_new_tokens=8, temperature=0.5)
+    job = db_client.submit(path, pair="tiny", enqueue=False, max_new_tokens=8, temperature=0.5)
     state = job.status(check_workers=False)
     assert (state.status, state.total, state.pending) == (JobStatus.queued.value, 3, 3)
     items = list(job.results())
     assert [(i.index, i.custom_id) for i in items] == [(0, "a"), (1, "request-1"), (2, "c")]
-    with client.sessions() as s:
+    with db_client.sessions() as s:
         job_row = s.get(Job, job.id)
         assert job_row.params["max_new_tokens"] == 8 and job_row.params["temperature"] == 0.5
         assert s.get(Item, (job.id, 1)).params == {"max_new_tokens": 4}
         assert s.get(Item, (job.id, 2)).params == {"max_new_tokens": 3}
 
 
-def test_prompts_from_python(client):
-    job = client.submit(["Fix: he go", [{"role": "user", "content": "Sum up: a b c"}]],
-                        pair="tiny", enqueue=False)
+def test_prompts_from_python(db_client):
+    job = db_client.submit(["Fix: he go", [{"role": "user", "content": "Sum up: a b c"}]],
+                           pair="tiny", enqueue=False)
     assert job.status(check_workers=False).total == 2
-    assert [j.id for j in client.jobs()][0] == job.id
+    assert [j.id for j in db_client.jobs()][0] == job.id
 
 
 LONG = " ".join(["word"] * 600)  # 3000 bytes: beyond the tiny model's 512-token context
@@ -71,30 +71,30 @@ LONG = " ".join(["word"] * 600)  # 3000 bytes: beyond the tiny model's 512-token
     ([{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}], "tiny", {},
      r"line 1: give exactly one of prompt, messages"),
 ])
-def test_bad_input_names_where_and_stores_nothing(client, tmp_path, lines, pair, sampling,
+def test_bad_input_names_where_and_stores_nothing(db_client, tmp_path, lines, pair, sampling,
                                                    expected):
     path = write_jsonl(tmp_path / "bad.jsonl", lines)
-    before = counts(client)
+    before = counts(db_client)
     with pytest.raises(InputError, match=expected):
-        client.submit(path, pair=pair, enqueue=False, **sampling)
-    assert counts(client) == before
+        db_client.submit(path, pair=pair, enqueue=False, **sampling)
+    assert counts(db_client) == before
 
 
-def test_a_missing_file_stores_nothing(client, tmp_path):
-    before = counts(client)
+def test_a_missing_file_stores_nothing(db_client, tmp_path):
+    before = counts(db_client)
     with pytest.raises(InputError, match=r"missing\.jsonl: file not found"):
-        client.submit(tmp_path / "missing.jsonl", pair="tiny", enqueue=False)
-    assert counts(client) == before
+        db_client.submit(tmp_path / "missing.jsonl", pair="tiny", enqueue=False)
+    assert counts(db_client) == before
 
 
-def test_every_problem_is_reported_at_once(client, tmp_path):
+def test_every_problem_is_reported_at_once(db_client, tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": ""}, {"prompt": "ok"}, "{oops"])
     with pytest.raises(InputError) as err:
-        client.submit(path, pair="tiny", enqueue=False)
+        db_client.submit(path, pair="tiny", enqueue=False)
     assert [p.split(":")[0] for p in err.value.problems] == ["line 1", "line 3"]
 
 
-def test_an_empty_file_is_refused(client, tmp_path):
+def test_an_empty_file_is_refused(db_client, tmp_path):
     path = write_jsonl(tmp_path / "empty.jsonl", [""])
     with pytest.raises(InputError, match="no prompts"):
-        client.submit(path, pair="tiny", enqueue=False)
+        db_client.submit(path, pair="tiny", enqueue=False)

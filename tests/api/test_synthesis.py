@@ -3,8 +3,6 @@ name before anything is submitted (on SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
-import json
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -15,22 +13,12 @@ from specq.api import synthesis
 from specq.api.synthesis import SpecError, load_spec, requests, sample_seed
 from specq.configs.schedules import ScheduleError, load_schedules
 from specq.db.models import Job
+from tests.api.conftest import spec_file
 
 
 def jobs_count(client) -> int:
     with client.sessions() as s:
         return s.scalar(select(func.count()).select_from(Job))
-
-
-def spec_file(tmp_path, **over) -> str:
-    seeds = tmp_path / "seeds.jsonl"
-    seeds.write_text("".join(json.dumps({"topic": t}) + "\n" for t in ("tides", "bread")))
-    body = {"name": "t", "pair": "tiny", "seed_data": "seeds.jsonl",
-            "template": "About {{ topic }}", "n": 2, "sampling": {"max_new_tokens": 4},
-            "output": {"path": str(tmp_path / "out.parquet")}, **over}
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(body))
-    return str(path)
 
 
 @pytest.mark.parametrize("over,field", [
@@ -42,12 +30,12 @@ def spec_file(tmp_path, **over) -> str:
     ({"output": {"path": "out.txt"}}, "output.format"),
     ({"colour": "red"}, "colour: Extra inputs are not permitted"),
 ])
-def test_bad_spec_names_field_and_submits_nothing(client, tmp_path, over, field):
-    before = jobs_count(client)
+def test_bad_spec_names_field_and_submits_nothing(db_client, tmp_path, over, field):
+    before = jobs_count(db_client)
     with pytest.raises(SpecError) as exc:
-        synthesis.submit(client, load_spec(spec_file(tmp_path, **over)))
+        synthesis.submit(db_client, load_spec(spec_file(tmp_path, **over)))
     assert field in str(exc.value)
-    assert jobs_count(client) == before
+    assert jobs_count(db_client) == before
 
 
 def test_missing_column_in_a_later_row(tmp_path):

@@ -5,12 +5,10 @@ submitted. Generated templates and spec values never end in anything but a SpecE
 
 from __future__ import annotations
 
-import json
 import os
 import time
 
 import pytest
-import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from sqlalchemy import func, select
@@ -20,6 +18,7 @@ from specq.api.synthesis import SpecError, load_spec
 from specq.api.templates import BoundedSandbox, RenderLimits, TemplateLimit
 from specq.configs.settings import get_settings
 from specq.db.models import Job
+from tests.api.conftest import spec_file
 
 HOSTILE = [
     ("{{ 'x' * 30000000 }}", "builds a string of more than 100000 characters"),
@@ -57,17 +56,6 @@ HOSTILE = [
     ("{{ topic ", "unexpected end of template"),
     ("{{ " + "(" * 5000 + "1" + ")" * 5000 + " }}", "recursion too deep"),
 ]
-
-
-def spec_file(tmp_path, **over) -> str:
-    seeds = tmp_path / "seeds.jsonl"
-    seeds.write_text("".join(json.dumps({"topic": t}) + "\n" for t in ("tides", "bread")))
-    body = {"name": "t", "pair": "tiny", "seed_data": "seeds.jsonl",
-            "template": "About {{ topic }}", "n": 2, "sampling": {"max_new_tokens": 4},
-            "output": {"path": str(tmp_path / "out.parquet")}, **over}
-    path = tmp_path / "spec.yaml"
-    path.write_text(yaml.safe_dump(body))
-    return str(path)
 
 
 @pytest.mark.parametrize("template, message", HOSTILE)

@@ -11,6 +11,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -39,6 +40,14 @@ def settings(pg_url, tmp_path_factory):
     keys = list(r.scan_iter(f"{prefix}*"))
     if keys:
         r.delete(*keys)
+
+
+def own_deployment(settings: Settings, name: str, **update: Any) -> Settings:
+    """The settings of a deployment of the test's own, with ``update``: a queue prefix that
+    no other test's workers or reconcilers act on, under the session's (so the session's
+    clean-up deletes its Redis keys too)."""
+    prefix = f"{settings.queue_prefix}-{name}-{uuid.uuid4().hex[:6]}"
+    return settings.model_copy(update={"queue_prefix": prefix, **update})
 
 
 def stored_unsent(client: Client, lines, **submit) -> Job:

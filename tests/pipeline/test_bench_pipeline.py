@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import uuid
+
+from tests.pipeline.conftest import own_deployment
 
 
 def test_bench_pipeline_reports_overhead_and_rates(settings, env_for, tmp_path):
@@ -31,7 +32,7 @@ def test_bench_pipeline_reports_overhead_and_rates(settings, env_for, tmp_path):
 def test_bench_fleet_runs_a_job_through_workers_exactly_once(settings, env_for, tmp_path):
     """A small `specq bench-fleet`: two stand-in workers, a job behind which a small one
     is submitted; every item written once, and each figure the note quotes is there."""
-    own = settings.model_copy(update={"queue_prefix": f"fleet-{uuid.uuid4().hex[:8]}"})
+    own = own_deployment(settings, "fleet")
     out = tmp_path / "fleet"
     cmd = [sys.executable, "-m", "specq.api.cli", "bench-fleet", "--items", "1500",
            "--workers", "2", "--chunk-size", "50", "--small-items", "20", "--small-at", "0",

@@ -52,7 +52,10 @@ def test_500_prompts_each_get_one_output_and_metrics_sum_up(client, tiny_fixed_w
 
 def test_a_pair_no_worker_serves_stays_queued_and_says_so(client, tiny_worker):
     job = client.submit(["Correct: he go home"], pair="tiny-lookup", max_new_tokens=4)
-    time.sleep(1)
+    # a job sent after it, to a pair a worker serves, runs to its end: the broker was
+    # delivering all along, and no worker took the first job's chunk
+    later = client.submit(["Correct: she go home"], pair="tiny", max_new_tokens=4)
+    assert later.wait(progress=False, timeout=120).status == JobStatus.completed.value
     state = job.status()
     assert state.status == JobStatus.queued.value and state.pending == 1
     assert "no worker is consuming queue" in state.note and "tiny-lookup" in state.note

@@ -11,7 +11,6 @@ once (bench/standin.py): the test is about dispatch, not generation.
 from __future__ import annotations
 
 import time
-import uuid
 
 import pytest
 from sqlalchemy import select
@@ -19,6 +18,7 @@ from sqlalchemy import select
 from specq.api.client import Client
 from specq.db.clock import db_now
 from specq.db.models import Chunk
+from tests.pipeline.conftest import own_deployment
 
 PAIR = "tiny-lookup"
 WINDOW = 2
@@ -27,8 +27,7 @@ WINDOW = 2
 @pytest.fixture(scope="module")
 def own(settings, start_worker):
     """Settings with a queue of their own and one stand-in worker on it."""
-    mine = settings.model_copy(update={"queue_prefix": f"fair-{uuid.uuid4().hex[:8]}",
-                                       "dispatch_window": WINDOW})
+    mine = own_deployment(settings, "fair", dispatch_window=WINDOW)
     start_worker(mine, PAIR, "fair", standin=True)
     return mine, Client(mine)
 

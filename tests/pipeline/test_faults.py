@@ -4,7 +4,10 @@ with each item written exactly once, none wrongly failed, whatever fails on the 
 The fleet: two prompt-lookup workers and one draft-model worker, each reaching Redis and
 PostgreSQL through a TCP proxy the tests can cut (bench/proxy.py) and running with
 an engine that fails on request (bench/faults.py). Leases of 3 s and a reconciler
-every second keep the suite short; the production defaults are 30 s and 15 s.
+every second keep the suite short; the production defaults are 30 s and 15 s. The fleet
+is the module's, and every test finds it the same (both links up, no fault planned, the
+three workers alive and no other), whatever the tests before it did: a test that needs a
+worker to die starts one of its own.
 """
 
 from __future__ import annotations
@@ -25,20 +28,20 @@ from specq.api.client import Client
 from specq.bench.proxy import Proxy
 from specq.db import chunks
 from specq.db.models import Chunk, Item, ItemStatus, JobStatus
-from tests.pipeline.conftest import ROOT, worker_env
+from tests.pipeline.conftest import ROOT, own_deployment, worker_env
 
 LOOKUP, DRAFT = "tiny-lookup", "tiny"
+BASE = {"a": LOOKUP, "b": LOOKUP, "d": DRAFT}  # the workers every test finds
 
 
 class Fleet:
     def __init__(self, settings, start_worker, tmp: Path) -> None:
         self.redis = Proxy("127.0.0.1", 6379).start()
         self.pg = Proxy("127.0.0.1", 5432).start()
-        self.own = settings.model_copy(update={
-            "queue_prefix": settings.queue_prefix + "-faults", "visibility_timeout": 3600,
-            "lease_seconds": 3.0, "reconcile_every": 1.0, "reconcile_grace": 2.0,
-            "retry_backoff": 0.2, "retry_backoff_max": 2.0, "flush_every": 0.3,
-            "broker_timeout": 3.0})
+        self.own = own_deployment(
+            settings, "faults", visibility_timeout=3600, lease_seconds=3.0,
+            reconcile_every=1.0, reconcile_grace=2.0, retry_backoff=0.2, retry_backoff_max=2.0,
+            flush_every=0.3, broker_timeout=3.0)
         db = self.own.broker_url.rsplit("/", 1)[1]
         self.via = self.own.model_copy(update={
             "broker_url": f"redis://127.0.0.1:{self.redis.port}/{db}",
@@ -62,21 +65,39 @@ class Fleet:
     def output(self) -> str:
         return "".join(w.output() for w in self.workers.values())
 
+    def reset(self) -> None:
+        """The fleet as every test finds it: both links up, no fault planned, the base
+        workers alive (one that died is started again) and no other."""
+        self.redis.restore()
+        self.pg.restore()
+        for name in [n for n in self.workers if n not in BASE]:
+            self.workers.pop(name).stop()
+        for name, pair in BASE.items():
+            self.faults(name)  # a new plan of nothing: what an earlier one left is dropped
+            if name not in self.workers or self.workers[name].proc.poll() is not None:
+                self.start(name, pair)
+
     def close(self) -> None:
         self.redis.close()
         self.pg.close()
 
 
 @pytest.fixture(scope="module")
-def fleet(settings, start_worker, tmp_path_factory):
+def module_fleet(settings, start_worker, tmp_path_factory):
     f = Fleet(settings, start_worker, tmp_path_factory.mktemp("faults"))
-    f.start("a", LOOKUP)
-    f.start("b", LOOKUP)
-    f.start("d", DRAFT)
+    for name, pair in BASE.items():
+        f.start(name, pair)
     yield f
     for w in f.workers.values():
         w.stop()
     f.close()
+
+
+@pytest.fixture
+def fleet(module_fleet):
+    """The module's fleet, put back as it was after each test (Fleet.reset)."""
+    yield module_fleet
+    module_fleet.reset()
 
 
 def prompts(n: int, tag: str) -> list[str]:
@@ -202,42 +223,40 @@ def test_submit_says_so_when_the_broker_is_down_or_hung_and_the_job_still_runs(f
 
 
 def test_a_lost_device_makes_its_worker_exit_and_another_finishes(fleet):
-    fleet.faults("b", device=1)
+    fleet.faults("e", device=1)  # the plan is armed once the worker is ready
+    e = fleet.start("e", LOOKUP)
     job = fleet.client.submit(prompts(60, "device"), pair=LOOKUP, max_new_tokens=12,
                               chunk_size=6)
-    b = fleet.workers["b"]
-    wait_for(lambda: b.proc.poll() is not None, 120, "worker b did not exit", fleet)
-    assert b.proc.returncode == 75  # EX_TEMPFAIL: its supervisor restarts it
-    assert "the device is unusable" in b.log.read_text()
+    wait_for(lambda: e.proc.poll() is not None, 120, "worker e did not exit", fleet)
+    assert e.proc.returncode == 75  # EX_TEMPFAIL: its supervisor restarts it
+    assert "the device is unusable" in e.log.read_text()
     exactly_once(fleet, job, 60)
-    del fleet.workers["b"]
 
 
 def test_kill_9_mid_chunk_another_worker_resumes_it_within_a_minute(fleet):
     """visibility_timeout is an hour here: the lease, not the broker, brings the chunk
     back; items the killed worker wrote stay as they were, written once."""
     c = fleet.start("c", LOOKUP)
-    a = fleet.workers["a"]
     job = fleet.client.submit(prompts(320, "kill"), pair=LOOKUP, max_new_tokens=24,
                               chunk_size=16)
 
-    def a_holds_a_chunk():
+    def c_holds_a_chunk():
         with fleet.client.sessions() as s:
             return s.execute(select(Chunk.start).where(
-                Chunk.job_id == job.id, Chunk.lease_owner.like(f"{a.name}@%"),
+                Chunk.job_id == job.id, Chunk.lease_owner.like(f"{c.name}@%"),
                 Chunk.done.is_(False))).first()
 
-    wait_for(lambda: done(job) >= 16 and a_holds_a_chunk(), 120, "a ran nothing", fleet)
-    start = a_holds_a_chunk().start
-    a.kill()
-    resumed = wait_for(lambda: _resumed(fleet, job.id, start, a.name), 60,
+    wait_for(lambda: done(job) >= 16 and c_holds_a_chunk(), 120, "c ran nothing", fleet)
+    start = c_holds_a_chunk().start
+    c.kill()
+    resumed = wait_for(lambda: _resumed(fleet, job.id, start, c.name), 60,
                        "the killed worker's chunk was not resumed", fleet)
     exactly_once(fleet, job, 320)
     with fleet.client.sessions() as s:
         by = s.scalars(select(Item.worker).where(Item.job_id == job.id)).all()
-    assert {w.split("@")[0] for w in by} <= {a.name, c.name}
+    lookup = {w.name for name, w in fleet.workers.items() if name in ("a", "b", "c")}
+    assert {w.split("@")[0] for w in by} <= lookup
     print(f"chunk [{start}, {start + 16}) resumed {resumed:.1f} s after kill -9")
-    del fleet.workers["a"]
 
 
 def _resumed(fleet: Fleet, job_id: int, start: int, dead: str) -> bool:

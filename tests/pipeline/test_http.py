@@ -22,6 +22,7 @@ from specq.api.client import Client
 from specq.configs.settings import subprocess_env
 from specq.db import tenants
 from specq.db.models import Batch, File, Item, Job
+from tests.pipeline.conftest import own_deployment
 
 ROOT = Path(__file__).resolve().parents[2]
 CHAT = "/v1/chat/completions"
@@ -73,12 +74,10 @@ class Server:
 @pytest.fixture(scope="module")
 def http_settings(settings, tmp_path_factory):
     """Its own queue prefix and file directory; limits small enough to reach in a test."""
-    return settings.model_copy(update={
-        "queue_prefix": f"{settings.queue_prefix}-http",
-        "api_files_dir": tmp_path_factory.mktemp("files"),
-        "api_max_file_bytes": 2_000_000, "api_max_file_lines": 3000,
-        "api_quota_items": 2500, "api_expire_every": 0.5, "api_max_header_bytes": 8192,
-        "chunk_size": 25})
+    return own_deployment(
+        settings, "http", api_files_dir=tmp_path_factory.mktemp("files"),
+        api_max_file_bytes=2_000_000, api_max_file_lines=3000, api_quota_items=2500,
+        api_expire_every=0.5, api_max_header_bytes=8192, chunk_size=25)
 
 
 @pytest.fixture(scope="module")

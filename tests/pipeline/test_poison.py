@@ -17,6 +17,7 @@ from sqlalchemy import select
 
 from specq.api.client import Client
 from specq.db.models import Item, JobStatus
+from tests.pipeline.conftest import own_deployment
 
 PAIR, MARKER = "tiny-lookup", "POISON"
 
@@ -62,11 +63,10 @@ class Supervisor:
 
 def test_an_input_that_kills_its_worker_fails_alone_and_its_batch_mates_complete(
         settings, start_worker, tmp_path):
-    own = settings.model_copy(update={
-        "queue_prefix": settings.queue_prefix + "-poison", "lease_seconds": 3.0,
-        "reconcile_every": 1.0, "reconcile_grace": 1.0, "retry_backoff": 0.2,
-        "retry_backoff_max": 1.0, "flush_every": 0.3, "max_attempts": 2,
-        "max_batch_size": 8})
+    own = own_deployment(
+        settings, "poison", lease_seconds=3.0, reconcile_every=1.0, reconcile_grace=1.0,
+        retry_backoff=0.2, retry_backoff_max=1.0, flush_every=0.3, max_attempts=2,
+        max_batch_size=8)
     faults = tmp_path / "faults.json"
     faults.write_text(json.dumps({"version": 1, "poison": MARKER, "poison_kind": "kill"}))
     fleet = Supervisor(start_worker, own, faults)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import time
-import uuid
 
 import redis
 from kombu.transport.redis import PRIORITY_STEPS
@@ -18,7 +16,8 @@ from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus
 from specq.db.outcomes import Outcome
-from tests.pipeline.conftest import stored_unsent
+from tests.conftest import live_leases, wait_until
+from tests.pipeline.conftest import own_deployment, stored_unsent
 
 
 def _key(queue: str, settings, step: int) -> str:
@@ -36,8 +35,7 @@ def _queued(r: redis.Redis, queue: str, settings) -> dict[int, list[int]]:
 
 
 def test_lost_chunks_are_sent_again_a_dead_workers_first(settings):
-    own = settings.model_copy(update={"queue_prefix": f"rec-{uuid.uuid4().hex[:6]}",
-                                      "reconcile_grace": 0.0})
+    own = own_deployment(settings, "rec", reconcile_grace=0.0)
     client = Client(own)
     job = client.submit([f"reconcile me {i}" for i in range(30)], pair="tiny-lookup",
                         max_new_tokens=4, chunk_size=10)
@@ -50,7 +48,12 @@ def test_lost_chunks_are_sent_again_a_dead_workers_first(settings):
     with client.sessions.begin() as s:  # a worker took chunk 0, then died
         assert chunks.claim(s, job_id=job.id, start=0, owner="dead", ttl=0.2) == 1
     r.delete(*queue_keys(queue, own))  # and the broker lost every message
-    time.sleep(0.3)
+
+    def lease_ran_out() -> bool:
+        with client.sessions() as s:
+            return live_leases(s, job_id=job.id) == []
+
+    wait_until(lease_ran_out, 10, "the dead worker's lease running out")
     report = reconcile(own, job_id=job.id)
     assert sorted((c.start, c.started) for c in report.resent) == [
         (0, True), (10, False), (20, False)]
@@ -66,7 +69,7 @@ def test_lost_chunks_are_sent_again_a_dead_workers_first(settings):
 
 
 def test_a_job_whose_last_writer_died_before_settling_is_ended(settings):
-    own = settings.model_copy(update={"queue_prefix": f"rec-{uuid.uuid4().hex[:6]}"})
+    own = own_deployment(settings, "rec")
     client = Client(own)
     job = client.submit(["settle me"], pair="tiny-lookup", max_new_tokens=4, enqueue=False)
     with client.sessions.begin() as s:
@@ -81,8 +84,7 @@ def test_a_job_whose_last_writer_died_before_settling_is_ended(settings):
 def test_a_job_run_in_process_is_no_reconcilers_to_send(settings):
     """`specq run` stores its job without a queue: a fleet's reconciler on the same
     database neither sends its chunks nor counts them lost."""
-    own = settings.model_copy(update={"queue_prefix": f"rec-{uuid.uuid4().hex[:6]}",
-                                      "reconcile_grace": 0.0})
+    own = own_deployment(settings, "rec", reconcile_grace=0.0)
     client = Client(own)
     job = client.submit(["in process 0", "in process 1"], pair="tiny-lookup",
                         max_new_tokens=4, chunk_size=1, enqueue=False)
@@ -99,8 +101,7 @@ def test_a_job_run_in_process_is_no_reconcilers_to_send(settings):
 def test_a_job_keeps_its_turn_on_the_queue(settings):
     """Only dispatch_window chunks of a job wait on the broker; the reconciler sends the
     next ones when fewer wait (a producer that died before sending, a flushed broker)."""
-    own = settings.model_copy(update={"queue_prefix": f"rec-{uuid.uuid4().hex[:6]}",
-                                      "dispatch_window": 2, "reconcile_grace": 60.0})
+    own = own_deployment(settings, "rec", dispatch_window=2, reconcile_grace=60.0)
     client = Client(own)
     queue = f"{own.queue_prefix}.tiny-lookup"
     r = redis.Redis.from_url(own.broker_url)
@@ -126,8 +127,7 @@ def test_a_chunk_sent_max_chunk_runs_times_fails_with_its_jobs_error(settings):
     """Messages that vanish without a lease (a worker that fails the chunk before its items
     reach the engine) count: after max_chunk_runs sends the chunk is not sent again, its
     items fail with the error the job keeps, and a retry gives it max_chunk_runs more."""
-    own = settings.model_copy(update={"queue_prefix": f"rec-{uuid.uuid4().hex[:6]}",
-                                      "reconcile_grace": 0.0, "max_chunk_runs": 3})
+    own = own_deployment(settings, "rec", reconcile_grace=0.0, max_chunk_runs=3)
     client = Client(own)
     job = client.submit([f"lost {i}" for i in range(3)], pair="tiny-lookup",
                         max_new_tokens=4, chunk_size=10)
@@ -162,8 +162,7 @@ def test_a_deployment_reconciles_its_own_jobs_only(settings):
     """Two deployments on one database and one Redis database, their keys behind their own
     prefixes: the reconciler of one cannot see the other's messages, so it leaves the other's
     jobs alone (it would send their chunks where no worker of theirs looks)."""
-    mine, theirs = (settings.model_copy(update={"queue_prefix": f"rec-{uuid.uuid4().hex[:6]}",
-                                                "reconcile_grace": 0.0, "dispatch_window": 1})
+    mine, theirs = (own_deployment(settings, "rec", reconcile_grace=0.0, dispatch_window=1)
                     for _ in range(2))
     job = Client(theirs).submit([f"theirs {i}" for i in range(20)], pair="tiny-lookup",
                                 max_new_tokens=4, chunk_size=10)

@@ -10,7 +10,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 
 import pytest
 import redis
@@ -21,26 +20,14 @@ from specq.broker import dispatch
 from specq.broker.names import queue_name
 from specq.broker.reconciler import reconcile
 from specq.db.models import Chunk, Item, Job, JobStatus
-from tests.conftest import live_leases
-from tests.pipeline.conftest import ROOT, worker_env
+from tests.conftest import live_leases, wait_until
+from tests.pipeline.conftest import ROOT, own_deployment, worker_env
 
 log = logging.getLogger(__name__)
 
 
-def _until(check, timeout: float, what: str, poll: float = 0.1):
-    """check() until it returns something true; its value. TimeoutError naming ``what``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: not after {timeout} s")
-        time.sleep(poll)
-
-
 def test_a_worker_that_cannot_load_its_pair_exits_without_consuming(settings, tmp_path):
-    own = settings.model_copy(update={"queue_prefix": f"start-{uuid.uuid4().hex[:6]}"})
+    own = own_deployment(settings, "start")
     client = Client(own)
     job = client.submit(["Correct: he go home"], pair="tiny-lookup", max_new_tokens=4)
     log_file = tmp_path / "worker.log"
@@ -74,7 +61,7 @@ def test_a_ready_worker_logs_its_start_phases(tiny_worker):
         text = tiny_worker.log.read_text()
         return text if " ready." in text else None
 
-    text = _until(logged, 60, "Celery's ready line")
+    text = wait_until(logged, 60, "Celery's ready line")
     assert "pair tiny ready in" in text and "calibrate" in text, tiny_worker.output()
     assert text.index("pair tiny ready in") < text.index(" ready.")
 
@@ -90,7 +77,7 @@ def test_no_false_note_while_the_only_worker_is_busy(client, tiny_worker, env_fo
             held = live_leases(s, job_id=long.id)
         return held[0][2] if held else None
 
-    owner = _until(lease, 120, "the long chunk's lease")
+    owner = wait_until(lease, 120, "the long chunk's lease")
     prompts = tmp_path / "p16.jsonl"
     prompts.write_text("".join(f'{{"prompt": "Fix sentence {i}: he go home"}}\n'
                                for i in range(16)))
@@ -128,7 +115,7 @@ def test_a_chunk_that_fails_before_the_engine_says_why_and_stops(settings, clien
         s.execute(update(Job).where(Job.id == job.id)
                   .values(queue=queue_name("tiny", settings)))
     assert job.enqueue()
-    state = _until(lambda: (st := job.status(check_workers=False)).error and st, 60,
+    state = wait_until(lambda: (st := job.status(check_workers=False)).error and st, 60,
                    "the job's error")
     assert "failed on worker" in state.error and "is for pair 'tiny-lookup'" in state.error
     assert "SPECQ_MAX_CHUNK_RUNS" in state.note and state.status == JobStatus.queued.value
@@ -137,7 +124,7 @@ def test_a_chunk_that_fails_before_the_engine_says_why_and_stops(settings, clien
         reconcile(own, job_id=job.id)
         return job.status(check_workers=False).finished
 
-    _until(ended, 90, "the job's end", poll=0.3)
+    wait_until(ended, 90, "the job's end", poll=0.3)
     state = job.status(check_workers=False)
     assert (state.failed, state.pending) == (1, 0)
     with client.sessions() as s:
@@ -162,7 +149,7 @@ def own_redis(tmp_path):
     url = f"redis://127.0.0.1:{port}/0"
     r = redis.Redis.from_url(url)
     try:
-        _until(lambda: _pings(r), 30, "redis-server")
+        wait_until(lambda: _pings(r), 30, "redis-server")
         yield url
     finally:
         r.close()
@@ -179,8 +166,7 @@ def _pings(r: redis.Redis) -> bool:
 
 def test_every_key_on_the_broker_is_behind_the_queue_prefix(settings, own_redis,
                                                             start_worker):
-    own = settings.model_copy(update={"broker_url": own_redis,
-                                      "queue_prefix": f"ns-{uuid.uuid4().hex[:6]}"})
+    own = own_deployment(settings, "ns", broker_url=own_redis)
     client = Client(own)
     worker = start_worker(own, "tiny-lookup", "ns")
     job = client.submit([f"Correct: he go home {i}" for i in range(30)], pair="tiny-lookup",

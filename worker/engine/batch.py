@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import inspect
 import secrets
+from typing import Any, cast
 
 import torch
 from transformers import PreTrainedModel
@@ -42,6 +43,8 @@ class BufferLayer(CacheLayerMixin):
     """
 
     is_sliding = False
+    keys: torch.Tensor  # set by lazy_initialization, before any use
+    values: torch.Tensor
 
     def __init__(self, **kwargs) -> None:
         super().__init__()
@@ -93,6 +96,11 @@ class BufferCache(Cache):
     def __init__(self) -> None:
         super().__init__(layer_class_to_replicate=BufferLayer)
 
+    @property
+    def buffers(self) -> list[BufferLayer]:
+        """The layers, each a BufferLayer (the only kind this cache makes)."""
+        return cast(list[BufferLayer], self.layers)
+
 
 class KVRows:
     """A model's cache over the batch rows and the mask of real columns."""
@@ -125,7 +133,7 @@ class KVRows:
             layer.keys[:, :, :P] = keys[:, :, :P]
             layer.values[:, :, :P] = values[:, :, :P]
             layer.length = P
-            kv.cache.layers.append(layer)
+            kv.cache.buffers.append(layer)
         cols = torch.arange(P, device=kv.device)[None]  # [1, P]
         kv.mask = cols < torch.tensor(lengths, device=kv.device)[:, None]  # [B, P]
         return kv
@@ -134,9 +142,10 @@ class KVRows:
     def columns(self, row: int, start: int, stop: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """A copy of one row's keys and values in columns start..stop-1, per layer
         [1, heads, stop - start, dim] (what ``from_prefix`` takes)."""
+        assert self.cache is not None, "no columns before a forward"
         return [(layer.keys[row : row + 1, :, start:stop].clone(),
                  layer.values[row : row + 1, :, start:stop].clone())
-                for layer in self.cache.layers]
+                for layer in self.cache.buffers]
 
     @property
     def device(self) -> torch.device:
@@ -162,11 +171,12 @@ class KVRows:
         if self.cache is None:
             self.cache = BufferCache()
             self.mask = torch.zeros(B, 0, dtype=torch.bool, device=self.device)
+        assert self.mask is not None  # set with the cache
         L = self.length
         seen = self.mask.sum(1, keepdim=True)  # [B, 1] real tokens so far
         position_ids = (seen + valid.long().cumsum(1) - 1).clamp(min=0)  # [B, T]
         mask = torch.cat([self.mask, valid], dim=1)  # [B, L + T]
-        kwargs = {"cache" if self._new_api else "past_key_values": self.cache}
+        kwargs: dict[str, Any] = {"cache" if self._new_api else "past_key_values": self.cache}
         if self._takes_cache_position:  # transformers 4.x; 5.x derives it from the cache
             kwargs["cache_position"] = torch.arange(L, L + T, device=self.device)
         if last_only and self._takes_logits_to_keep:
@@ -188,6 +198,7 @@ class KVRows:
         """
         if start < self._counted_at:  # columns older than the last count: count again
             self._recheck_at = 0
+        assert self.mask is not None, "nothing to keep before a forward"
         cols = torch.arange(self.length - start, device=self.device)[None, :]  # [1, T]
         self.mask[:, start:] &= cols < keep_len[:, None]
 
@@ -201,13 +212,14 @@ class KVRows:
         self._recheck_at = 0
         if self.cache is None:
             return
+        assert self.mask is not None  # set with the cache
         rows = torch.as_tensor(rows, dtype=torch.long).cpu()
         self.mask = self.mask.index_select(0, rows.to(self.device))
         if rows.numel() == 0:
             self.mask = self.mask[:, :0]
         moved = (rows != torch.arange(rows.numel())).nonzero()[:, 0]
         src, dst = rows[moved].to(self.device), moved.to(self.device)
-        for layer in self.cache.layers:
+        for layer in self.cache.buffers:
             if moved.numel():
                 for buf in (layer.keys, layer.values):
                     used = buf[:, :, : layer.length]
@@ -231,8 +243,9 @@ class KVRows:
     def add_rows(self, n: int) -> None:
         """Append n rows with no real column yet (their tokens come later, by replace)."""
         self._recheck_at = 0
+        assert self.cache is not None and self.mask is not None, "rows go after a forward"
         self.mask = torch.cat([self.mask, self.mask.new_zeros(n, self.length)])
-        for layer in self.cache.layers:
+        for layer in self.cache.buffers:
             layer.reserve(self.rows, self.length)
             layer.rows = self.rows
 
@@ -244,12 +257,14 @@ class KVRows:
         columns is right: see the module docstring); only other's used part is copied.
         """
         self._recheck_at = 0
+        assert self.cache is not None and self.mask is not None, "rows go after a forward"
+        assert other.cache is not None and other.mask is not None, "nothing to put in place"
         L, Lo = max(self.length, other.length), other.length
         rows = torch.as_tensor(rows, dtype=torch.long).to(self.device)
         if L > self.length:
             self.mask = torch.cat([self.mask, self.mask.new_zeros(self.rows, L - self.length)], 1)
         self.mask[rows] = torch.cat([other.mask, other.mask.new_zeros(other.rows, L - Lo)], 1)
-        for mine, theirs in zip(self.cache.layers, other.cache.layers):
+        for mine, theirs in zip(self.cache.buffers, other.cache.buffers):
             mine.reserve(self.rows, L)
             for buf, new in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
                 buf[:, :, :Lo].index_copy_(0, rows, new[: other.rows, :, :Lo])
@@ -278,7 +293,8 @@ class KVRows:
         keep = self.length - waste
         # a stable sort puts real columns first and keeps them in order
         idx = self.mask.long().sort(dim=1, descending=True, stable=True).indices[:, :keep]
-        for layer in self.cache.layers:
+        assert self.cache is not None  # set with the mask
+        for layer in self.cache.buffers:
             B, L = layer.rows, layer.length
             for buf in (layer.keys, layer.values):
                 _, H, _, D = buf.shape

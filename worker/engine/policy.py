@@ -78,8 +78,9 @@ class _Decayed:
         self.total = self.total * self.decay + value * weight
 
     @property
-    def mean(self) -> float | None:
-        return self.total / self.weight if self.weight > 0 else None
+    def mean(self) -> float:
+        """Only once a value was added (each one made is added to at once)."""
+        return self.total / self.weight
 
 
 class CostTable:
@@ -324,7 +325,7 @@ class DraftLengthPolicy:
     def _best(self, confidence: list[list[float]] | None) -> int:
         """The g with the best predicted speedup; a probe at g = default when g = 0 wins."""
         scores = {g: self.predicted(g) or 0.0 for g in range(self.max_g + 1)}
-        best = max(scores, key=scores.get)
+        best = max(scores, key=scores.__getitem__)
         if best == 0:
             return self.default if self._probe_due() else 0
         return best

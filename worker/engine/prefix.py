@@ -105,7 +105,7 @@ def prefill(model: PreTrainedModel, prompts: list[list[int]], pad_id: int,
     plain = []
     for i, p in enumerate(prompts):
         prefix, n = store.match(p)
-        if n >= MIN_PREFIX:
+        if prefix is not None and n >= MIN_PREFIX:
             _, rows, lengths = plan.setdefault(id(prefix), (prefix, [], []))
             rows.append(i)
             lengths.append(n)

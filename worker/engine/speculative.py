@@ -276,7 +276,8 @@ class SpeculativeEngine:
         self.last = self.last[idx.to(self.last.device)]
 
     @staticmethod
-    def _params(rows: list[Row]) -> tuple[torch.Tensor, ...]:
+    def _params(rows: list[Row]
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per-row seeds [B] int64, temperature [B], top_k [B], top_p [B], on the host."""
         reqs = [r.request for r in rows]
         return (

@@ -39,6 +39,7 @@ def _revision_0005() -> Any:
     """The module of revision 0005 (its FIGURES, DIALECT and view definitions)."""
     path = Path(__file__).with_name("0005_metrics_views.py")
     spec = importlib.util.spec_from_file_location("specq_revision_0005", path)
+    assert spec is not None and spec.loader is not None  # a .py file beside this one
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

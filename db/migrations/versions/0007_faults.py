@@ -38,6 +38,7 @@ def _revision(name: str) -> Any:
     """The module of an earlier revision file (its views and helpers)."""
     path = Path(__file__).with_name(name)
     spec = importlib.util.spec_from_file_location(f"specq_revision_{path.stem}", path)
+    assert spec is not None and spec.loader is not None  # a .py file beside this one
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
