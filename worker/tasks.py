@@ -32,7 +32,7 @@ from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
 from specq.db.session import session_factory
 from specq.schema.generation import Request
-from specq.worker import threads
+from specq.worker import metrics, threads
 from specq.worker.attempts import ChunkItem, Stopped, generate_with_retries
 from specq.worker.backoff import Backoff, retry_db
 from specq.worker.device import DeviceLost, is_device_lost
@@ -56,6 +56,8 @@ class ChunkReport:
     cancelled: int = 0
     failed: int = 0  # items this run failed for good (after max_attempts engine failures)
     faults: int = 0  # engine failures met (and retried or counted)
+    resumed: bool = False  # an earlier run left items of it pending (a lost lease)
+    crashed: int = 0  # items an earlier run's worker died with in flight (they run again)
     job_status: str = ""
     note: str = ""
 
@@ -124,6 +126,8 @@ class PairStartUp(bootsteps.StartStopStep):
         log.info("pair %s ready in %.1f s (%s)", settings.worker_pair, sum(phases.values()),
                  ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
         _cache_tokenizer(settings)
+        if settings.metrics_port:
+            _serve_metrics(settings, hostname)
         self.background.append(presence.Heartbeat(settings, settings.worker_pair, hostname).start())
         _on_broker(settings, lambda r: presence.clear_start_failure(
             r, settings, settings.worker_pair), "an earlier failed start is not cleared")
@@ -136,6 +140,22 @@ class PairStartUp(bootsteps.StartStopStep):
         for b in reversed(self.background):
             b.stop()
         self.background.clear()
+        metrics.stop()
+
+
+def _serve_metrics(settings: Settings, hostname: str) -> None:
+    """Serve this worker's Prometheus metrics (worker/metrics.py); the engine reports its
+    steps from now on (warm-up and calibration are not counted). A port taken costs the
+    worker its metrics, said in its log, not its start."""
+    preset = worker_pair().preset
+    try:
+        served = metrics.start(preset.name, preset.drafter, hostname, settings.metrics_port,
+                               settings.metrics_host)
+    except OSError as exc:
+        log.error("metrics not served on %s:%d (%s)", settings.metrics_host,
+                  settings.metrics_port, exc)
+        return
+    worker_engine().on_step = served.step
 
 
 def start_up(settings: Settings, name: str | None = None) -> dict[str, float]:
@@ -268,6 +288,10 @@ def run_chunk(
     backoff = Backoff.from_settings(settings)
     opened = retry_db(lambda: _open(sessions, settings, report, pair, owner, send_next),
                       backoff=backoff, what=where)
+    counts = metrics.active()
+    counts.items_failed.inc(report.failed)  # abandoned: failed without reaching the engine
+    counts.chunks_resumed.inc(report.resumed)
+    counts.items_retried.inc(report.crashed)
     if opened is None:
         log.info("%s: %s", where, report.note or report.job_status)
         return report
@@ -291,6 +315,7 @@ def run_chunk(
             lambda: _cancel(sessions, job_id, start, end), backoff=backoff, what=where)
     elif keeper.lost.is_set():
         report.note = "lease taken over by another worker"
+    counts.chunks_run.inc()
     log.info("%s: %d written, %d skipped, %d failed, %d faults%s; job %s", where,
              report.written, report.skipped, report.failed, report.faults,
              f", {report.note}" if report.note else "", report.job_status)
@@ -332,7 +357,9 @@ def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkRepo
                         "(%s); they run alone", job_id, start, end, indices, launch)
             repo.record_crash(s, job_id=job_id, start=start, indices=indices,
                               why="the worker process died (killed, or crashed)")
+            report.crashed += len(indices)
         rows = repo.pending_items(s, job_id=job_id, start=start, end=end)
+        report.resumed = runs > 1 and bool(rows)
         if runs > settings.max_chunk_runs and rows:
             _abandon(s, job_id, rows, runs)
             report.failed = len(rows)

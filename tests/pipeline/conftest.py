@@ -61,7 +61,7 @@ PASSED_ON = ("database_url", "broker_url", "data_dir", "queue_prefix", "visibili
              "max_batch_size", "max_attempts", "lease_seconds", "reconcile_every",
              "reconcile_grace", "flush_every", "flush_items", "retry_backoff",
              "retry_backoff_max", "db_patience", "broker_timeout", "chunk_size",
-             "dispatch_window")
+             "dispatch_window", "metrics_port", "metrics_host")
 
 
 def worker_env(settings: Settings) -> dict[str, str]:
