@@ -567,7 +567,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         return 0
     print(f"{'id':>6}  {'status':<11} {'pair':<16} {'drafting':<24} {'completed':>15} "
           f"{'failed':>7} {'cancel':>7}  {'accept':>6}  {'len':>5}  {'g':>5}  {'tok/s':>7}  "
-          f"{'speedup':>7}  {'created':<19}  tenant")
+          f"{'speedup':>7}  {'worker-s':>9}  {'cost':>9}  {'created':<19}  tenant")
     for j in jobs:
         print(f"{j.id:>6}  {j.status:<11} {j.pair:<16} {drafting(j):<24} "
               f"{f'{j.completed}/{j.total}':>15} {j.failed:>7} {j.cancelled:>7}  "
@@ -576,6 +576,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
               f"{shown('mean_draft_length', j.mean_draft_length):>5}  "
               f"{shown('tokens_per_second', j.tokens_per_second):>7}  "
               f"{shown('estimated_speedup', j.estimated_speedup, drafted=drafted(j)):>7}  "
+              f"{j.worker_seconds:>9.1f}  "
+              f"{shown('estimated_cost', j.estimated_cost):>9}  "
               f"{j.created_at.strftime('%Y-%m-%d %H:%M:%S') if j.created_at else '':<19}  "
               f"{j.tenant or '-'}")
     return 0

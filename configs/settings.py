@@ -95,6 +95,10 @@ class Settings(BaseSettings):
     metrics_host: str = Field(
         "127.0.0.1", min_length=1, description="the address a worker's metrics listen on "
         "(0.0.0.0 where Prometheus scrapes it from another host or container)")
+    device_hour_price: float | None = Field(
+        None, ge=0, description="what an hour of this worker's device costs (any currency): "
+        "its chunks' worker-seconds are priced at it (job_metrics.estimated_cost); unset: "
+        "the pair's preset's device_hour_price, if any")
     broker_timeout: float = Field(
         5.0, gt=0, le=600, description="seconds any broker call may take (connect, send, read)")
     # Scheduled synthesis (api/beat.py).

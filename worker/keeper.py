@@ -65,8 +65,9 @@ class KeeperReport:
 
 class ChunkKeeper:
     def __init__(self, sessions: sessionmaker[Session], settings: Settings, job_id: int,
-                 start: int, end: int, owner: str) -> None:
+                 start: int, end: int, owner: str, price: float | None = None) -> None:
         self.sessions, self.settings, self.owner = sessions, settings, owner
+        self.price = price  # per device-hour: the run's held time is charged at it
         self.job_id, self.start_index, self.end = job_id, start, end
         self.report = KeeperReport()
         self._queue: list[Outcome | _Fault] = []
@@ -187,7 +188,8 @@ class ChunkKeeper:
         try:
             with self.sessions.begin() as s:
                 held = chunks.renew(s, job_id=self.job_id, start=self.start_index,
-                                    owner=self.owner, ttl=self.settings.lease_seconds)
+                                    owner=self.owner, ttl=self.settings.lease_seconds,
+                                    price=self.price)
                 job = repo.get_job(s, job_id=self.job_id)
         except UNREACHABLE:
             metrics.active().lease_renewals_failed.inc()
@@ -237,6 +239,8 @@ class ChunkKeeper:
         try:
             with self.sessions.begin() as s:
                 written = repo.store_outcomes(s, job_id=self.job_id, outcomes=outcomes)
+                chunks.charge(s, job_id=self.job_id, start=self.start_index, owner=self.owner,
+                              price=self.price)
             metrics.active().written(written)
             n = len(written)
         except UNREACHABLE:
@@ -269,7 +273,7 @@ class ChunkKeeper:
     def _release(self) -> None:
         with self.sessions.begin() as s:  # the chunk's outcomes are committed by now
             done = chunks.release(s, job_id=self.job_id, start=self.start_index, end=self.end,
-                                  owner=self.owner)
+                                  owner=self.owner, price=self.price)
             self.report.done = done
             if done:  # this chunk's last items may have been the job's last
                 self.report.job_status = repo.settle_job(s, job_id=self.job_id).value

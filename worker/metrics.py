@@ -113,11 +113,10 @@ class WorkerMetrics:
                     self.items_completed.inc()
                 elif status == "failed":
                     self.items_failed.inc()
-                if o.prompt_tokens:
-                    self.prompt_tokens.inc(o.prompt_tokens)
                 c = o.counters
-                if c is None:
+                if c is None:  # it never reached the engine (the chunk sums skip it too)
                     continue
+                self.prompt_tokens.inc(o.prompt_tokens or 0)
                 self.generation_tokens.inc(c.new_tokens)
                 self.target_passes.inc(c.target_passes)
                 self.num_drafts.inc(c.draft_steps)

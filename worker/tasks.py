@@ -25,7 +25,7 @@ from specq.broker import dispatch, presence
 from specq.broker.app import app
 from specq.broker.names import GENERATE_TASK, WORKER_PAIR_ENV
 from specq.broker.reconciler import fail_pending
-from specq.configs.presets import PairError, get_preset
+from specq.configs.presets import PairError, PresetError, UnknownPair, get_preset
 from specq.configs.settings import Settings, get_settings
 from specq.db import chunks
 from specq.db import repository as repo
@@ -286,7 +286,8 @@ def run_chunk(
     owner = f"{hostname}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
     where = f"job {job_id}: chunk [{start}, {end})"
     backoff = Backoff.from_settings(settings)
-    opened = retry_db(lambda: _open(sessions, settings, report, pair, owner, send_next),
+    price = device_hour_price(settings, pair)
+    opened = retry_db(lambda: _open(sessions, settings, report, pair, owner, send_next, price),
                       backoff=backoff, what=where)
     counts = metrics.active()
     counts.items_failed.inc(report.failed)  # abandoned: failed without reaching the engine
@@ -297,7 +298,7 @@ def run_chunk(
         return report
     params, items, turn = opened
     _send_next(turn, sessions, settings, where)
-    keeper = ChunkKeeper(sessions, settings, job_id, start, end, owner).start()
+    keeper = ChunkKeeper(sessions, settings, job_id, start, end, owner, price).start()
     tally = None
     try:
         tally = generate_with_retries(engine, items, params, hostname, keeper, settings,
@@ -322,8 +323,19 @@ def run_chunk(
     return report
 
 
+def device_hour_price(settings: Settings, pair: str) -> float | None:
+    """What an hour of this worker's device costs: SPECQ_DEVICE_HOUR_PRICE (its class's), or
+    the pair preset's; None where neither says."""
+    if settings.device_hour_price is not None:
+        return settings.device_hour_price
+    try:
+        return get_preset(pair, settings.presets_file).device_hour_price
+    except (UnknownPair, PresetError):  # a pair no preset names (a test's): unpriced
+        return None
+
+
 def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkReport, pair: str,
-          owner: str, send_next: bool
+          owner: str, send_next: bool, price: float | None = None
           ) -> tuple[dict[str, Any], list[ChunkItem], list[chunks.ChunkRef]] | None:
     """In one transaction: the job's state, the chunk's lease, its pending items, and
     (``send_next``) the job's next chunk to send when this is the chunk's first run (its
@@ -346,7 +358,7 @@ def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkRepo
         if job.pair != pair:
             raise RuntimeError(f"job {job_id} is for pair {job.pair!r}; this worker: {pair!r}")
         runs = chunks.claim(s, job_id=job_id, start=start, owner=owner,
-                            ttl=settings.lease_seconds)
+                            ttl=settings.lease_seconds, price=price)
         if runs is None:
             report.skipped, report.job_status = end - start, status.value
             report.note = "another worker holds the chunk's lease"
@@ -363,7 +375,7 @@ def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkRepo
         if runs > settings.max_chunk_runs and rows:
             _abandon(s, job_id, rows, runs)
             report.failed = len(rows)
-            chunks.release(s, job_id=job_id, start=start, end=end, owner=owner)
+            chunks.release(s, job_id=job_id, start=start, end=end, owner=owner, price=price)
             report.job_status = repo.settle_job(s, job_id=job_id).value
             report.note = f"abandoned after {runs - 1} runs that never finished"
             return None

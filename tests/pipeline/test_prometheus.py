@@ -67,6 +67,7 @@ def test_every_worker_counter_equals_the_database(metered):
     with client.sessions() as s:
         prompt_tokens = s.scalar(select(func.sum(Item.prompt_tokens))
                                  .where(Item.job_id == job.id))
+    assert m.prompt_tokens == prompt_tokens
     labels = {"pair": "tiny-fixed", "drafter": "model"}
     exact = {
         "specq_items_completed_total": m.completed,
