@@ -41,6 +41,8 @@ HEAVY = {
                     "engine faults: lost, duplicated, wrongly failed"),
     "bench-fleet": ("specq.bench.fleet", "the control plane at scale: a big job, many "
                     "workers, a stand-in engine; rates, waits, memory, a small job behind it"),
+    "bench-metrics": ("specq.bench.scrape", "what a Prometheus scrape costs: a worker's "
+                      "against its step, the exporter's with a million-item job stored"),
     "bench-serve": ("specq.bench.serve", "the HTTP door: upload and create rates, polling "
                     "latency, download rate, a restart, memory during a big upload"),
 }
@@ -335,6 +337,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--workers", type=_count(), default=1, help="server processes")
     s.add_argument("--loglevel", default="info", type=_log_level)
     s.set_defaults(func=cmd_serve)
+
+    s = sub.add_parser("exporter", help="serve the control plane's Prometheus metrics (queue "
+                                        "depth per pair, jobs by status, reconciler actions)")
+    s.add_argument("--port", type=_count(), default=9500, help="port of /metrics")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0 for a Prometheus on another host)")
+    s.set_defaults(func=cmd_exporter)
 
     keys = sub.add_parser("keys", help="API keys of the HTTP server's tenants")
     ksub = keys.add_subparsers(required=True, metavar="ACTION")
@@ -703,6 +712,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         migrate(settings.sqlalchemy_url)
     serve(args.host, args.port, args.workers, args.loglevel)
     return 0
+
+
+def cmd_exporter(args: argparse.Namespace) -> int:
+    """Serve the control plane's metrics (api/exporter.py) until stopped."""
+    from specq.api import exporter
+
+    return exporter.run(args)
 
 
 def _tenant_name(name: str) -> str:

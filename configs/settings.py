@@ -146,6 +146,12 @@ class Settings(BaseSettings):
                 raise ValueError("must be an integer") from None
         return value
 
+    @field_validator("device_hour_price", mode="before")
+    @classmethod
+    def _unset_price(cls, value: Any) -> Any:
+        """An empty price is no price (compose passes ${SPECQ_DEVICE_HOUR_PRICE:-} on)."""
+        return None if isinstance(value, str) and not value.strip() else value
+
     @field_validator("broker_url")
     @classmethod
     def _broker_url(cls, value: str) -> str:
