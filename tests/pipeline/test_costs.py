@@ -4,6 +4,7 @@ held its chunk), and a cancelled job is charged for what it used."""
 
 from __future__ import annotations
 
+import signal
 import time
 
 import pytest
@@ -24,7 +25,7 @@ def fleet(settings, start_worker):
     own = settings.model_copy(update={
         "queue_prefix": settings.queue_prefix + "-costs", "visibility_timeout": 3600,
         "lease_seconds": 3.0, "reconcile_every": 1.0, "reconcile_grace": 2.0,
-        "flush_every": 0.3, "device_hour_price": PRICE})
+        "flush_every": 0.3, "flush_items": 1, "device_hour_price": PRICE})
     workers = [start_worker(own, PAIR, name) for name in ("x", "y")]
     return Client(own), workers
 
@@ -49,20 +50,30 @@ def charged(client: Client, job_id: int) -> tuple[float, float | None]:
 
 def test_a_killed_workers_time_is_charged_once_as_spent(fleet):
     client, (x, y) = fleet
-    job = client.submit(prompts(160, "cost kill"), pair=PAIR, max_new_tokens=24, chunk_size=16)
+    job = client.submit(prompts(320, "cost kill"), pair=PAIR, max_new_tokens=32, chunk_size=32)
 
-    def x_has_charged_a_chunk():  # x holds a chunk it has charged (a heartbeat or a write)
+    def x_has_charged_a_chunk():  # x holds a chunk it has charged (each write charges it)
         with client.sessions() as s:
-            return s.execute(select(Chunk).where(
+            return s.execute(select(Chunk.start).where(
                 Chunk.job_id == job.id, Chunk.lease_owner.like(f"{x.name}@%"),
-                Chunk.done.is_(False), Chunk.held_seconds > 0)).scalars().first()
+                Chunk.done.is_(False), Chunk.held_seconds > 0)).first()
 
-    start = wait_for(x_has_charged_a_chunk, 120, "x charged no chunk\n" + x.output()).start
+    # x is stopped (SIGSTOP) while it holds a chunk it has charged, then killed: stopped, it
+    # can neither write nor finish, so what the chunk says then is what the kill leaves
+    for _ in range(20):
+        start = wait_for(x_has_charged_a_chunk, 120, "x charged no chunk\n" + x.output()).start
+        x.proc.send_signal(signal.SIGSTOP)
+        with client.sessions() as s:
+            chunk = s.get(Chunk, (job.id, start))
+            spent, lease_until, owner = chunk.held_seconds, chunk.lease_until, chunk.lease_owner
+            done = chunk.done
+        if owner and owner.startswith(x.name + "@") and not done:
+            break
+        x.proc.send_signal(signal.SIGCONT)  # it finished the chunk in between: the next one
+    else:
+        pytest.fail("x was never stopped holding a chunk\n" + x.output())
     x.kill()
-    with client.sessions() as s:
-        chunk = s.get(Chunk, (job.id, start))
-        spent, lease_until, owner = chunk.held_seconds, chunk.lease_until, chunk.lease_owner
-    assert owner.startswith(x.name + "@")  # nobody took it between the check and the kill
+    assert spent > 0
     state = job.wait(progress=False, timeout=180)
     assert state.status == JobStatus.completed.value, x.output() + y.output()
 
@@ -91,7 +102,7 @@ def test_a_killed_workers_time_is_charged_once_as_spent(fleet):
 
 def test_a_cancelled_job_is_charged_for_what_it_used(fleet):
     client, (_, y) = fleet
-    job = client.submit(prompts(400, "cost cancel"), pair=PAIR, max_new_tokens=24,
+    job = client.submit(prompts(1000, "cost cancel"), pair=PAIR, max_new_tokens=24,
                         chunk_size=16)
     wait_for(lambda: job.status(check_workers=False).completed >= 16, 120,
              "nothing ran\n" + y.output())
