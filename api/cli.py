@@ -41,6 +41,8 @@ HEAVY = {
                     "engine faults: lost, duplicated, wrongly failed"),
     "bench-fleet": ("specq.bench.fleet", "the control plane at scale: a big job, many "
                     "workers, a stand-in engine; rates, waits, memory, a small job behind it"),
+    "bench-metrics": ("specq.bench.scrape", "what a Prometheus scrape costs: a worker's "
+                      "against its step, the exporter's with a million-item job stored"),
     "bench-serve": ("specq.bench.serve", "the HTTP door: upload and create rates, polling "
                     "latency, download rate, a restart, memory during a big upload"),
 }
@@ -336,6 +338,13 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--loglevel", default="info", type=_log_level)
     s.set_defaults(func=cmd_serve)
 
+    s = sub.add_parser("exporter", help="serve the control plane's Prometheus metrics (queue "
+                                        "depth per pair, jobs by status, reconciler actions)")
+    s.add_argument("--port", type=_count(), default=9500, help="port of /metrics")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (0.0.0.0 for a Prometheus on another host)")
+    s.set_defaults(func=cmd_exporter)
+
     keys = sub.add_parser("keys", help="API keys of the HTTP server's tenants")
     ksub = keys.add_subparsers(required=True, metavar="ACTION")
     s = ksub.add_parser("create", help="a new key for tenant NAME (made if new); the last "
@@ -567,7 +576,7 @@ def cmd_jobs(args: argparse.Namespace) -> int:
         return 0
     print(f"{'id':>6}  {'status':<11} {'pair':<16} {'drafting':<24} {'completed':>15} "
           f"{'failed':>7} {'cancel':>7}  {'accept':>6}  {'len':>5}  {'g':>5}  {'tok/s':>7}  "
-          f"{'speedup':>7}  {'created':<19}  tenant")
+          f"{'speedup':>7}  {'worker-s':>9}  {'cost':>9}  {'created':<19}  tenant")
     for j in jobs:
         print(f"{j.id:>6}  {j.status:<11} {j.pair:<16} {drafting(j):<24} "
               f"{f'{j.completed}/{j.total}':>15} {j.failed:>7} {j.cancelled:>7}  "
@@ -576,6 +585,8 @@ def cmd_jobs(args: argparse.Namespace) -> int:
               f"{shown('mean_draft_length', j.mean_draft_length):>5}  "
               f"{shown('tokens_per_second', j.tokens_per_second):>7}  "
               f"{shown('estimated_speedup', j.estimated_speedup, drafted=drafted(j)):>7}  "
+              f"{j.worker_seconds:>9.1f}  "
+              f"{shown('estimated_cost', j.estimated_cost):>9}  "
               f"{j.created_at.strftime('%Y-%m-%d %H:%M:%S') if j.created_at else '':<19}  "
               f"{j.tenant or '-'}")
     return 0
@@ -701,6 +712,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         migrate(settings.sqlalchemy_url)
     serve(args.host, args.port, args.workers, args.loglevel)
     return 0
+
+
+def cmd_exporter(args: argparse.Namespace) -> int:
+    """Serve the control plane's metrics (api/exporter.py) until stopped."""
+    from specq.api import exporter
+
+    return exporter.run(args)
 
 
 def _tenant_name(name: str) -> str:

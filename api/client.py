@@ -122,6 +122,13 @@ class JobSummary(JobState):
     tokens_per_second: float | None = None
     engine_tokens_per_second: float | None = None
     estimated_speedup: float | None = None
+    # what it cost (job_metrics; docs/metrics.md): tokens in, device time held, what
+    # speculation saved, the price of that time where its workers had one
+    prompt_tokens: int = 0
+    worker_seconds: float = 0.0
+    passes_saved: int = 0
+    device_seconds_saved: float | None = None
+    estimated_cost: float | None = None
     tenant: str | None = None  # whose batch it runs (the HTTP door); None: client or CLI
 
     @classmethod
@@ -131,8 +138,12 @@ class JobSummary(JobState):
         values = {k: row[k] for k in names}
         for name in ("acceptance_rate", "mean_acceptance_length", "mean_draft_length",
                      "tokens_per_pass", "tokens_per_second", "engine_tokens_per_second",
-                     "estimated_speedup", "wall_time"):
+                     "estimated_speedup", "wall_time", "device_seconds_saved",
+                     "estimated_cost"):
             values[name] = None if values[name] is None else float(values[name])
+        values["worker_seconds"] = float(values["worker_seconds"])
+        values["prompt_tokens"] = int(values["prompt_tokens"])
+        values["passes_saved"] = int(values["passes_saved"])
         return cls(id=row["job_id"], **values)
 
     def as_dict(self) -> dict[str, Any]:
@@ -167,6 +178,26 @@ class JobMetrics(Counters):
     draft_model: str | None = None
     draft_mode: str | None = None
     draft_length: int | None = None
+    # what it cost: tokens in, the device time its chunks' runs held (summed over workers,
+    # a killed worker's up to its last write or heartbeat), that time priced where its
+    # workers had a price per device-hour (SPECQ_DEVICE_HOUR_PRICE)
+    prompt_tokens: int = 0
+    worker_seconds: float = 0.0
+    estimated_cost: float | None = None
+
+    @property
+    def passes_saved(self) -> int:
+        """Target passes speculation saved: a plain decoder makes one per token."""
+        return self.new_tokens - self.target_passes
+
+    @property
+    def device_seconds_saved(self) -> float | None:
+        """The device time those passes saved at the measured cost of a pass (verify time
+        per target pass), less the drafting that bought them; negative where drafting cost
+        more than it saved."""
+        if not self.target_passes:
+            return None
+        return self.passes_saved * self.verify_time / self.target_passes - self.draft_time
 
     @property
     def mean_draft_length(self) -> float | None:
@@ -203,7 +234,7 @@ class JobMetrics(Counters):
         d = asdict(self)
         for name in ("acceptance_rate", "mean_acceptance_length", "acceptance_by_position",
                      "tokens_per_second", "engine_tokens_per_second", "mean_draft_length",
-                     "estimated_speedup"):
+                     "estimated_speedup", "passes_saved", "device_seconds_saved"):
             d[name] = getattr(self, name)
         return d
 
@@ -592,6 +623,9 @@ class Job:
                                    "draft_length")},
             engine_faults=int(row["engine_faults"]), first_fault=row["first_fault"],
             items_isolated=int(row["items_isolated"]),
+            prompt_tokens=int(row["prompt_tokens"]), worker_seconds=float(row["worker_seconds"]),
+            estimated_cost=None if row["estimated_cost"] is None
+            else float(row["estimated_cost"]),
         )
 
     def retry(self) -> list[int]:

@@ -22,6 +22,9 @@ FORMATS: dict[str, tuple[str, str]] = {
     "engine_tokens_per_second": (".1f", ""),
     "estimated_speedup": (".2f", "x"),
     "wall_time": (".1f", " s"),
+    "worker_seconds": (".1f", " s"),
+    "device_seconds_saved": (".1f", " s"),
+    "estimated_cost": (".4f", ""),
 }
 UNDEFINED = "-"
 

@@ -54,6 +54,7 @@ def format_metrics(m: JobMetrics) -> str:
     if m.draft_length_over_time:
         rows.append(("g over time (10ths)", " ".join(f"{g:.1f}" for g in
                                                      m.draft_length_over_time)))
+    rows += cost_rows(m)
     if m.engine_faults:  # a fault is never a silent slow path
         rows.append(("engine faults", f"{m.engine_faults}  (first: {m.first_fault})"))
         if m.items_isolated:
@@ -63,15 +64,35 @@ def format_metrics(m: JobMetrics) -> str:
     return "\n".join([head] + [f"{label:<{LABEL}}{value}" for label, value in rows])
 
 
+def cost_rows(m: JobMetrics) -> list[tuple[str, str]]:
+    """What the job cost (docs/metrics.md): tokens in and out, device time, what speculation
+    saved, and the price of that time where its workers had one."""
+    return [
+        ("tokens in / out", f"{m.prompt_tokens} / {m.new_tokens}"),
+        ("worker-seconds", f"{shown('worker_seconds', m.worker_seconds)}  (device time its "
+                           f"chunks held, summed over workers)"),
+        ("target passes saved", f"{m.passes_saved}  (tokens - target passes)"),
+        ("device time saved", f"{shown('device_seconds_saved', m.device_seconds_saved)}  "
+                              f"(passes saved x verify time per pass - drafting time)"),
+        ("estimated cost", f"{shown('estimated_cost', m.estimated_cost)}"
+                           + ("" if m.estimated_cost is not None else
+                              "  (no worker had a price: SPECQ_DEVICE_HOUR_PRICE)")),
+    ]
+
+
 def title(m: JobMetrics) -> str:
-    """Two lines: the job, its pair and drafting; its headline figures."""
+    """Three lines: the job, its pair and drafting; its headline figures; what it cost."""
     model = f" ({m.draft_model})" if m.draft_model else ""
     return (f"job {m.job_id}: pair {m.pair or '-'}, drafter {drafting(m)}{model}, {m.status}\n"
             f"acceptance {shown('acceptance_rate', m.acceptance_rate)}, mean acceptance length "
             f"{shown('mean_acceptance_length', m.mean_acceptance_length)}, "
             f"{shown('tokens_per_second', m.tokens_per_second)} tokens/s, estimated speedup "
             f"{shown('estimated_speedup', m.estimated_speedup, drafted=drafted(m))}; "
-            f"{item_counts(m)}")
+            f"{item_counts(m)}\n"
+            f"cost: {m.prompt_tokens} tokens in, {m.new_tokens} out, "
+            f"{shown('worker_seconds', m.worker_seconds)} worker time, {m.passes_saved} target "
+            f"passes saved ({shown('device_seconds_saved', m.device_seconds_saved)} device "
+            f"time), estimated cost {shown('estimated_cost', m.estimated_cost)}")
 
 
 def report_figure(m: JobMetrics) -> Figure:

@@ -33,6 +33,7 @@ from typing import Any, cast
 import redis
 from celery import Celery
 from sqlalchemy import select
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from specq.broker import dispatch
@@ -41,7 +42,7 @@ from specq.configs.settings import Settings
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.chunks import ChunkRef
-from specq.db.models import RUNNING, Job
+from specq.db.models import RUNNING, Job, JobStatus
 from specq.db.outcomes import Outcome
 from specq.db.session import session_factory
 
@@ -56,6 +57,7 @@ class ReconcileReport:
     abandoned: list[ChunkRef] = field(default_factory=list)  # sent max_chunk_runs times
     fed: list[ChunkRef] = field(default_factory=list)  # first sends, to fill a job's window
     settled: dict[int, str] = field(default_factory=dict)  # job id -> status it ended in
+    broker_read: bool = False  # it read the broker (there were queues to look at)
 
     def as_dict(self) -> dict[str, Any]:
         by_job: dict[int, int] = {}
@@ -66,11 +68,56 @@ class ReconcileReport:
                 "abandoned": len(self.abandoned), "settled": self.settled}
 
 
+# What the reconcilers of a deployment did, added up on the broker (a Redis hash), where
+# the exporter reads it (api/exporter.py): runs, chunks re-sent, jobs settled, chunks sent
+# to fill a job's turns (refilled), chunks abandoned, runs the database failed.
+ACTIONS = ("runs", "resent", "settled", "refilled", "abandoned", "database_errors")
+
+
+def actions_key(settings: Settings) -> str:
+    return f"{settings.queue_prefix}:reconciler-actions"
+
+
+def count_actions(settings: Settings, **counts: int) -> None:
+    """Add to the deployment's reconciler counts, best effort (a broker away loses them:
+    the exporter says the broker is down)."""
+    try:
+        client = dispatch.broker_client(settings)
+        try:
+            with client.pipeline(transaction=False) as pipe:
+                for name, n in counts.items():
+                    if n:
+                        pipe.hincrby(actions_key(settings), name, n)
+                pipe.execute()
+        finally:
+            client.close()
+    except (redis.RedisError, OSError) as exc:
+        log.info("reconciler counts not recorded (%s)", exc)
+
+
+def read_actions(client: redis.Redis, settings: Settings) -> dict[str, int]:
+    """The deployment's reconciler counts, every action named (0 where none yet)."""
+    raw = client.hgetall(actions_key(settings))
+    got = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in raw.items()}
+    return {name: got.get(name, 0) for name in ACTIONS}
+
+
 def reconcile(settings: Settings, *, job_id: int | None = None,
               sessions: sessionmaker[Session] | None = None,
               app: Celery | None = None) -> ReconcileReport:
     """One pass: settle what is finished, re-send what is lost, fill the jobs' turns.
-    Raises if the database or the broker cannot be reached."""
+    Raises if the database or the broker cannot be reached. What it did is counted on the
+    broker (count_actions)."""
+    report = _reconcile(settings, job_id=job_id, sessions=sessions, app=app)
+    if report.broker_read or report.settled:  # else it had nothing to do, nor a broker to see
+        count_actions(settings, runs=1, resent=len(report.resent), refilled=len(report.fed),
+                      abandoned=len(report.abandoned),
+                      settled=sum(JobStatus(v).finished for v in report.settled.values()))
+    return report
+
+
+def _reconcile(settings: Settings, *, job_id: int | None,
+               sessions: sessionmaker[Session] | None, app: Celery | None) -> ReconcileReport:
     from specq.broker.app import make_app
 
     sessions = sessions or session_factory(settings.sqlalchemy_url)
@@ -95,6 +142,7 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
                              settings=settings)
     finally:
         client.close()
+    report.broker_read = True
     with sessions() as s:
         candidates = chunks.unclaimed(s, grace=settings.reconcile_grace, job_id=job_id,
                                       queue_prefix=settings.queue_prefix)
@@ -202,3 +250,5 @@ class Background:
             except Exception as exc:  # the database away, or a bug: log, try again later
                 log.warning("reconciler: %s: %s", type(exc).__name__,
                             str(exc).splitlines()[0] if str(exc) else "")
+                if isinstance(exc, SQLAlchemyError):
+                    count_actions(self.settings, database_errors=1)

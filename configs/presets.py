@@ -58,6 +58,9 @@ class PairPreset(BaseModel):
     dtype: str | None = None  # overrides the settings' dtype
     max_batch_size: int | None = Field(None, ge=1)
     trust_remote_code: bool = False
+    # what an hour of a device serving this pair costs (SPECQ_DEVICE_HOUR_PRICE, set on a
+    # worker, overrides it): prices the worker-seconds of its jobs
+    device_hour_price: float | None = Field(None, ge=0)
 
     @model_validator(mode="after")
     def _draft_given(self) -> PairPreset:

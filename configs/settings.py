@@ -96,6 +96,16 @@ class Settings(BaseSettings):
     torch_threads: int = Field(
         0, ge=0, le=4096, description="CPU threads of a worker's torch; 0: its share of the "
         "host's cores (usable cores / specq workers on the host), 2 on a GPU")
+    metrics_port: int = Field(
+        0, ge=0, le=65535, description="a worker serves Prometheus metrics on this port "
+        "(/metrics); 0: none (`specq run` never serves them)")
+    metrics_host: str = Field(
+        "127.0.0.1", min_length=1, description="the address a worker's metrics listen on "
+        "(0.0.0.0 where Prometheus scrapes it from another host or container)")
+    device_hour_price: float | None = Field(
+        None, ge=0, description="what an hour of this worker's device costs (any currency): "
+        "its chunks' worker-seconds are priced at it (job_metrics.estimated_cost); unset: "
+        "the pair's preset's device_hour_price, if any")
     broker_timeout: float = Field(
         5.0, gt=0, le=600, description="seconds any broker call may take (connect, send, read)")
     # Scheduled synthesis (api/beat.py).
@@ -143,6 +153,12 @@ class Settings(BaseSettings):
             except ValueError:
                 raise ValueError("must be an integer") from None
         return value
+
+    @field_validator("device_hour_price", mode="before")
+    @classmethod
+    def _unset_price(cls, value: Any) -> Any:
+        """An empty price is no price (compose passes ${SPECQ_DEVICE_HOUR_PRICE:-} on)."""
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator(*_PATTERNS)
     @classmethod

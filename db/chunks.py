@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, func, insert, or_, select, update
+from sqlalchemy import bindparam, case, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
-from specq.db.clock import db_now
+from specq.db.clock import db_now, statement_now
 from specq.db.models import RUNNING, Chunk, Item, ItemStatus, Job, utcnow
 from specq.db.session import changed
 from specq.schema.counters import ARRAYS, SCALARS
@@ -58,47 +58,85 @@ def insert_chunks(session: Session, *, job_id: int, total: int, chunk_size: int,
     return len(starts)
 
 
-def claim(session: Session, *, job_id: int, start: int, owner: str, ttl: float) -> int | None:
+def _charged(price: float | None, since_now: bool = True) -> dict[str, Any]:
+    """The values that charge the chunk's current lease holder for the time since
+    ``held_since`` (the seconds, and at ``price`` per device-hour their cost), and restart
+    the charge now (or end it: ``since_now`` False). Used in statements that match the
+    owner's lease only."""
+    c = Chunk.__table__.c
+    now = statement_now()  # one value in the statement: the seconds and their price agree
+    spent = func.coalesce(now - c.held_since, 0.0)
+    values: dict[str, Any] = {"held_seconds": c.held_seconds + spent,
+                              "held_since": now if since_now else None}
+    if price is not None:
+        values["cost"] = func.coalesce(c.cost, 0.0) + spent * (price / 3600.0)
+    return values
+
+
+def claim(session: Session, *, job_id: int, start: int, owner: str, ttl: float,
+          price: float | None = None) -> int | None:
     """Take the chunk's lease for ``ttl`` seconds unless another live lease holds it.
 
-    Returns how many leases were ever taken on the chunk (this one included), or None if
-    another owner holds it (or the chunk does not exist).
+    The run's charge starts now (``price``: its worker's price per device-hour); the time a
+    dead holder had not charged is charged to no one. Returns how many leases were ever
+    taken on the chunk (this one included), or None if another owner holds it (or the
+    chunk does not exist).
     """
     c = Chunk.__table__.c
+    mine = c.lease_owner == owner  # claiming again what it holds: charge it up to now first
+    charged = _charged(price)
     taken = changed(session.execute(
         update(Chunk.__table__)
         .where(c.job_id == job_id, c.start == start,
-               or_(c.lease_owner.is_(None), c.lease_until < db_now(), c.lease_owner == owner))
+               or_(c.lease_owner.is_(None), c.lease_until < db_now(), mine))
         # a chunk run with no message (the embedded mode runs them in-process) counts as
         # sent: no message is sent for it later
         .values(lease_owner=owner, lease_until=db_now() + ttl, runs=c.runs + 1,
                 leased_at=func.coalesce(c.leased_at, db_now()),
-                sent_at=func.coalesce(c.sent_at, db_now()))
+                sent_at=func.coalesce(c.sent_at, db_now()),
+                held_since=statement_now(),
+                **{k: case((mine, v), else_=getattr(c, k))
+                   for k, v in charged.items() if k != "held_since"})
     ))
     if not taken:
         return None
     return session.scalar(select(c.runs).where(c.job_id == job_id, c.start == start))
 
 
-def renew(session: Session, *, job_id: int, start: int, owner: str, ttl: float) -> bool:
-    """Extend the lease by ``ttl`` seconds from now; False if ``owner`` no longer holds it."""
+def renew(session: Session, *, job_id: int, start: int, owner: str, ttl: float,
+          price: float | None = None) -> bool:
+    """Extend the lease by ``ttl`` seconds from now, charging the run up to now; False if
+    ``owner`` no longer holds it."""
     c = Chunk.__table__.c
     return bool(changed(session.execute(
         update(Chunk.__table__)
         .where(c.job_id == job_id, c.start == start, c.lease_owner == owner)
-        .values(lease_until=db_now() + ttl)
+        .values(lease_until=db_now() + ttl, **_charged(price))
     )))
 
 
-def release(session: Session, *, job_id: int, start: int, end: int, owner: str) -> bool:
-    """Give the lease back, marking the chunk done when none of its items is pending.
-    Returns whether it is done."""
+def charge(session: Session, *, job_id: int, start: int, owner: str,
+           price: float | None = None) -> None:
+    """Charge ``owner``'s run of the chunk up to now (with each write of its outcomes: a
+    run killed later is charged to its last write)."""
+    c = Chunk.__table__.c
+    session.execute(
+        update(Chunk.__table__)
+        .where(c.job_id == job_id, c.start == start, c.lease_owner == owner)
+        .values(**_charged(price)))
+
+
+def release(session: Session, *, job_id: int, start: int, end: int, owner: str,
+            price: float | None = None) -> bool:
+    """Give the lease back, its run charged up to now, marking the chunk done when none of
+    its items is pending. Returns whether it is done."""
     c = Chunk.__table__.c
     done = not pending_count(session, job_id=job_id, start=start, end=end)
     session.execute(
         update(Chunk.__table__)
         .where(c.job_id == job_id, c.start == start, c.lease_owner == owner)
-        .values(lease_owner=None, lease_until=None, done=done)
+        .values(lease_owner=None, lease_until=None, done=done,
+                **_charged(price, since_now=False))
     )
     return done
 
@@ -325,7 +363,8 @@ def add_sums(session: Session, *, job_id: int, outcomes: Iterable[Any]) -> None:
         k = bisect_right(starts, o.index) - 1
         if k >= 0 and o.index < rows[k].end:
             more = sums.setdefault(k, _Sums())
-            more.add(ItemStatus(o.status).value, o.counters, o.started_at, o.finished_at)
+            more.add(ItemStatus(o.status).value, o.counters, o.started_at, o.finished_at,
+                     o.prompt_tokens)
             more.isolated += o.isolated
     for k, more in sums.items():
         more.into(rows[k])
@@ -364,15 +403,16 @@ def resum(session: Session, *, job_id: int, starts: Iterable[int]) -> None:
                                                       Chunk.start.in_(starts))):
         for name in SCALARS + ARRAYS:
             setattr(chunk, name, None)
-        chunk.first_started = chunk.last_finished = None
+        chunk.first_started = chunk.last_finished = chunk.prompt_tokens = None
         rows = session.execute(
-            select(Item.started_at, Item.finished_at, *counters)
+            select(Item.started_at, Item.finished_at, Item.prompt_tokens, *counters)
             .where(Item.job_id == job_id, Item.index >= chunk.start, Item.index < chunk.end,
                    Item.__table__.c.draft_steps.is_not(None))
         )
         more = _Sums()
-        for started, finished, *values in rows:
-            more.add(None, dict(zip(SCALARS + ARRAYS, values)), started, finished)
+        for started, finished, prompt_tokens, *values in rows:
+            more.add(None, dict(zip(SCALARS + ARRAYS, values)), started, finished,
+                     prompt_tokens)
         more.into(chunk)
 
 
@@ -388,15 +428,17 @@ class _Sums:
         self.isolated = 0  # items that ran alone after a fault
         self.first: datetime | None = None
         self.last: datetime | None = None
+        self.prompt_tokens = 0  # of the items with counters
 
     def add(self, status: str | None, counters: Any, started: datetime | None,
-            finished: datetime | None) -> None:
-        """One item: its status (None: not counted) and its counters (a Counters, a dict of
-        them, or None: it never reached the engine)."""
+            finished: datetime | None, prompt_tokens: int | None = None) -> None:
+        """One item: its status (None: not counted), its counters (a Counters, a dict of
+        them, or None: it never reached the engine) and its prompt's tokens."""
         if status is not None:
             self.counts[status] = self.counts.get(status, 0) + 1
         if counters is None:
             return
+        self.prompt_tokens += prompt_tokens or 0
         get = counters.get if isinstance(counters, dict) else counters.__getattribute__
         for name in SCALARS:
             self.scalars[name] += get(name) or 0
@@ -418,6 +460,7 @@ class _Sums:
             total = list(getattr(chunk, name) or [])
             _add_into(total, more)
             setattr(chunk, name, total)
+        chunk.prompt_tokens = (chunk.prompt_tokens or 0) + self.prompt_tokens
         chunk.first_started = _extreme(min, chunk.first_started, self.first)
         chunk.last_finished = _extreme(max, chunk.last_finished, self.last)
 

@@ -28,3 +28,27 @@ def _postgresql(element, compiler, **kw) -> str:
 @compiles(db_now, "sqlite")
 def _sqlite(element, compiler, **kw) -> str:
     return "((julianday('now') - 2440587.5) * 86400.0)"
+
+
+class statement_now(FunctionElement):  # noqa: N801 (reads as a SQL function)
+    """The database server's time when the statement started, in seconds since the epoch:
+    one value however often a statement reads it (charging a chunk's run reads it for the
+    seconds and for their price: db/chunks.py)."""
+
+    type = Float()
+    inherit_cache = True
+
+
+@compiles(statement_now)
+def _statement_default(element, compiler, **kw) -> str:
+    return "EXTRACT(EPOCH FROM CURRENT_TIMESTAMP)"
+
+
+@compiles(statement_now, "postgresql")
+def _statement_postgresql(element, compiler, **kw) -> str:
+    return "EXTRACT(EPOCH FROM statement_timestamp())::float8"
+
+
+@compiles(statement_now, "sqlite")
+def _statement_sqlite(element, compiler, **kw) -> str:
+    return "((julianday('now') - 2440587.5) * 86400.0)"  # 'now' is one value per step

@@ -211,6 +211,14 @@ class Chunk(Base):
     first_fault: Mapped[str | None] = mapped_column(Text)
     first_fault_at: Mapped[float | None] = mapped_column(Float)
     isolated: Mapped[int] = mapped_column(Integer, default=0)
+    # What its runs cost (db/chunks.py: charge): the device seconds they held it, each run
+    # from its lease to its last write or heartbeat; the database-clock time up to which the
+    # current lease is charged (NULL: not leased); those seconds priced at each run's
+    # worker's price per device-hour (NULL: no run had a price). And its items' tokens in.
+    held_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    held_since: Mapped[float | None] = mapped_column(Float)
+    cost: Mapped[float | None] = mapped_column(Float)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
 
 
 # The counter columns, one per field of schema/counters.py: Counters, on items (each

@@ -185,8 +185,13 @@ def write_outcomes(session: Session, *, job_id: int, outcomes: list[Outcome]) ->
     Idempotent: only pending items are written, so a redelivered chunk changes nothing
     already written. Returns how many items were written.
     """
+    return len(store_outcomes(session, job_id=job_id, outcomes=outcomes))
+
+
+def store_outcomes(session: Session, *, job_id: int, outcomes: list[Outcome]) -> list[Outcome]:
+    """write_outcomes, returning the outcomes written (a worker counts them: worker/metrics.py)."""
     if not outcomes:
-        return 0
+        return []
     indices = [o.index for o in outcomes]
     # locked (PostgreSQL): a writer racing for the same items waits, then finds them
     # written, so the chunk sums below count each item once
@@ -197,7 +202,7 @@ def write_outcomes(session: Session, *, job_id: int, outcomes: list[Outcome]) ->
     written = [o for o in outcomes if o.index in pending]
     rows = [{"b_index": o.index, **o.row()} for o in written]
     if not rows:
-        return 0
+        return []
     table = Item.__table__
     stmt = (
         update(table)
@@ -208,7 +213,7 @@ def write_outcomes(session: Session, *, job_id: int, outcomes: list[Outcome]) ->
     )
     session.execute(stmt, rows)
     chunks.add_sums(session, job_id=job_id, outcomes=written)
-    return len(rows)
+    return written
 
 
 def _among(indices: list[int]) -> tuple[Any, ...]:

@@ -1,7 +1,7 @@
 """The SQL views analysts query, as SQLAlchemy sees them (columns and types, for reading).
 
-Created by the migration db/migrations/versions/0005_metrics_views.py (rebuilt by 0006
-and 0007), which defines every figure once, in SQL; docs/database.md documents every
+Created by the migration db/migrations/versions/0005_metrics_views.py (rebuilt by 0006,
+0007 and 0009), which defines every figure once, in SQL; docs/database.md documents every
 column. These Table objects live in their own MetaData: Base.metadata describes the
 tables the migrations build, not the views.
 
@@ -9,11 +9,12 @@ tables the migrations build, not the views.
     job_metrics                  one row per job: how it drafts, its counts, sums, figures
     job_acceptance_by_position   one row per job and draft position (1 = first draft token)
     job_steps_by_draft_length    one row per job and draft length g: steps run at g
+    schedule_costs               one row per beat schedule and day: its runs' costs (0009)
 """
 
 from __future__ import annotations
 
-from sqlalchemy import Column, DateTime, Float, Integer, MetaData, String, Table, Text
+from sqlalchemy import Column, Date, DateTime, Float, Integer, MetaData, String, Table, Text
 
 from specq.schema.counters import kinds
 
@@ -40,6 +41,11 @@ def _figures() -> list[Column]:
     return [Column("wall_time", Float), *(Column(name, Float) for name in FIGURES)]
 
 
+def _saved() -> list[Column]:
+    """What speculation saved (0009): target passes, and device seconds at their cost."""
+    return [Column("passes_saved", Integer), Column("device_seconds_saved", Float)]
+
+
 item_metrics = Table(
     "item_metrics", VIEWS,
     Column("job_id", Integer), Column("item_index", Integer), Column("custom_id", String),
@@ -49,6 +55,7 @@ item_metrics = Table(
     Column("started_at", DateTime(timezone=True)),
     Column("finished_at", DateTime(timezone=True)),
     *_copy(COUNTERS), *_figures(),
+    Column("engine_seconds", Float), *_saved(),
 )
 
 job_metrics = Table(
@@ -65,9 +72,12 @@ job_metrics = Table(
     # the earliest one's error, and the items that ran alone after a fault struck them
     Column("engine_faults", Integer), Column("first_fault", Text),
     Column("items_isolated", Integer),
+    # tokens in, and the device time its chunks' runs held (and its price, where known)
+    Column("prompt_tokens", Integer), Column("worker_seconds", Float),
+    Column("estimated_cost", Float),
     Column("first_item_started", DateTime(timezone=True)),
     Column("last_item_finished", DateTime(timezone=True)),
-    *_figures(),
+    *_figures(), *_saved(),
 )
 
 job_acceptance_by_position = Table(
@@ -79,4 +89,13 @@ job_acceptance_by_position = Table(
 job_steps_by_draft_length = Table(
     "job_steps_by_draft_length", VIEWS,
     Column("job_id", Integer), Column("draft_length", Integer), Column("steps", Integer),
+)
+
+schedule_costs = Table(
+    "schedule_costs", VIEWS,
+    Column("schedule", String), Column("day", Date), Column("runs", Integer),
+    Column("items", Integer), Column("completed", Integer), Column("failed", Integer),
+    Column("prompt_tokens", Integer), Column("new_tokens", Integer),
+    Column("worker_seconds", Float), Column("passes_saved", Integer),
+    Column("device_seconds_saved", Float), Column("estimated_cost", Float),
 )

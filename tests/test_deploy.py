@@ -39,7 +39,8 @@ DEPLOYMENT = (ROOT / "docs" / "operations.md").read_text()  # its Deployment sec
 OURS = [name for name, s in SERVICES.items() if s.get("image") == "specq:latest"]
 # What a user puts in .env (hex, as docs/operations.md says), and what compose must demand.
 SECRETS = {"REDIS_PASSWORD": "5f0c1d2e3a4b", "POSTGRES_PASSWORD": "9a8b7c6d5e4f",
-           "FLOWER_BASIC_AUTH": "admin:0123abcd", "READONLY_PASSWORD": "3c4d5e6f7a8b"}
+           "FLOWER_BASIC_AUTH": "admin:0123abcd", "READONLY_PASSWORD": "3c4d5e6f7a8b",
+           "GRAFANA_PASSWORD": "7e8f9a0b1c2d"}
 NOT_ROOT = ("root", "0")
 
 _REFERENCE = re.compile(r"\$(?:(\$)|\{(\w+)(?:(:?)([-?])([^}]*))?\}|(\w+))")
@@ -233,7 +234,7 @@ def test_dockerfile_builds_what_the_package_needs():
 
 def test_published_ports_listen_on_loopback_unless_the_user_opts_in():
     published = {name: list(bindings(s)) for name, s in SERVICES.items() if s.get("ports")}
-    assert set(published) == {"redis", "postgres", "flower", "api"}
+    assert set(published) == {"redis", "postgres", "flower", "api", "prometheus", "grafana"}
     for name, ports in published.items():
         for address, host_port, container_port in ports:
             where = f"{name}: {address}:{host_port}:{container_port}"

@@ -40,7 +40,7 @@ from specq.configs.settings import Settings
 from specq.db.models import ItemStatus, utcnow
 from specq.db.outcomes import Outcome
 from specq.schema.generation import Request, merge
-from specq.worker import device
+from specq.worker import device, metrics
 from specq.worker.engine.result import Result
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.keeper import ChunkKeeper
@@ -147,6 +147,7 @@ def generate_with_retries(
                 raise
             except Exception as exc:  # noqa: BLE001 (every engine fault is judged here)
                 tally.faults += 1
+                metrics.active().engine_restarts.inc()
                 active = [int(i) for i in engine.active_ids() if int(i) not in finished]
                 active = active or [i for i in remaining if i not in finished]
                 engine.reset()
@@ -159,6 +160,7 @@ def generate_with_retries(
                 if device.is_out_of_memory(exc) and min(batch, len(active)) > 1:
                     batch = max(1, min(batch, len(active)) // 2)
                     keeper.out_of_memory(error)
+                    metrics.active().oom_halvings.inc()
                     log.warning("out of memory at %d rows (%s); retrying %d items at batch "
                                 "size %d", len(active), error, len(remaining), batch)
                     continue
@@ -174,6 +176,7 @@ def generate_with_retries(
                         finished.add(i)
                         tally.failed += 1
                 remaining = [i for i in remaining if i not in finished]
+                metrics.active().items_retried.inc(len([i for i in active if i in remaining]))
                 if remaining:
                     time.sleep(pause)
                     pause = min(settings.retry_backoff_max, pause * 2)

@@ -33,6 +33,7 @@ from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import JobStatus
 from specq.db.outcomes import Outcome
+from specq.worker import metrics
 from specq.worker.backoff import UNREACHABLE, Backoff, retry_db, short_error
 
 log = logging.getLogger(__name__)
@@ -65,8 +66,9 @@ class KeeperReport:
 
 class ChunkKeeper:
     def __init__(self, sessions: sessionmaker[Session], settings: Settings, job_id: int,
-                 start: int, end: int, owner: str) -> None:
+                 start: int, end: int, owner: str, price: float | None = None) -> None:
         self.sessions, self.settings, self.owner = sessions, settings, owner
+        self.price = price  # per device-hour: the run's held time is charged at it
         self.job_id, self.start_index, self.end = job_id, start, end
         self.report = KeeperReport()
         self._queue: list[Outcome | _Fault] = []
@@ -184,10 +186,17 @@ class ChunkKeeper:
                 time.sleep(1.0)
 
     def _heartbeat(self) -> None:
-        with self.sessions.begin() as s:
-            held = chunks.renew(s, job_id=self.job_id, start=self.start_index, owner=self.owner,
-                                ttl=self.settings.lease_seconds)
-            job = repo.get_job(s, job_id=self.job_id)
+        try:
+            with self.sessions.begin() as s:
+                held = chunks.renew(s, job_id=self.job_id, start=self.start_index,
+                                    owner=self.owner, ttl=self.settings.lease_seconds,
+                                    price=self.price)
+                job = repo.get_job(s, job_id=self.job_id)
+        except UNREACHABLE:
+            metrics.active().lease_renewals_failed.inc()
+            raise
+        if not held:
+            metrics.active().lease_renewals_failed.inc()
         if not held and not self.lost.is_set():
             log.warning("%s: lease lost (another worker took the chunk over); stopping",
                         self._where)
@@ -230,7 +239,11 @@ class ChunkKeeper:
     def _write(self, outcomes: list[Outcome]) -> None:
         try:
             with self.sessions.begin() as s:
-                n = repo.write_outcomes(s, job_id=self.job_id, outcomes=outcomes)
+                written = repo.store_outcomes(s, job_id=self.job_id, outcomes=outcomes)
+                chunks.charge(s, job_id=self.job_id, start=self.start_index, owner=self.owner,
+                              price=self.price)
+            metrics.active().written(written)
+            n = len(written)
         except UNREACHABLE:
             raise
         except SQLAlchemyError:  # an outcome the database refuses: find it, store why
@@ -242,7 +255,9 @@ class ChunkKeeper:
     def _write_one(self, outcome: Outcome) -> int:
         try:
             with self.sessions.begin() as s:
-                return repo.write_outcomes(s, job_id=self.job_id, outcomes=[outcome])
+                written = repo.store_outcomes(s, job_id=self.job_id, outcomes=[outcome])
+            metrics.active().written(written)
+            return len(written)
         except UNREACHABLE:
             raise
         except SQLAlchemyError as exc:
@@ -252,12 +267,14 @@ class ChunkKeeper:
                                      started_at=outcome.started_at,
                                      finished_at=outcome.finished_at)
             with self.sessions.begin() as s:
-                return repo.write_outcomes(s, job_id=self.job_id, outcomes=[failed])
+                written = repo.store_outcomes(s, job_id=self.job_id, outcomes=[failed])
+            metrics.active().written(written)
+            return len(written)
 
     def _release(self) -> None:
         with self.sessions.begin() as s:  # the chunk's outcomes are committed by now
             done = chunks.release(s, job_id=self.job_id, start=self.start_index, end=self.end,
-                                  owner=self.owner)
+                                  owner=self.owner, price=self.price)
             self.report.done = done
             if done:  # this chunk's last items may have been the job's last
                 self.report.job_status = repo.settle_job(s, job_id=self.job_id).value

@@ -25,14 +25,14 @@ from specq.broker import dispatch, presence
 from specq.broker.app import app
 from specq.broker.names import GENERATE_TASK, WORKER_PAIR_ENV
 from specq.broker.reconciler import fail_pending
-from specq.configs.presets import PairError, get_preset
+from specq.configs.presets import PairError, PresetError, UnknownPair, get_preset
 from specq.configs.settings import Settings, get_settings
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
 from specq.db.session import session_factory
 from specq.schema.generation import Request
-from specq.worker import threads
+from specq.worker import metrics, threads
 from specq.worker.attempts import ChunkItem, Stopped, generate_with_retries
 from specq.worker.backoff import Backoff, retry_db
 from specq.worker.device import DeviceLost, is_device_lost
@@ -56,6 +56,8 @@ class ChunkReport:
     cancelled: int = 0
     failed: int = 0  # items this run failed for good (after max_attempts engine failures)
     faults: int = 0  # engine failures met (and retried or counted)
+    resumed: bool = False  # an earlier run left items of it pending (a lost lease)
+    crashed: int = 0  # items an earlier run's worker died with in flight (they run again)
     job_status: str = ""
     note: str = ""
 
@@ -125,6 +127,8 @@ class PairStartUp(bootsteps.StartStopStep):
         log.info("pair %s ready in %.1f s (%s)", pair, sum(phases.values()),
                  ", ".join(f"{k} {v:.1f} s" for k, v in phases.items()))
         _cache_tokenizer(settings)
+        if settings.metrics_port:
+            _serve_metrics(settings, hostname)
         self.background.append(presence.Heartbeat(settings, pair, hostname).start())
         _on_broker(settings, lambda r: presence.clear_start_failure(r, settings, pair),
                    "an earlier failed start is not cleared")
@@ -137,6 +141,22 @@ class PairStartUp(bootsteps.StartStopStep):
         for b in reversed(self.background):
             b.stop()
         self.background.clear()
+        metrics.stop()
+
+
+def _serve_metrics(settings: Settings, hostname: str) -> None:
+    """Serve this worker's Prometheus metrics (worker/metrics.py); the engine reports its
+    steps from now on (warm-up and calibration are not counted). A port taken costs the
+    worker its metrics, said in its log, not its start."""
+    preset = worker_pair().preset
+    try:
+        served = metrics.start(preset.name, preset.drafter, hostname, settings.metrics_port,
+                               settings.metrics_host)
+    except OSError as exc:
+        log.error("metrics not served on %s:%d (%s)", settings.metrics_host,
+                  settings.metrics_port, exc)
+        return
+    worker_engine().on_step = served.step
 
 
 def start_up(settings: Settings, name: str | None = None) -> dict[str, float]:
@@ -267,14 +287,19 @@ def run_chunk(
     owner = f"{hostname}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
     where = f"job {job_id}: chunk [{start}, {end})"
     backoff = Backoff.from_settings(settings)
-    opened = retry_db(lambda: _open(sessions, settings, report, pair, owner, send_next),
+    price = device_hour_price(settings, pair)
+    opened = retry_db(lambda: _open(sessions, settings, report, pair, owner, send_next, price),
                       backoff=backoff, what=where)
+    counts = metrics.active()
+    counts.items_failed.inc(report.failed)  # abandoned: failed without reaching the engine
+    counts.chunks_resumed.inc(report.resumed)
+    counts.items_retried.inc(report.crashed)
     if opened is None:
         log.info("%s: %s", where, report.note or report.job_status)
         return report
     params, items, turn = opened
     _send_next(turn, sessions, settings, where)
-    keeper = ChunkKeeper(sessions, settings, job_id, start, end, owner).start()
+    keeper = ChunkKeeper(sessions, settings, job_id, start, end, owner, price).start()
     tally = None
     try:
         tally = generate_with_retries(engine, items, params, hostname, keeper, settings,
@@ -292,14 +317,26 @@ def run_chunk(
             lambda: _cancel(sessions, job_id, start, end), backoff=backoff, what=where)
     elif keeper.lost.is_set():
         report.note = "lease taken over by another worker"
+    counts.chunks_run.inc()
     log.info("%s: %d written, %d skipped, %d failed, %d faults%s; job %s", where,
              report.written, report.skipped, report.failed, report.faults,
              f", {report.note}" if report.note else "", report.job_status)
     return report
 
 
+def device_hour_price(settings: Settings, pair: str) -> float | None:
+    """What an hour of this worker's device costs: SPECQ_DEVICE_HOUR_PRICE (its class's), or
+    the pair preset's; None where neither says."""
+    if settings.device_hour_price is not None:
+        return settings.device_hour_price
+    try:
+        return get_preset(pair, settings.presets_file).device_hour_price
+    except (UnknownPair, PresetError):  # a pair no preset names (a test's): unpriced
+        return None
+
+
 def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkReport, pair: str,
-          owner: str, send_next: bool
+          owner: str, send_next: bool, price: float | None = None
           ) -> tuple[dict[str, Any], list[ChunkItem], list[chunks.ChunkRef]] | None:
     """In one transaction: the job's state, the chunk's lease, its pending items, and
     (``send_next``) the job's next chunk to send when this is the chunk's first run (its
@@ -322,7 +359,7 @@ def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkRepo
         if job.pair != pair:
             raise RuntimeError(f"job {job_id} is for pair {job.pair!r}; this worker: {pair!r}")
         runs = chunks.claim(s, job_id=job_id, start=start, owner=owner,
-                            ttl=settings.lease_seconds)
+                            ttl=settings.lease_seconds, price=price)
         if runs is None:
             report.skipped, report.job_status = end - start, status.value
             report.note = "another worker holds the chunk's lease"
@@ -333,11 +370,13 @@ def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkRepo
                         "(%s); they run alone", job_id, start, end, indices, launch)
             repo.record_crash(s, job_id=job_id, start=start, indices=indices,
                               why="the worker process died (killed, or crashed)")
+            report.crashed += len(indices)
         rows = repo.pending_items(s, job_id=job_id, start=start, end=end)
+        report.resumed = runs > 1 and bool(rows)
         if runs > settings.max_chunk_runs and rows:
             _abandon(s, job_id, rows, runs)
             report.failed = len(rows)
-            chunks.release(s, job_id=job_id, start=start, end=end, owner=owner)
+            chunks.release(s, job_id=job_id, start=start, end=end, owner=owner, price=price)
             report.job_status = repo.settle_job(s, job_id=job_id).value
             report.note = f"abandoned after {runs - 1} runs that never finished"
             return None

@@ -57,8 +57,29 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(files.router)
     app.include_router(batches.router)
+    _mount_metrics(app, settings)
     app.add_middleware(errors.HeaderLimit, limit=settings.api_max_header_bytes)
     return app
+
+
+def _mount_metrics(app: FastAPI, settings: Settings) -> None:
+    """GET /metrics: the control plane's Prometheus metrics (api/exporter.py), as `specq
+    exporter` serves them; no key asked (counts by pair and status, no tenant's data).
+    Absent without prometheus-client."""
+    try:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    except ImportError:
+        log.info("no /metrics: prometheus-client is not installed")
+        return
+    from fastapi import Response
+
+    from specq.api.exporter import registry
+
+    reg = registry(settings, app.state.client.sessions)
+
+    @app.get("/metrics", include_in_schema=False)
+    def metrics() -> Response:  # a plain def: FastAPI runs it in its thread pool
+        return Response(generate_latest(reg), media_type=CONTENT_TYPE_LATEST)
 
 
 def serve(host: str, port: int, workers: int = 1, log_level: str = "info") -> None:

@@ -91,8 +91,9 @@ def test_every_command_writes_each_figure_the_same_way(env, capsys):
         else:
             assert rate != "-"
     assert "estimated speedup       -" in run(["metrics", str(plain)], capsys)[1]
-    assert rows[plain].split()[-4] == "-"  # speedup: never drafted (then created, tenant)
-    assert rows[drafted].split()[-4] == shown("estimated_speedup",
+    # speedup: never drafted (then worker-seconds, cost, created, tenant)
+    assert rows[plain].split()[-6] == "-"
+    assert rows[drafted].split()[-6] == shown("estimated_speedup",
                                               client.job(drafted).metrics().estimated_speedup)
     # the cancelled job: 0 of 3 completed, 3 cancelled; never '3/3 done'
     assert rows[cancelled.id].split()[4:7] == ["0/3", "0", "3"]

@@ -172,7 +172,8 @@ def python_metrics(job: KnownJob) -> JobMetrics:
     ends = [o.finished_at for o in counted if o.finished_at]
     wall = (max(ends) - min(starts)).total_seconds() if starts and ends else None
     return JobMetrics(job_id=job.id, status=job.status.value, total=job.total, **counts,
-                      wall_time=wall, **sums)
+                      wall_time=wall, **sums,
+                      prompt_tokens=sum(o.prompt_tokens or 0 for o in counted))
 
 
 def item_python_metrics(job: KnownJob, index: int) -> JobMetrics | None:

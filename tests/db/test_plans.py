@@ -18,9 +18,10 @@ from typing import Any
 import pytest
 from sqlalchemy import event, text, update
 
+from specq.api import exporter
 from specq.db import chunks
 from specq.db import repository as repo
-from specq.db.models import Item, ItemStatus, JobStatus
+from specq.db.models import Chunk, Item, ItemStatus, JobStatus
 from specq.db.outcomes import Outcome
 from specq.db.session import get_engine, migrate, session_factory
 from specq.schema.counters import Counters
@@ -163,3 +164,49 @@ def test_hot_queries_read_only_the_rows_they_need(stale, name):
                        for n in _nodes(p["plan"])), f"{name}: a sort of many rows in {p['sql']}"
         assert rows_read(p["plan"]) <= most, (
             f"{name}: read {rows_read(p['plan'])} rows (at most {most}) in {p['sql']}")
+
+
+@pytest.fixture(scope="module")
+def fleet_history():
+    """(sessions, engine, number of unfinished chunks): a database as a fleet leaves it after
+    a while, its statistics fresh: 50 finished jobs of 400 chunks each (all done), and a
+    1,000,000-item job in progress (2,000 chunks of 500; its items are not stored here, the
+    exporter never reads items)."""
+    with fresh_pg_database() as url:
+        migrate(url)
+        sessions = session_factory(url)
+        with sessions.begin() as s:
+            for _ in range(50):
+                job = repo.create_job(s, pair="tiny", params={}, chunk_size=CHUNK, source=None,
+                                      queue="q.tiny")
+                job.total, job.status = 400 * CHUNK, JobStatus.completed.value
+                chunks.insert_chunks(s, job_id=job.id, total=job.total, chunk_size=CHUNK)
+                s.execute(update(Chunk).where(Chunk.job_id == job.id).values(done=True))
+            big = repo.create_job(s, pair="tiny", params={}, chunk_size=CHUNK, source=None,
+                                  queue="q.tiny")
+            big.total, big.status = 1_000_000, JobStatus.in_progress.value
+            open_chunks = chunks.insert_chunks(s, job_id=big.id, total=big.total,
+                                               chunk_size=CHUNK)
+        engine = get_engine(url)
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(text("ANALYZE"))
+        yield sessions, engine, open_chunks
+        engine.dispose()
+
+
+def test_the_exporter_reads_the_unfinished_chunks_only(fleet_history):
+    """A scrape of the control plane (api/exporter.py) reads each unfinished job's chunks
+    not done (three times: chunks, items left, waiting) and no finished job's, never an
+    item: its cost follows the work left, not the history nor the items stored."""
+    sessions, engine, open_chunks = fleet_history
+    with captured(engine) as statements:
+        with sessions() as s:
+            rows = exporter.unfinished(s)
+            exporter.jobs_by_status(s)
+    assert [(r.chunks, r.items) for r in rows] == [(open_chunks, 1_000_000)]
+    found = plans(engine, statements)
+    assert len(found) == 2
+    for p in found:
+        assert not whole_scans(p["plan"]), f"a whole-table scan in {p['sql']}"
+        assert rows_read(p["plan"]) <= 3 * open_chunks, p["sql"]
+        assert "items" not in {n.get("Relation Name") for n in _nodes(p["plan"])}

@@ -24,6 +24,7 @@ from tests.conftest import fresh_pg_database
 from tests.db.conftest import item_python_metrics, known_jobs, python_metrics
 
 FIGURES = views.FIGURES  # the derived columns; each is the JobMetrics property of its name
+SAVED = ("passes_saved", "device_seconds_saved")  # what speculation saved: likewise
 
 
 def tokens_per_pass(m: JobMetrics) -> float | None:
@@ -78,7 +79,7 @@ def test_job_metrics_equal_the_python_metrics(sessions, jobs):
             same(row[column], getattr(want, column), f"{name}: {column}")
         assert row["steps"] == sum(want.steps_by_draft_length), name
         same(row["wall_time"], want.wall_time, f"{name}: wall_time")
-        for column in FIGURES:
+        for column in (*FIGURES, *SAVED, "prompt_tokens"):
             same(row[column], figure(want, column), f"{name}: {column}")
 
 
@@ -146,8 +147,9 @@ def test_item_metrics_equal_the_python_figures_of_each_item(sessions, jobs):
             for column in SCALARS:
                 same(r[column], getattr(want, column), f"{what}: {column}")
             same(r["wall_time"], want.wall_time, f"{what}: wall_time")
-            for column in FIGURES:
+            for column in (*FIGURES, *SAVED):
                 same(r[column], figure(want, column), f"{what}: {column}")
+            same(r["engine_seconds"], want.draft_time + want.verify_time, what)
 
 
 def client_for(db_url: str) -> Client:

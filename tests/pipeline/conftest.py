@@ -70,12 +70,13 @@ PASSED_ON = ("database_url", "broker_url", "data_dir", "queue_prefix", "visibili
              "max_batch_size", "max_attempts", "lease_seconds", "reconcile_every",
              "reconcile_grace", "flush_every", "flush_items", "retry_backoff",
              "retry_backoff_max", "db_patience", "broker_timeout", "chunk_size",
-             "dispatch_window")
+             "dispatch_window", "metrics_port", "metrics_host", "device_hour_price")
 
 
 def worker_env(settings: Settings) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECQ_")}
-    env.update({f"SPECQ_{name.upper()}": str(getattr(settings, name)) for name in PASSED_ON})
+    env.update({f"SPECQ_{name.upper()}": str(getattr(settings, name)) for name in PASSED_ON
+                if getattr(settings, name) is not None})
     return env
 
 

@@ -450,3 +450,12 @@ def test_files_kept_in_the_database_serve_as_those_in_a_directory(http_settings,
             sdk.files.retrieve(f.id)
     finally:
         kept.stop()
+
+
+def test_serve_mounts_the_control_planes_metrics(server):
+    """GET /metrics (no key: counts by pair and status, no tenant's data) is the exporter's
+    collector (api/exporter.py)."""
+    base = server.url.removesuffix("/v1")
+    got = httpx.get(f"{base}/metrics", timeout=30)
+    assert got.status_code == 200 and got.headers["content-type"].startswith("text/plain")
+    assert "specq_jobs{" in got.text and "specq_database_up 1.0" in got.text

@@ -37,8 +37,13 @@ def test_metrics_are_sums_of_item_counters(finished_job):
     assert 1 <= len(m.draft_length_over_time) <= 10
     text = format_metrics(m)
     for needle in ("acceptance rate", "mean acceptance length", "accepted by position",
-                   "steps by draft length", "g over time", "tokens/s"):
+                   "steps by draft length", "g over time", "tokens/s", "worker-seconds",
+                   "target passes saved", "device time saved", "estimated cost"):
         assert needle in text
+    # the embedded run holds its chunks too: charged, though priced by no one
+    assert m.worker_seconds > 0 and m.estimated_cost is None
+    assert m.prompt_tokens == sum(it.prompt_tokens for it in items) > 0
+    assert m.passes_saved == m.new_tokens - m.target_passes
 
 
 def test_derived_figures_from_known_counters():
