@@ -33,6 +33,7 @@ from specq.api.inputs import (
 from specq.api.tokenizer import (
     PromptTokenizer,
     TokenizerUnavailable,
+    grammar_problem,
     prompt_tokenizer,
     target_context,
     unchecked_note,
@@ -47,6 +48,7 @@ from specq.db.session import migrate, session_factory
 from specq.schema.counters import ARRAYS, SCALARS, Counters
 from specq.schema.counters import kinds as counter_kinds
 from specq.schema.generation import RequestError, SamplingParams, fits_by_size
+from specq.schema.grammar import grammar
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -360,6 +362,10 @@ class Client:
                     if context is not None and not fits_by_size(got.request, context):
                         tokenizer = tokenizer or prompt_tokenizer(preset, self.settings)
                         tokenizer.encode(got.request, context)
+                    if context is not None and grammar(got.request.response_format):
+                        problem = grammar_problem(preset, self.settings)
+                        if problem:
+                            problems.append(f"{where}: response_format: {problem}")
                 except RequestError as exc:
                     problems.append(f"{where}: {exc}")
                 except TokenizerUnavailable as exc:
