@@ -140,6 +140,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grammar-drafters", default="lookup",
                    help=f"{grammar_bench.NAME}: drafters run with and without grammar drafts "
                    "(comma-separated: lookup, suffix; empty: none)")
+    p.add_argument("--grammar-configs", default="",
+                   help=f"{grammar_bench.NAME}: only these configurations (comma-separated "
+                   "labels as the table prints them: free, shaped, +grammar, lookup, "
+                   "lookup+grammar, ...; shaped always); default all")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16, 64])
     p.add_argument("--draft-lengths", type=_ints, default=list(range(1, 9)))

@@ -195,9 +195,13 @@ def bench(args: argparse.Namespace) -> dict:
     convs = prompts()
     convs = [convs[i % len(convs)] for i in range(args.prompts or len(convs))]
     drafters = [d for d in args.grammar_drafters.split(",") if d]
+    chosen = [c for c in configs(drafters)
+              if not args.grammar_configs or c.label in args.grammar_configs.split(",")]
+    if "shaped" not in {c.label for c in chosen}:
+        raise ValueError("--grammar-configs: shaped is every speedup's baseline; keep it")
     rows = []
     for batch in args.batch_sizes:
-        for cfg in configs(drafters):
+        for cfg in chosen:
             runs = [run_config(pair, cfg, convs, batch, args.max_new_tokens)
                     for _ in range(args.repeat)]
             row = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
@@ -210,10 +214,9 @@ def bench(args: argparse.Namespace) -> dict:
         base = same["shaped"]
         row["speedup_vs_shaped"] = base["seconds"] / row["seconds"]
         without = same.get(row["config"].removesuffix("+grammar") or "shaped")
-        if row["config"] == "+grammar":
-            without = base
-        row["speedup_vs_no_grammar_drafts"] = (without["seconds"] / row["seconds"]
-                                               if row["config"].endswith("+grammar") else None)
+        row["speedup_vs_no_grammar_drafts"] = (
+            without["seconds"] / row["seconds"]
+            if row["config"].endswith("+grammar") and without else None)
         row["mismatches"] = (None if row["config"] == "free" else
                              sum(a != b for a, b in zip(row["outputs"], base["outputs"])))
     return {"pair": args.pair, "prompts": len(convs), "max_new_tokens": args.max_new_tokens,
