@@ -124,6 +124,7 @@ class JobSummary(JobState):
     tokens_per_second: float | None = None
     engine_tokens_per_second: float | None = None
     estimated_speedup: float | None = None
+    forced_acceptance_rate: float | None = None  # of the grammar's drafts (shaped rows)
     tenant: str | None = None  # whose batch it runs (the HTTP door); None: client or CLI
 
     @classmethod
@@ -133,7 +134,7 @@ class JobSummary(JobState):
         values = {k: row[k] for k in names}
         for name in ("acceptance_rate", "mean_acceptance_length", "mean_draft_length",
                      "tokens_per_pass", "tokens_per_second", "engine_tokens_per_second",
-                     "estimated_speedup", "wall_time"):
+                     "estimated_speedup", "forced_acceptance_rate", "wall_time"):
             values[name] = None if values[name] is None else float(values[name])
         return cls(id=row["job_id"], **values)
 
@@ -205,7 +206,7 @@ class JobMetrics(Counters):
         d = asdict(self)
         for name in ("acceptance_rate", "mean_acceptance_length", "acceptance_by_position",
                      "tokens_per_second", "engine_tokens_per_second", "mean_draft_length",
-                     "estimated_speedup"):
+                     "estimated_speedup", "forced_acceptance_rate"):
             d[name] = getattr(self, name)
         return d
 

@@ -1,7 +1,7 @@
 """The SQL views analysts query, as SQLAlchemy sees them (columns and types, for reading).
 
-Created by the migration db/migrations/versions/0005_metrics_views.py (rebuilt by 0006
-and 0007), which defines every figure once, in SQL; docs/database.md documents every
+Created by the migration db/migrations/versions/0005_metrics_views.py (rebuilt by 0006,
+0007 and 0009), which defines every figure once, in SQL; docs/database.md documents every
 column. These Table objects live in their own MetaData: Base.metadata describes the
 tables the migrations build, not the views.
 
@@ -29,7 +29,8 @@ COUNTERS = (
     Column("draft_length_total", Integer),  # sum of g x steps_by_draft_length[g]
 )
 FIGURES = ("acceptance_rate", "mean_acceptance_length", "mean_draft_length", "tokens_per_pass",
-           "tokens_per_second", "engine_tokens_per_second", "estimated_speedup")
+           "tokens_per_second", "engine_tokens_per_second", "estimated_speedup",
+           "forced_acceptance_rate")  # the last: of the grammar's drafts (0009)
 
 
 def _copy(columns: tuple[Column, ...]) -> list[Column]:

@@ -70,6 +70,11 @@ class Counters:
     def mean_acceptance_length(self) -> float | None:
         return mean_acceptance_length(self.accepted, self.draft_steps)
 
+    @property
+    def forced_acceptance_rate(self) -> float | None:
+        """Of the tokens a grammar forced and drafted, the share accepted."""
+        return acceptance_rate(self.forced_accepted, self.forced_proposed)
+
     def as_dict(self) -> dict:
         return asdict(self)
 
