@@ -33,6 +33,7 @@ from specq.api.inputs import (
 from specq.api.tokenizer import (
     PromptTokenizer,
     TokenizerUnavailable,
+    grammar_problem,
     prompt_tokenizer,
     target_context,
     unchecked_note,
@@ -47,6 +48,7 @@ from specq.db.session import migrate, session_factory
 from specq.schema.counters import ARRAYS, SCALARS, Counters
 from specq.schema.counters import kinds as counter_kinds
 from specq.schema.generation import RequestError, SamplingParams, fits_by_size
+from specq.schema.grammar import grammar
 
 if TYPE_CHECKING:
     from celery import Celery
@@ -129,6 +131,7 @@ class JobSummary(JobState):
     passes_saved: int = 0
     device_seconds_saved: float | None = None
     estimated_cost: float | None = None
+    forced_acceptance_rate: float | None = None  # of the grammar's drafts (shaped rows)
     tenant: str | None = None  # whose batch it runs (the HTTP door); None: client or CLI
 
     @classmethod
@@ -138,8 +141,8 @@ class JobSummary(JobState):
         values = {k: row[k] for k in names}
         for name in ("acceptance_rate", "mean_acceptance_length", "mean_draft_length",
                      "tokens_per_pass", "tokens_per_second", "engine_tokens_per_second",
-                     "estimated_speedup", "wall_time", "device_seconds_saved",
-                     "estimated_cost"):
+                     "estimated_speedup", "forced_acceptance_rate", "wall_time",
+                     "device_seconds_saved", "estimated_cost"):
             values[name] = None if values[name] is None else float(values[name])
         values["worker_seconds"] = float(values["worker_seconds"])
         values["prompt_tokens"] = int(values["prompt_tokens"])
@@ -234,7 +237,8 @@ class JobMetrics(Counters):
         d = asdict(self)
         for name in ("acceptance_rate", "mean_acceptance_length", "acceptance_by_position",
                      "tokens_per_second", "engine_tokens_per_second", "mean_draft_length",
-                     "estimated_speedup", "passes_saved", "device_seconds_saved"):
+                     "estimated_speedup", "passes_saved", "device_seconds_saved",
+                     "forced_acceptance_rate"):
             d[name] = getattr(self, name)
         return d
 
@@ -391,6 +395,10 @@ class Client:
                     if context is not None and not fits_by_size(got.request, context):
                         tokenizer = tokenizer or prompt_tokenizer(preset, self.settings)
                         tokenizer.encode(got.request, context)
+                    if context is not None and grammar(got.request.response_format):
+                        problem = grammar_problem(preset, self.settings)
+                        if problem:
+                            problems.append(f"{where}: response_format: {problem}")
                 except RequestError as exc:
                     problems.append(f"{where}: {exc}")
                 except TokenizerUnavailable as exc:

@@ -29,6 +29,8 @@ LINE_FIELDS = frozenset({"custom_id", "prompt", "messages"}) | SAMPLING_FIELDS
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 OPENAI_IGNORED = frozenset({"model", "user", "stream"})  # accepted, not used
 OPENAI_RENAMED = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
+# vLLM's guided decoding extras, read as the response_format they mean (schema/grammar.py)
+OPENAI_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice"}
 MAX_PROBLEMS = 20
 MAX_CUSTOM_ID = 512  # items.custom_id is a String(512) column
 MAX_DEPTH = 32  # levels of nesting in one entry
@@ -384,6 +386,8 @@ def _openai(raw: dict[str, Any]) -> dict[str, Any]:
             _one_choice(value)
             continue
         name = OPENAI_RENAMED.get(key, key)
+        if key in OPENAI_GUIDED:
+            name, value = "response_format", _guided(OPENAI_GUIDED[key], value)
         if name not in SAMPLING_FIELDS:
             raise _Problem(f"body.{show(key)}: not supported")
         if name in keys:
@@ -401,6 +405,18 @@ def _openai(raw: dict[str, Any]) -> dict[str, Any]:
         raise _Problem(f"{field}: {err['msg'].removeprefix('Value error, ')}") from None
     return {"custom_id": _custom_id(raw["custom_id"]), "prompt": body.get("prompt"),
             "messages": body.get("messages"), "params": params or None}
+
+
+def _guided(kind: str, value: Any) -> dict[str, Any]:
+    """A vLLM guided_json, guided_regex or guided_choice value as a response_format."""
+    if kind == "json_schema":
+        if isinstance(value, str):  # vLLM takes the schema as JSON text too
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                raise _Problem("body.guided_json: not a JSON schema (not valid JSON)") from None
+        return {"type": "json_schema", "json_schema": {"name": "guided_json", "schema": value}}
+    return {"type": kind, kind: value}
 
 
 def _one_choice(n: Any) -> None:

@@ -44,6 +44,13 @@ def format_metrics(m: JobMetrics) -> str:
     ]
     if not drafted(m):
         rows.append(("drafting", NEVER_DRAFTED))
+    if m.forced_proposed:  # shaped rows: the grammar's drafts and the drafter's apart
+        own, own_accepted = m.proposed - m.forced_proposed, m.accepted - m.forced_accepted
+        rows.append(("grammar drafts", f"{m.forced_accepted / m.forced_proposed:.2f}  "
+                                       f"({m.forced_accepted} of {m.forced_proposed} forced "
+                                       f"tokens; the drafter's: {own_accepted} of {own})"))
+    if m.mask_time:
+        rows.append(("grammar masks", f"{m.mask_time:.2f} s  (summed over items)"))
     if m.acceptance_by_position:
         rows.append(("accepted by position", "  ".join(
             f"{i + 1}:{a:.2f}" for i, a in enumerate(m.acceptance_by_position))))

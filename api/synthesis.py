@@ -116,6 +116,9 @@ class SynthSpec(BaseModel):
                        description="send the rendered text as one user message")
     n: int = Field(1, ge=1, le=MAX_SAMPLES_PER_ROW, strict=True)
     sampling: dict[str, Any] = Field(default_factory=dict)
+    # the shape of every sample (schema/grammar.py): a run then writes only rows that
+    # completed their shape (a JSON schema's rows parse and validate)
+    response_format: dict[str, Any] | None = None
     seed: int = Field(0, ge=0, lt=2**63, strict=True)
     output: OutputSpec
     chunk_size: int | None = Field(None, ge=1, le=INT32_MAX, strict=True)
@@ -137,6 +140,24 @@ class SynthSpec(BaseModel):
         if "seed" in value:
             raise ValueError("seed: give the spec's seed; each sample's seed is derived from it")
         return SamplingParams.model_validate(value).model_dump(exclude_unset=True)
+
+    @field_validator("response_format")
+    @classmethod
+    def _response_format(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is None:
+            return None
+        shaped = SamplingParams.model_validate({"response_format": value})
+        return shaped.model_dump(exclude_unset=True)["response_format"]
+
+    @model_validator(mode="after")
+    def _one_response_format(self) -> SynthSpec:
+        if self.response_format is not None and "response_format" in self.sampling:
+            raise ValueError("response_format: given twice (also in sampling); give it once")
+        return self
+
+    def shape(self) -> dict[str, Any] | None:
+        """The response_format every sample is generated under, or None."""
+        return self.response_format or self.sampling.get("response_format")
 
     def resolved_seed_format(self) -> str:
         if isinstance(self.seed_data, list):
@@ -357,8 +378,10 @@ def requests(spec: SynthSpec) -> Iterator[dict[str, Any]]:
 def submit(client: Client, spec: SynthSpec, *, schedule: str | None = None) -> Job:
     """Submit the spec as an ordinary job that records its spec and schedule."""
     origin = {"spec": spec.name, "schedule": schedule, "synthesis": spec.model_dump()}
+    shape: dict[str, Any] = {"response_format": spec.response_format} \
+        if spec.response_format else {}
     job = client.submit(list(requests(spec)), pair=spec.pair, chunk_size=spec.chunk_size,
-                        origin=origin, priority=spec.priority, **spec.sampling)
+                        origin=origin, priority=spec.priority, **spec.sampling, **shape)
     log.info("synthesis %s%s: job %d submitted", spec.name,
              f" (schedule {schedule})" if schedule else "", job.id)
     return job
@@ -401,11 +424,14 @@ def write_output(client: Client, job_id: int) -> Path:
     if fmt == "parquet":
         seed_fields = _seed_schema(spec)
         schema = pa.schema(seed_fields + SAMPLE_SCHEMA) if seed_fields is not None else None
-    n = write_batches(open_sink(tmp, fmt, schema), _output_rows(client, spec, job_id))
+    dropped: list[int] = []
+    n = write_batches(open_sink(tmp, fmt, schema), _output_rows(client, spec, job_id, dropped))
     os.replace(tmp, path)
     with client.sessions.begin() as s:
         repo.set_output_path(s, job_id=job_id, path=str(path))
-    log.info("synthesis %s: job %d: %d rows written to %s", spec.name, job_id, n, path)
+    log.info("synthesis %s: job %d: %d rows written to %s%s", spec.name, job_id, n, path,
+             f" ({len(dropped)} left out: not completed to their response_format, e.g. cut "
+             f"by max_new_tokens)" if dropped else "")
     return path
 
 
@@ -423,8 +449,13 @@ def _seed_schema(spec: SynthSpec) -> list[pa.Field] | None:
     return None
 
 
-def _output_rows(client: Client, spec: SynthSpec, job_id: int) -> Iterator[dict[str, Any]]:
+def _output_rows(client: Client, spec: SynthSpec, job_id: int,
+                 dropped: list[int]) -> Iterator[dict[str, Any]]:
+    """The data set's rows. A spec with a response_format keeps only the samples that
+    completed it (status completed, finish_reason stop: their grammar reached its end, so a
+    JSON schema's output parses and validates); the others' indices go to ``dropped``."""
     rows = seed_rows(spec)
+    shaped = spec.shape() not in (None, {"type": "text"})
     row: dict[str, Any] = {}
     with client.sessions() as s:
         for item in repo.iter_items(s, job_id=job_id, batch=BATCH):
@@ -435,6 +466,9 @@ def _output_rows(client: Client, spec: SynthSpec, job_id: int) -> Iterator[dict[
                     raise RuntimeError(f"job {job_id}: {spec.seed_data} has fewer rows than the "
                                        f"job; it changed since the run was submitted")
                 row = next_row
+            if shaped and (item.status != "completed" or item.finish_reason != "stop"):
+                dropped.append(item.index)
+                continue
             rate = acceptance_rate(item.accepted, item.proposed) if item.proposed else None
             yield {**row, "row_index": r, "sample_index": k,
                    "seed": (item.params or {}).get("seed"), "custom_id": item.custom_id,

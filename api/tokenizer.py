@@ -116,6 +116,26 @@ def prompt_tokenizer(preset: PairPreset, settings: Settings) -> PromptTokenizer:
                       preset.trust_remote_code)
 
 
+def grammar_problem(preset: PairPreset, settings: Settings) -> str | None:
+    """Why the grammar library cannot read the target's tokenizer (a response_format could
+    not be served), or None; TokenizerUnavailable when its files are not on this machine.
+    Read once per process and pair (the library indexes the vocabulary: about a second)."""
+    tokenizer = prompt_tokenizer(preset, settings)
+    return _grammar_problem(preset.target.model_dump_json(), str(settings.data_dir),
+                            tokenizer.tokenizer.to_str())
+
+
+@lru_cache(maxsize=8)
+def _grammar_problem(source_json: str, data_dir: str, tokenizer_json: str) -> str | None:
+    import llguidance
+
+    try:
+        llguidance.LLTokenizer(tokenizer_json)
+    except Exception as exc:  # noqa: BLE001 (the library's word on any tokenizer)
+        return f"the grammar library cannot read this pair's tokenizer ({exc})"
+    return None
+
+
 def unchecked_note(preset: PairPreset, exc: TokenizerUnavailable) -> str:
     """What a submission says when it cannot check prompt lengths, and how to fix it."""
     return (f"prompt lengths not checked: {exc}; start a worker for pair {preset.name} once "

@@ -31,6 +31,7 @@ import torch
 import transformers
 
 from specq.api.argtypes import COUNT_MAX, positive_int
+from specq.bench import grammar_bench
 from specq.bench.drafts import shallow_draft, skip_draft
 from specq.bench.figures import figures
 from specq.bench.greedy import NearTieCheck, compare
@@ -111,10 +112,14 @@ def _methods(text: str) -> list[str]:
 
 
 def _workloads(text: str) -> list[str]:
+    """Workload names; json-schema (grammar_bench.py) besides those of workloads.py."""
+    names = [x.strip() for x in text.split(",") if x.strip()]
+    shaped = [grammar_bench.NAME] if grammar_bench.NAME in names else []
+    rest = ",".join(n for n in names if n != grammar_bench.NAME)
     try:
-        return workload_names(text)
+        return (workload_names(rest) if rest else []) + shaped
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise argparse.ArgumentTypeError(f"{exc}, {grammar_bench.NAME}") from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -132,7 +137,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="JSONL prompts (string, {prompt} or {messages}) instead of the built-in")
     p.add_argument("--workload", type=_workloads, default=None,
                    help=f"comma-separated built-in prompt sets ({', '.join(WORKLOADS)}) or "
-                   "all: the bench runs on each and ends with a table per workload and drafter")
+                   "all: the bench runs on each and ends with a table per workload and drafter;"
+                   f" {grammar_bench.NAME}: structured outputs and grammar drafts "
+                   "(bench/grammar_bench.py)")
+    p.add_argument("--grammar-drafters", default="lookup",
+                   help=f"{grammar_bench.NAME}: drafters run with and without grammar drafts "
+                   "(comma-separated: lookup, suffix; empty: none)")
+    p.add_argument("--grammar-configs", default="",
+                   help=f"{grammar_bench.NAME}: only these configurations (comma-separated "
+                   "labels as the table prints them: free, shaped, +grammar, lookup, "
+                   "lookup+grammar, ...; shaped always); default all")
     p.add_argument("--max-new-tokens", type=positive_int, default=64)
     p.add_argument("--batch-sizes", type=_ints, default=[1, 4, 16, 64])
     p.add_argument("--draft-lengths", type=_ints, default=list(range(1, 9)))
@@ -292,8 +306,16 @@ def run(args: argparse.Namespace) -> int:
     table). Returns 1 when greedy outputs mismatched (not near-ties), else 0."""
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    workloads = getattr(args, "workload", None) or [None]
+    status = 0
+    if grammar_bench.NAME in workloads:
+        args.command_line = " ".join(sys.argv)
+        status = grammar_bench.run(args)
+        workloads = [w for w in workloads if w != grammar_bench.NAME]
+        if not workloads:
+            return status
     reports = {}
-    for workload in getattr(args, "workload", None) or [None]:
+    for workload in workloads:
         report = reports[workload] = bench(args, workload)
         stem = f"bench-{workload}" if workload else "bench"
         write_json(out / f"{stem}.json", report)
@@ -313,7 +335,7 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(workload_table(reports))
         print(WORKLOAD_LEGEND)
-    return 1 if any(r["greedy_mismatched_runs"] for r in reports.values()) else 0
+    return 1 if status or any(r["greedy_mismatched_runs"] for r in reports.values()) else 0
 
 
 def main(argv: list[str] | None = None) -> int:

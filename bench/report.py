@@ -81,7 +81,8 @@ def profile_table(rows: list[dict]) -> str:
 
 PROFILE_LEGEND = (
     "where each run's wall time went, % (worker/engine/profile.py): admit: refills "
-    "(encode, prefill, first token); propose: drafting; verify: the target pass; accept: "
+    "(encode, prefill, first token); propose: drafting; verify: the target pass; mask: "
+    "a grammar's work for shaped rows; accept: "
     "acceptance, cache keep and the step's sync; upkeep: drafter update, compaction, "
     "retiring rows; host: per-row parameters and handing tokens to rows; results: "
     "on_result callbacks; sum: the phases over the wall time."

@@ -55,6 +55,8 @@ class PairPreset(BaseModel):
     drafter: Literal["model", "prompt_lookup", "suffix", "none"] = "model"
     draft_length: int = Field(4, ge=0, le=16)
     adaptive: bool = True  # choose g each step (0 included); false pins draft_length
+    # a row with a response_format drafts what its grammar forces (drafter none: never)
+    grammar_drafts: bool = True
     dtype: str | None = None  # overrides the settings' dtype
     max_batch_size: int | None = Field(None, ge=1)
     trust_remote_code: bool = False

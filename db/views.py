@@ -30,7 +30,8 @@ COUNTERS = (
     Column("draft_length_total", Integer),  # sum of g x steps_by_draft_length[g]
 )
 FIGURES = ("acceptance_rate", "mean_acceptance_length", "mean_draft_length", "tokens_per_pass",
-           "tokens_per_second", "engine_tokens_per_second", "estimated_speedup")
+           "tokens_per_second", "engine_tokens_per_second", "estimated_speedup",
+           "forced_acceptance_rate")  # the last: of the grammar's drafts (0009)
 
 
 def _copy(columns: tuple[Column, ...]) -> list[Column]:

@@ -41,6 +41,12 @@ class Counters:
     # seconds: its share of its steps outside drafting: the target pass (Step.t_verify),
     # accepting and cache upkeep; its prefill included
     verify_time: float = 0.0
+    # a row shaped by a grammar (schema/grammar.py): of proposed and accepted, the tokens
+    # its grammar forced (drafted for free: worker/engine/grammar.py), and its share of the
+    # seconds spent computing grammar masks (inside verify_time and draft_time)
+    forced_proposed: int = 0
+    forced_accepted: int = 0
+    mask_time: float = 0.0
 
     def observe_step(self, num_draft: int, num_accepted: int, g: int = 0) -> None:
         """Record one step at draft length g: ``num_draft`` proposed, ``num_accepted`` kept."""
@@ -63,6 +69,11 @@ class Counters:
     @property
     def mean_acceptance_length(self) -> float | None:
         return mean_acceptance_length(self.accepted, self.draft_steps)
+
+    @property
+    def forced_acceptance_rate(self) -> float | None:
+        """Of the tokens a grammar forced and drafted, the share accepted."""
+        return acceptance_rate(self.forced_accepted, self.forced_proposed)
 
     def as_dict(self) -> dict:
         return asdict(self)

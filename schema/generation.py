@@ -13,14 +13,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from specq.schema.grammar import Shaped
+
 Role = Literal["system", "developer", "user", "assistant", "tool", "function"]
 INT32_MAX = 2**31 - 1  # the largest count anything stores (INTEGER columns)
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 1000
 
 
-class SamplingParams(BaseModel):
-    """Generation parameters; temperature 0 is greedy.
+class SamplingParams(Shaped):
+    """Generation parameters; temperature 0 is greedy; ``response_format`` shapes the output
+    (schema/grammar.py).
 
     Numbers are strict (no bool, no numeric strings, no 2.0 for an int), finite, and within
     what the database and the engine can hold."""

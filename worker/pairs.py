@@ -167,15 +167,20 @@ class Pair:
     tokenizer: PreTrainedTokenizerBase
     drafter: Drafter
 
-    def engine(self, max_batch_size: int | None = None,
-               draft_length: int | None = None) -> SpeculativeEngine:
+    def engine(self, max_batch_size: int | None = None, draft_length: int | None = None,
+               grammar_drafts: bool | None = None) -> SpeculativeEngine:
         """An engine over this pair; a given ``draft_length`` pins g (else the preset's
-        draft_length starts, and adapts unless the preset says ``adaptive: false``)."""
+        draft_length starts, and adapts unless the preset says ``adaptive: false``).
+        Shaped rows draft their grammar's forced tokens unless the drafter is none or the
+        preset says ``grammar_drafts: false`` (a given ``grammar_drafts`` decides alone)."""
         bs = max_batch_size or self.preset.max_batch_size or get_settings().max_batch_size
         g = self.preset.draft_length if draft_length is None else draft_length
+        if grammar_drafts is None and not self.preset.grammar_drafts:
+            grammar_drafts = False
         return SpeculativeEngine(
             self.target, self.tokenizer, self.drafter, max_batch_size=bs, draft_length=g,
             adaptive=self.preset.adaptive and draft_length is None,
+            grammar_drafts=grammar_drafts,
         )
 
 

@@ -192,6 +192,38 @@ def test_upload_create_poll_download_and_a_restart_loses_nothing(
     assert sdk.files.content(f.id).content == jsonl(lines)
 
 
+def test_a_response_format_shapes_the_answers(sdk, worker):
+    """OpenAI's json_schema response_format and vLLM's guided_choice, through the SDK: an
+    answer that finished parses and validates."""
+    schema = {"type": "object", "required": ["label", "note"], "additionalProperties": False,
+              "properties": {"label": {"enum": ["good", "bad"]},
+                             "note": {"type": "string", "maxLength": 6}}}
+    shape = {"type": "json_schema", "json_schema": {"name": "label", "schema": schema,
+                                                    "strict": True}}
+    lines = [line(f"s{i}", f"Label item {i}", max_tokens=40, response_format=shape)
+             for i in range(4)] + [line("pick", "Pick one", guided_choice=["yes", "no"])]
+    done = wait_for(sdk, create(sdk, upload(sdk, lines).id).id,
+                    ("completed", "failed", "expired", "cancelled"))
+    assert done.status == "completed", worker.output()
+    got = {x["custom_id"]: x["response"]["body"]["choices"][0]
+           for x in outputs(sdk, done.output_file_id)}
+    finished = [c for cid, c in got.items() if cid != "pick" and c["finish_reason"] == "stop"]
+    assert finished
+    for choice in finished:
+        answer = json.loads(choice["message"]["content"])
+        assert set(answer) == {"label", "note"} and answer["label"] in ("good", "bad")
+        assert isinstance(answer["note"], str) and len(answer["note"]) <= 6
+    assert got["pick"]["message"]["content"] in ("yes", "no")
+
+    # a response_format the library refuses fails the batch, naming the line and field
+    bad = line("b", "y", response_format={"type": "regex", "regex": "(a"})
+    failed = create(sdk, upload(sdk, [line("a", "x"), bad]).id)
+    assert failed.status == "failed"
+    (error,) = failed.errors.data
+    assert error.line == 2 and error.param == "body.response_format"
+    assert "regex: the grammar library refused it" in error.message
+
+
 def test_cancel_mid_run_keeps_what_finished_and_a_running_batch_downloads_partial(
         sdk, worker):
     lines = [line(f"c{i}", f"Count the words of line {i}: a b c d e f g", max_tokens=40)

@@ -270,3 +270,21 @@ def test_prefill_bench_compares_sharing_or_refill_groups(capsys, mode):
     assert "outputs identical 10/10" in out
     assert ("admit group 3:" in out) == ("--admit-groups" in mode)
     assert ("each also equal to the prompt run alone" in out) == ("--check-alone" in mode)
+
+
+def test_bench_json_schema_workload(tmp_path, capsys):
+    """`specq bench --workload json-schema`: every configuration side by side, shaped runs
+    identical to constrained decoding without drafts, the grammar's drafts counted."""
+    args = _args(tmp_path, "--pair", "tiny-lookup", "--workload", "json-schema",
+                 "--batch-sizes", "2", "--max-new-tokens", "24", "--grammar-drafters", "lookup")
+    assert run(args) == 0
+    out = capsys.readouterr().out
+    assert "x shaped" in out and "mask us/tok" in out
+    report = json.loads((tmp_path / "out" / "bench-json-schema.json").read_text())
+    runs = {r["config"]: r for r in report["runs"]}
+    assert list(runs) == ["free", "shaped", "+grammar", "lookup", "lookup+grammar"]
+    assert all(r["mismatches"] == 0 for name, r in runs.items() if name != "free")
+    assert runs["+grammar"]["forced_proposed"] > 0 and runs["shaped"]["forced_proposed"] == 0
+    assert runs["+grammar"]["tokens_per_pass"] > runs["shaped"]["tokens_per_pass"]
+    assert runs["shaped"]["mask_seconds"] > 0 and runs["free"]["mask_seconds"] == 0
+    assert runs["lookup+grammar"]["speedup_vs_no_grammar_drafts"] is not None

@@ -89,3 +89,36 @@ def test_the_client_side_tokenizer_counts_as_the_model_does(smollm2, tmp_path):
                     Request(messages=[{"role": "system", "content": "Be brief."},
                                       {"role": "user", "content": p}], max_new_tokens=8)):
             assert light.encode(req, 10**9) == encode_prompt(smollm2.tokenizer, req, 10**9)
+
+
+def test_shaped_output_is_generate_with_the_grammar_mask_and_validates(smollm2):
+    """The real model under a JSON schema, drafted by prompt lookup and its grammar: the
+    output is transformers' generate with the library's mask, token for token, and it
+    validates."""
+    import json
+
+    import jsonschema
+    import llguidance.hf
+    from transformers import LogitsProcessorList
+
+    from specq.bench.grammar_bench import prompts
+    from specq.schema.grammar import grammar
+    from specq.worker.engine.speculative import encode_prompt
+    from tests.worker.engine.test_grammar import GrammarMask
+
+    convs = prompts()[::6][:3]  # one person, review and quiz prompt
+    requests = [Request(id=i, messages=m, max_new_tokens=96, response_format={
+        "type": "json_schema", "json_schema": {"name": "a", "schema": s}})
+        for i, (m, s) in enumerate(convs)]
+    engine = smollm2.engine(max_batch_size=3)
+    results = engine.generate(requests)
+    lltok = llguidance.hf.from_tokenizer(smollm2.tokenizer)
+    for req, res, (_, schema) in zip(requests, results, convs):
+        assert res.error is None and res.finish_reason == "stop", res
+        jsonschema.validate(json.loads(res.text), schema)
+        ids = torch.tensor([encode_prompt(smollm2.tokenizer, req, engine.context)])
+        mask = GrammarMask(lltok, grammar(req.response_format), ids.shape[1])
+        want = smollm2.target.generate(ids, max_new_tokens=96, do_sample=False,
+                                       logits_processor=LogitsProcessorList([mask]))
+        assert res.token_ids == want[0, ids.shape[1]:].tolist()
+    assert sum(r.counters.forced_accepted for r in results) > 0

@@ -330,6 +330,7 @@ class Row:
         # a free drafter's proposal held while the engine does not draft, and how much of
         # it the emitted tokens matched so far (shadow.py)
         self.shadow: tuple[list[int], int] | None = None
+        self.matcher = None  # the grammar state of a row with a response_format (grammar.py)
 
     @property
     def generated(self) -> list[int]:
@@ -337,8 +338,12 @@ class Row:
 
     @property
     def ended(self) -> bool:
-        """It stopped generating (EOS, a stop string, max_new_tokens)."""
-        return self.result.finish_reason is not None
+        """It stopped generating (EOS, a stop string, max_new_tokens) or failed (``fail``)."""
+        return self.result.finish_reason is not None or self.result.error is not None
+
+    def fail(self, error: str) -> None:
+        """End the row alone with an error (its batch-mates go on)."""
+        self.result.error = error
 
     def emit(self, new_tokens: list[int]) -> int:
         """Append tokens until a stop condition; returns how many were kept."""

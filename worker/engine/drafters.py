@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -21,6 +21,9 @@ from transformers import PreTrainedModel
 from specq.worker.engine.batch import KVRows, left_pad
 from specq.worker.engine.prefix import PrefixStore, prefill
 from specq.worker.engine.sampling import keyed_race, logits_to_probs
+
+if TYPE_CHECKING:
+    from specq.worker.engine.grammar import DraftMasks
 
 
 @dataclass
@@ -57,6 +60,8 @@ class DraftInputs:
     top_k: torch.Tensor  # [B]
     top_p: torch.Tensor  # [B]
     greedy: bool  # every row is greedy
+    # masks a draft model's logits with the rows' grammars (grammar.py); None: no row shaped
+    grammar: DraftMasks | None = None
 
 
 class Drafter(Protocol):
@@ -177,7 +182,8 @@ class DraftModel(_JobBlind):
         self.kv = KVRows(self.model)
         self.pending: list[list[int]] = []
         self.fresh: list[bool] = []  # row not prefilled yet: its whole prompt is pending
-        self._last: tuple[int, int, int] | None = None  # start, P, g of the latest proposal
+        # start, P, g and the drafts of the latest proposal
+        self._last: tuple[int, int, int, list[list[int]]] | None = None
 
     def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None:
         """Rows wait, prompt pending, until a proposal needs them."""
@@ -224,6 +230,8 @@ class DraftModel(_JobBlind):
             params = (batch.temperature, batch.top_k, batch.top_p)
         drafts, probs = [], []
         for j in range(g):
+            if batch.grammar is not None:  # q is the constrained draft distribution
+                logits = batch.grammar.mask(logits)
             if batch.greedy:
                 x = logits[:, 0].argmax(-1)  # [B]
             else:
@@ -231,11 +239,13 @@ class DraftModel(_JobBlind):
                 x = keyed_race(p, seeds, pos + j)[:, 0]  # [B] draft j at position len + j
                 probs.append(p[:, 0])
             drafts.append(x)
+            if batch.grammar is not None:
+                batch.grammar.advance(x.tolist())
             if j < g - 1:
                 one = torch.ones(B, 1, dtype=torch.bool, device=dev)
                 logits = self._fit(self.kv.forward(x[:, None], one))
-        self._last = (start, P, g)
         token_ids = torch.stack(drafts, 1)  # [B, g]
+        self._last = (start, P, g, token_ids.tolist())
         return Proposal(
             token_ids,
             torch.full((B,), g, dtype=torch.long),
@@ -253,14 +263,26 @@ class DraftModel(_JobBlind):
         return torch.cat([logits, pad], -1)
 
     def update(self, accepted: list[int], tokens: list[list[int]]) -> None:
-        if self._last is None:  # a step without drafting: the target's token waits
-            for row, toks in zip(self.pending, tokens):
-                row.append(toks[-1])
+        if self._last is None:  # a step without drafting: the target's tokens wait (more
+            for row, toks in zip(self.pending, tokens):  # than one: a grammar's, forced)
+                row.extend(toks)
             return
-        start, P, g = self._last
-        # fed this step: pending (P columns), then x_1 .. x_{g-1}; keep x_j iff j <= accepted
-        keep = torch.tensor([min(k, g - 1) for k in accepted], device=self.kv.device)
-        self.kv.keep(start + P, keep)
+        start, P, g, drafts = self._last
+        # fed this step: pending (P columns), then x_1 .. x_{g-1}; keep x_j while x_1 .. x_j
+        # are the tokens emitted (the accepted drafts, unless the grammar drafted the row
+        # instead: grammar.py), and one emitted token at least waits for the next pass
+        keep = [min(_agree(d, toks), g - 1, len(toks) - 1) for d, toks in zip(drafts, tokens)]
+        self.kv.keep(start + P, torch.tensor(keep, device=self.kv.device))
         # all g accepted: x_g was never fed, so it waits with the bonus token
-        self.pending = [toks[-2:] if k == g else toks[-1:] for k, toks in zip(accepted, tokens)]
+        self.pending = [toks[k:] for k, toks in zip(keep, tokens)]
         self._last = None
+
+
+def _agree(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -12,6 +12,11 @@ subclasses, chosen once from the drafter's declared capabilities (drafters.Draft
   the width that pays, and learns from the target's verdicts what a confidence is worth.
 - With g pinned (policy.Pinned), the plain Drafting; with g = 0 it never drafts (the null
   object of a pair without a drafter, and of the baseline every benchmark compares to).
+
+Whatever the regime, a row shaped by a grammar drafts what its grammar forces first
+(grammar.ForcedDrafts, ``draft``), at g = 0 too: those tokens cost nothing to propose. The
+policy learns from the drafter's own tokens only (``own``), the counters count the grammar's
+apart (Counters.forced_proposed, forced_accepted).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import torch
 from specq.worker.engine import shadow
 from specq.worker.engine.batch import Row
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft, Proposal
+from specq.worker.engine.grammar import ForcedDrafts
 from specq.worker.engine.policy import DraftLengthPolicy, Pinned, Shadowed, Widths
 
 if TYPE_CHECKING:
@@ -54,6 +60,17 @@ class Drafting:
 
     def __init__(self, drafter: Drafter, policy: DraftLengthPolicy) -> None:
         self.drafter, self.policy = drafter, policy
+        self.grammar: ForcedDrafts | None = None  # the grammar drafter, when it is on
+
+    def draft(self, inputs: DraftInputs, rows: list[Row]) -> tuple[int, Proposal, list[int]]:
+        """This step's g, the proposal the target judges (cut to g, the grammar's forced
+        tokens first in shaped rows), and the forced tokens in it per row."""
+        g, full = self.propose(inputs, rows)
+        prop, matchers = full.cut(g), [r.matcher for r in rows]
+        if self.grammar is None or all(m is None for m in matchers):
+            return g, prop, [0] * len(rows)
+        prop, forced = self.grammar.merge(prop, matchers, inputs.tokens, g, self.policy.max_g)
+        return g, prop, forced
 
     def propose(self, inputs: DraftInputs, rows: list[Row]) -> tuple[int, Proposal]:
         """This step's g and the proposal; the engine keeps each row's first g tokens."""
@@ -62,8 +79,8 @@ class Drafting:
 
     def observe(self, step: Step, rows: list[Row], emitted: list[list[int]]) -> None:
         """What the step did (after the rows took its tokens: ``emitted`` per row)."""
-        self.policy.observe(step.g, step.num_draft, step.accepted, step.t_draft,
-                            step.t_verify, step.verify_tokens)
+        self.policy.observe(step.g, *own(step), step.t_draft, step.t_verify,
+                            step.verify_tokens)
 
 
 class ShadowedDrafting(Drafting):
@@ -100,24 +117,38 @@ class Scored(Drafting):
     def observe(self, step: Step, rows: list[Row], emitted: list[list[int]]) -> None:
         super().observe(step, rows, emitted)
         if self._full is not None:
-            step.judged = verdicts(self._full, step.g, step.accepted, step.tokens)
+            step.judged = verdicts(self._full, step)
             self.policy.observe_confidence(step.judged)
             self._full = None
 
 
-def verdicts(full: Proposal, g: int, accepted: list[int],
-             tokens: list[list[int]]) -> list[tuple[list[float], int]]:
+def own(step: Step) -> tuple[list[int], list[int]]:
+    """Per row, the drafter's own tokens proposed and accepted in a step: the grammar's
+    forced tokens came first and are not the drafter's; a row whose forced tokens were not
+    all accepted had its drafter's judged not at all."""
+    forced = step.forced or [0] * len(step.num_draft)
+    num = [n - f if k >= f else 0 for n, k, f in zip(step.num_draft, step.accepted, forced)]
+    acc = [k - f if k >= f else 0 for k, f in zip(step.accepted, forced)]
+    return num, acc
+
+
+def verdicts(full: Proposal, step: Step) -> list[tuple[list[float], int]]:
     """The target's verdicts on a scored proposal made at max_g and cut to g.
 
-    Drafting rows: the kept drafts' confidences and the accepted count. A plain step
-    (g = 0) judges each row's first draft token all the same: the target emitted one token,
-    and a point-mass draft is accepted exactly when it equals the target's own draw.
+    Drafting rows: the kept drafts' confidences (a grammar may cut them shorter) and the
+    accepted count. A plain step (g = 0) judges each row's first draft token all the same:
+    the target emitted one token, and a point-mass draft is accepted exactly when it equals
+    the target's own draw. Rows the grammar drafted are not the scorer's: no verdict.
     """
     first = full.token_ids[:, :1].tolist()
+    forced = step.forced or [0] * len(step.num_draft)
     judged = []
-    for conf, k, toks, d in zip(full.confidences, accepted, tokens, first):
-        if conf and g:
-            judged.append((conf[:g], k))
+    for conf, k, toks, d, n, f in zip(full.confidences, step.accepted, step.tokens, first,
+                                      step.num_draft, forced):
+        if f:
+            continue
+        if conf and step.g:
+            judged.append((conf[:n], k))
         elif conf:
             judged.append((conf[:1], int(d[0] == toks[0])))
     return judged

@@ -9,6 +9,9 @@ interval lands in the phase that did the work:
   first token, the drafter's and the cache's new rows;
 - propose: the drafting's g and proposal (policy, drafter, shadow scoring), on the device;
 - verify: the target's pass over the last token and the drafts;
+- mask: a grammar's work for shaped rows (grammar.py): cutting the drafts it refuses,
+  masking the verified positions, advancing the matchers (the draft model's own masks are
+  part of propose);
 - accept: acceptance (rejection.py), the cache keeping what was accepted, and the step's
   one sync (the host reads the tokens and accepted counts);
 - upkeep: the drafter's update, both caches' compaction, retiring finished rows (the
@@ -29,7 +32,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-PHASES = ("admit", "propose", "verify", "accept", "upkeep", "host", "results")
+PHASES = ("admit", "propose", "verify", "mask", "accept", "upkeep", "host", "results")
 
 
 class Profile:

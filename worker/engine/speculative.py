@@ -14,8 +14,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from specq.schema.generation import Request, RequestError, check_length, context_length
 from specq.worker.engine import calibration
 from specq.worker.engine.batch import KVRows, Row, fill_holes
-from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
+from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft, Proposal
 from specq.worker.engine.drafting import drafting_for
+from specq.worker.engine.grammar import (
+    DraftMasks,
+    ForcedDrafts,
+    GrammarError,
+    Grammars,
+    advance,
+    cut,
+    dead_ends,
+)
 from specq.worker.engine.prefix import PrefixStore, prefill
 from specq.worker.engine.profile import Profile
 from specq.worker.engine.rejection import accept_matching, rejection_sample
@@ -75,6 +84,9 @@ class Step:
     # per row with a scored proposal: the confidences of the draft tokens the target
     # judged and how many it accepted (drafting.Scored; policy.Calibration.add)
     judged: list[tuple[list[float], int]] = field(default_factory=list)
+    # per row: of num_draft, the grammar's forced tokens, proposed first (grammar.py)
+    forced: list[int] = field(default_factory=list)
+    t_mask: float = 0.0  # seconds computing grammar masks (cuts and advances included)
 
 
 class SpeculativeEngine:
@@ -94,6 +106,11 @@ class SpeculativeEngine:
     model races with the target's noise (sampling.keyed_race) and is accepted with
     probability at least (1 - TV) / (1 + TV) instead of Algorithm 1's 1 - TV, so batches
     without a seeded sampled row keep Algorithm 1 (rejection_sample).
+
+    A request with a ``response_format`` is decoded under its grammar (grammar.py): every
+    logit the target and the draft model give for its row is masked, and the output is
+    what constrained decoding without speculation gives. With ``grammar_drafts`` (by
+    default unless the drafter is none) what the grammar forces is drafted for free.
     """
 
     def __init__(
@@ -109,12 +126,19 @@ class SpeculativeEngine:
         on_step: Callable[[Step], None] | None = None,
         share_prefixes: bool = True,
         admit_group: int | None = None,
+        grammar_drafts: bool | None = None,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
         self.drafting = drafting_for(drafter or NoDraft(), default=draft_length,
                                      max_g=max_draft_length, adaptive=adaptive)
         self.drafter, self.policy = self.drafting.drafter, self.drafting.policy
+        if grammar_drafts is None:
+            grammar_drafts = self.drafter.name != NoDraft.name
+        vocab = target.config.get_text_config().vocab_size
+        self.grammars = Grammars(tokenizer, vocab)  # the library loads at the first grammar
+        if grammar_drafts:
+            self.drafting.grammar = ForcedDrafts.for_drafter(self.drafter, self.grammars)
         self._admit_group = admit_group  # None: a quarter of the batch (ADMIT_SHARE)
         self.max_batch_size = max_batch_size  # the property sets admit_group too
         self.on_step = on_step
@@ -226,10 +250,13 @@ class SpeculativeEngine:
             i, req = waiting.popleft()
             try:
                 ids = encode_prompt(self.tokenizer, req, self.context)
-            except RequestError as exc:
+                matcher = self.grammars.matcher(req.response_format)
+            except (RequestError, GrammarError) as exc:
                 hand_back(i, Result(id=req.id, error=str(exc)))
                 continue
-            new.append((i, Row(req, ids, self.eos_ids, self.tokenizer)))
+            row = Row(req, ids, self.eos_ids, self.tokenizer)
+            row.matcher = matcher
+            new.append((i, row))
         if not new:
             return
         rows = [r for _, r in new]
@@ -241,10 +268,13 @@ class SpeculativeEngine:
         kv, logits = prefill(self.target, prompts, self.pad_id, self.prefixes)  # [n, 1, V]
         self.admissions += 1
         seeds, *params = self._params(rows)
+        matchers = [r.matcher for r in rows]
+        dead = self._shape(logits, matchers, [[] for _ in rows], 1, rows)
         pos = torch.tensor([[len(p)] for p in prompts], device=logits.device)
         first = self._sample(logits_to_probs(logits, *params), seeds.to(logits.device),
                              pos)[:, 0]
         first_list = first.tolist()
+        self._advance(rows, matchers, [[t] for t in first_list], dead)
         self.drafter.admit([list(p) for p in prompts], first_list)
         self.kv.extend(kv)
         self.prefill_seconds += time.perf_counter() - t0
@@ -265,7 +295,8 @@ class SpeculativeEngine:
             return
         for b, row in enumerate(self.rows):
             if row.ended:
-                self.drafter.finish(row.tokens)
+                if row.result.error is None:  # a failed row teaches the drafter nothing
+                    self.drafter.finish(row.tokens)
                 hand_back(self.order[b], row.finish())
         keep = fill_holes(finished)  # rows from the end take the leavers' places
         idx = torch.tensor(keep, dtype=torch.long)
@@ -298,14 +329,26 @@ class SpeculativeEngine:
         """
         B, dev = len(self.rows), self.target.device
         params = self._params(self.rows)  # seeds, temperature, top_k, top_p
+        matchers = [r.matcher for r in self.rows]
+        shaped = any(m is not None for m in matchers)
+        masks = DraftMasks(self.grammars, matchers) if shaped else None
         inputs = DraftInputs([r.tokens for r in self.rows], *params,
-                             greedy=bool((params[1] <= 0).all()))
+                             greedy=bool((params[1] <= 0).all()), grammar=masks)
         lap = self.profile.lap
         lap("host")
         clock = StepClock(dev)
-        g, full = self.drafting.propose(inputs, self.rows)
-        prop = full.cut(g)
-        n = int(prop.num_draft.max()) if g else 0  # prompt lookup may find less than g anywhere
+        mask_before = self.grammars.mask_seconds
+        try:
+            g, prop, forced = self.drafting.draft(inputs, self.rows)
+        finally:
+            if masks is not None:
+                masks.rewind()
+        if shaped:
+            lap("propose")
+            forced = self._cut(prop, forced, matchers)
+            lap("mask")
+        # prompt lookup may find less than g anywhere, a grammar's forced tokens be more
+        n = int(prop.num_draft.max()) if prop.token_ids.shape[1] else 0
         draft_ids = prop.token_ids[:, :n].to(dev)  # [B, n]
         draft_probs = None if prop.probs is None else prop.probs[:, :n]  # [B, n, V]
         num_draft = prop.num_draft.to(dev)  # [B]
@@ -317,8 +360,13 @@ class SpeculativeEngine:
                            torch.arange(n, device=dev)[None] < num_draft[:, None]], 1)
         start = self.kv.length
         logits = self.kv.forward(ids, valid)  # [B, n + 1, V]
-        clock.mark()
         lap("verify")
+        dead: list[int] = []
+        if shaped:  # each verified position under the grammar state it follows
+            drafts = [d[:k] for d, k in zip(draft_ids.tolist(), prop.num_draft.tolist())]
+            dead = self._shape(logits, matchers, drafts, n + 1, self.rows)
+            lap("mask")
+        clock.mark()
         out, accepted = self._accept(logits, draft_ids, num_draft, draft_probs, params,
                                      inputs.greedy)  # [B, n + 1], [B]
         self.kv.keep(start, accepted + 1)  # the last token and the accepted drafts stay
@@ -328,13 +376,58 @@ class SpeculativeEngine:
         accepted_l = [row[0] for row in host]
         tokens = [row[1 : k + 2] for row, k in zip(host, accepted_l)]
         lap("accept")
+        if shaped:
+            self._advance(self.rows, matchers, tokens, dead)
+            lap("mask")
         self.drafter.update(accepted_l, tokens)
         self.kv.compact()  # both compact only when enough rejected columns piled up
         self.drafter.compact()
         lap("upkeep")
         t_draft, t_verify = clock.phases()
         return Step(g, prop.num_draft.tolist(), accepted_l, t_draft, t_verify, n + 1, tokens,
-                    clock.elapsed())
+                    clock.elapsed(), forced=forced,
+                    t_mask=self.grammars.mask_seconds - mask_before)
+
+    def _cut(self, prop: Proposal, forced: list[int], matchers: list) -> list[int]:
+        """Cut each row's draft at the first token its grammar refuses (prop.num_draft, in
+        place); returns the forced tokens per row that are left."""
+        t0 = time.perf_counter()
+        drafts = [d[:k] for d, k in zip(prop.token_ids.tolist(), prop.num_draft.tolist())]
+        kept = cut(matchers, drafts)
+        prop.num_draft = torch.minimum(prop.num_draft, torch.tensor(kept, dtype=torch.long))
+        self.grammars.mask_seconds += time.perf_counter() - t0
+        return [min(f, k) for f, k in zip(forced, kept)]
+
+    def _shape(self, logits: torch.Tensor, matchers: list, drafts: list[list[int]],
+               width: int, rows: list[Row]) -> list[int]:
+        """Mask logits [B, width, V] in place: row b's position j under its grammar state
+        after drafts[b][:j]. Returns the rows whose grammar allows nothing (left unmasked:
+        they fail once the step is done, ``_advance``)."""
+        if all(m is None for m in matchers):
+            return []
+        bitmask = self.grammars.masks(matchers, drafts, width)  # [B, width, words]
+        dead = dead_ends(matchers, bitmask)
+        # a position that allows nothing: past a draft's EOS (the row ends before it), or
+        # a dead end (the row fails after the step); all allowed keeps its logits finite
+        bitmask[~bitmask.any(-1)] = -1
+        self.grammars.apply(logits, bitmask)
+        return dead
+
+    def _advance(self, rows: list[Row], matchers: list, tokens: list[list[int]],
+                 dead: list[int]) -> None:
+        """Feed each shaped row's matcher the tokens it emitted; a row whose grammar had
+        nothing to allow, or refused them, fails alone."""
+        if all(m is None for m in matchers):
+            return
+        t0 = time.perf_counter()
+        problems = advance(matchers, tokens)
+        self.grammars.mask_seconds += time.perf_counter() - t0
+        for b in dead:
+            problems[b] = matchers[b].get_error() or "no token is allowed"
+        for row, problem in zip(rows, problems):
+            if problem:
+                row.fail(f"response_format: the grammar reached a dead end after "
+                         f"{len(row.generated)} generated tokens ({problem})")
 
     def _accept(self, logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: torch.Tensor,
                 draft_probs: torch.Tensor | None, params: tuple[torch.Tensor, ...],
@@ -373,7 +466,10 @@ class SpeculativeEngine:
         (its policy learns from the step: drafting.py), and ``on_step``."""
         B = len(self.rows)
         emitted = []
-        for row, toks, n_draft, k in zip(self.rows, step.tokens, step.num_draft, step.accepted):
+        forced = step.forced or [0] * B
+        shaped = sum(r.matcher is not None for r in self.rows)
+        for row, toks, n_draft, k, f in zip(self.rows, step.tokens, step.num_draft,
+                                            step.accepted, forced):
             kept = row.emit(toks)
             emitted.append(toks[:kept])
             c = row.result.counters
@@ -381,6 +477,10 @@ class SpeculativeEngine:
             c.target_passes += 1
             c.draft_time += step.t_draft / B
             c.verify_time += (step.t_step - step.t_draft) / B
+            c.forced_proposed += f
+            c.forced_accepted += min(f, k, kept)  # forced tokens come first in a proposal
+            if row.matcher is not None:
+                c.mask_time += step.t_mask / shaped
         self.drafting.observe(step, self.rows, emitted)
         if self.on_step:
             self.on_step(step)

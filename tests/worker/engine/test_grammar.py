@@ -1,0 +1,263 @@
+"""Constrained decoding stays lossless: greedy output equals transformers' `generate` with the
+grammar library's mask as a logits processor (not specq's step), token for token, at every
+batch size and for every drafter, shaped and free rows in one batch; sampled output follows
+the masked, renormalised target distribution; a row whose grammar dies fails alone."""
+
+import json
+import logging
+import re
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import llguidance.numpy as llnp
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+from transformers import LogitsProcessor, LogitsProcessorList
+
+from specq.schema.generation import Request
+from specq.schema.grammar import grammar
+from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
+from specq.worker.engine.sampling import logits_to_probs
+from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.suffix import SuffixDrafter
+
+log = logging.getLogger(__name__)
+NEAR_TIE = 1e-5
+PERSON = {"type": "object", "additionalProperties": False,
+          "required": ["name", "age", "kind"],
+          "properties": {"name": {"type": "string", "maxLength": 6},
+                         "age": {"type": "integer", "minimum": 0, "maximum": 999},
+                         "kind": {"enum": ["cat", "dog", "bird"]}}}
+TAGS = {"type": "object", "required": ["tags"], "additionalProperties": False,
+        "properties": {"tags": {"type": "array", "maxItems": 3,
+                                "items": {"enum": ["red", "green", "blue"]}}}}
+FORMATS = [
+    {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+    {"type": "json_schema", "json_schema": {"name": "tags", "schema": TAGS, "strict": True}},
+    {"type": "json_object"},
+    {"type": "regex", "regex": "[a-z]{2,5}-[0-9]{2}"},
+    {"type": "choice", "choice": ["positive", "negative", "neutral"]},
+    None,  # a free row in the same batch
+]
+
+
+def shaped_requests(n: int, seed: int = 0, max_new: int = 40) -> list[Request]:
+    """n requests cycling through FORMATS, prompts of random bytes, some cut by max_new."""
+    gen = torch.Generator().manual_seed(seed)
+    reqs = []
+    for i in range(n):
+        ids = torch.randint(3, 259, (int(torch.randint(2, 20, (1,), generator=gen)),),
+                            generator=gen).tolist()
+        new = max_new if i % 5 else int(torch.randint(3, 12, (1,), generator=gen))
+        reqs.append(Request(id=i, prompt_token_ids=ids, max_new_tokens=new,
+                            response_format=FORMATS[i % len(FORMATS)]))
+    return reqs
+
+
+class GrammarMask(LogitsProcessor):
+    """The library's mask as a transformers logits processor, for one sequence."""
+
+    def __init__(self, lltok, text: str, prompt_len: int) -> None:
+        self.matcher = llguidance.LLMatcher(lltok, text, log_level=0)
+        self.fed = prompt_len
+        self.bitmask = llnp.allocate_token_bitmask(1, lltok.vocab_size)
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor):
+        new = input_ids[0, self.fed:].tolist()
+        self.fed = input_ids.shape[1]
+        assert self.matcher.consume_tokens(new), self.matcher.get_error()
+        llnp.fill_next_token_bitmask(self.matcher, self.bitmask)
+        out = scores.clone()
+        view = out.numpy()
+        llnp.apply_token_bitmask_inplace(view, self.bitmask)
+        return out
+
+
+@pytest.fixture(scope="module")
+def lltok(tiny_tokenizer):
+    return llguidance.hf.from_tokenizer(tiny_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models, lltok):
+    """Target-only constrained greedy `generate`, one request at a time, memoised."""
+    target = tiny_models["target"]
+    memo: dict[tuple, list[int]] = {}
+
+    def ref(req: Request) -> list[int]:
+        key = (tuple(req.prompt_token_ids), req.max_new_tokens,
+               json.dumps(req.model_dump(mode="json")["response_format"]))
+        if key not in memo:
+            ids = torch.tensor([req.prompt_token_ids])
+            text = grammar(req.response_format)
+            procs = LogitsProcessorList([GrammarMask(lltok, text, ids.shape[1])] if text else [])
+            out = target.generate(ids, max_new_tokens=req.max_new_tokens, do_sample=False,
+                                  logits_processor=procs)
+            memo[key] = out[0, ids.shape[1]:].tolist()
+        return memo[key]
+
+    return ref
+
+
+@pytest.fixture(scope="module")
+def check_shaped(tiny_models, lltok, reference):
+    """Results equal the reference; a divergence must be a float near-tie of the masked
+    logits. Finished JSON rows parse and validate, regex and choice rows match. Returns
+    the near-tie count."""
+    target = tiny_models["target"]
+
+    def check(requests, results) -> int:
+        ties = 0
+        for req, res in zip(requests, results):
+            assert res.error is None, res.error
+            want = reference(req)
+            if res.token_ids != want:
+                i = next(j for j, (a, b) in enumerate(zip(res.token_ids, want)) if a != b)
+                with torch.no_grad():
+                    logits = target(torch.tensor([req.prompt_token_ids + want[:i]])).logits[0, -1]
+                a, b = logits[want[i]], logits[res.token_ids[i]]
+                gap = float((a - b).abs() / a.abs().clamp_min(1e-6))
+                assert gap < NEAR_TIE, (f"request {req.id}: token {i} is {res.token_ids[i]}, "
+                                        f"the reference gives {want[i]} (gap {gap:.2e})")
+                ties += 1
+                continue
+            fmt = req.response_format
+            if fmt is None or res.finish_reason != "stop":
+                continue
+            if fmt.type == "json_schema":
+                jsonschema.validate(json.loads(res.text), fmt.json_schema.schema_)
+            elif fmt.type == "json_object":
+                assert isinstance(json.loads(res.text), dict)
+            elif fmt.type == "regex":
+                assert re.fullmatch(fmt.regex, res.text), res.text
+            else:
+                assert res.text in fmt.choice
+        return ties
+
+    return check
+
+
+def _drafter(name, models):
+    return {"none": NoDraft, "prompt_lookup": PromptLookup, "suffix": SuffixDrafter}[name]() \
+        if name in ("none", "prompt_lookup", "suffix") else DraftModel(models[name])
+
+
+@pytest.mark.parametrize("drafter", ["none", "prompt_lookup", "suffix", "noisy"])
+def test_constrained_greedy_equals_generate_with_the_library_mask(
+        drafter, tiny_models, tiny_tokenizer, check_shaped):
+    requests = shaped_requests(12, seed=1, max_new=32)
+    ties, forced, steps = 0, {}, []
+    for bs in (1, 4, 16):
+        steps.clear()
+        engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer,
+                                   _drafter(drafter, tiny_models), max_batch_size=bs,
+                                   draft_length=3, grammar_drafts=True, on_step=steps.append)
+        results = engine.generate(requests)
+        ties += check_shaped(requests, results)
+        forced[bs] = (sum(sum(s.forced) for s in steps),
+                      sum(min(f, k) for s in steps for f, k in zip(s.forced, s.accepted)))
+    log.warning("drafter %s: near ties %d; forced proposed/accepted by batch %s",
+                drafter, ties, forced)
+    assert ties <= 2
+    # the grammar drafted: keys, quotes, braces and the rest of enum values are forced
+    assert all(p > 30 and a > 0.9 * p for p, a in forced.values())
+    finished = [r for r in results if r.finish_reason == "stop"]
+    assert len(finished) >= 4  # rows that closed their object, value or choice
+
+
+def test_without_grammar_drafts_the_output_is_the_same(tiny_models, tiny_tokenizer,
+                                                       check_shaped):
+    """The grammar drafter off (a preset's grammar_drafts: false): nothing forced is
+    proposed, the output is the reference all the same."""
+    requests = shaped_requests(12, seed=2)
+    steps = []
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
+                               max_batch_size=6, grammar_drafts=False, on_step=steps.append)
+    assert check_shaped(requests, engine.generate(requests)) <= 1
+    assert not any(sum(s.forced) for s in steps)
+
+
+def test_a_row_whose_grammar_dies_fails_alone(tiny_models, tiny_tokenizer, check_shaped):
+    """A matcher in an error state (the library's dead end) ends its row with an error
+    naming response_format; its batch-mates finish as the reference says."""
+    requests = shaped_requests(8, seed=3)
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
+                               max_batch_size=8)
+    victim = []
+
+    def poison(step):
+        row = next((r for r in engine.rows if r.request.id == 1), None)
+        if row is not None and not victim and len(row.generated) > 3:
+            bad = next(t for t in range(3, 259) if row.matcher.validate_tokens([t]) == 0)
+            victim.append(row.matcher.consume_token(bad))
+
+    engine.on_step = poison
+    results = engine.generate(requests)
+    assert victim == [False]  # the poisoned matcher refused: it is in its error state
+    assert results[1].error and results[1].error.startswith("response_format: the grammar "
+                                                           "reached a dead end")
+    others = [0] + list(range(2, 8))
+    assert check_shaped([requests[i] for i in others], [results[i] for i in others]) <= 1
+
+
+def _exact_second_token(target, lltok, text: str, prompt: list[int],
+                        params: dict) -> torch.Tensor:
+    """P(token 2) under the grammar = sum_t1 p(t1) p(t2 | t1), p masked and renormalised,
+    by enumerating t1 (the library's own masks)."""
+    t, k, p = (torch.tensor([params[x]]) for x in ("temperature", "top_k", "top_p"))
+
+    def masked(logits: torch.Tensor, matcher) -> torch.Tensor:
+        bitmask = llnp.allocate_token_bitmask(1, lltok.vocab_size)
+        llnp.fill_next_token_bitmask(matcher, bitmask)
+        view = logits.clone().numpy()[None]
+        llnp.apply_token_bitmask_inplace(view, bitmask)
+        return torch.from_numpy(view)[:, None]  # [1, 1, V]
+
+    m = llguidance.LLMatcher(lltok, text, log_level=0)
+    with torch.no_grad():
+        first = logits_to_probs(masked(target(torch.tensor([prompt])).logits[0, -1], m),
+                                t, k, p)[0, 0]
+        exact = torch.zeros_like(first)
+        for t1 in first.nonzero()[:, 0].tolist():
+            m2 = m.deep_copy()
+            assert m2.consume_token(t1)
+            logits = target(torch.tensor([prompt + [t1]])).logits[0, -1]
+            exact += first[t1] * logits_to_probs(masked(logits, m2), t, k, p)[0, 0]
+    return exact
+
+
+@pytest.mark.parametrize("kind", ["draft model, algorithm 1", "draft model, seeded race",
+                                  "prompt lookup"])
+def test_sampled_constrained_tokens_follow_the_masked_target(kind, tiny_models,
+                                                             tiny_tokenizer, lltok):
+    """The second token of a regex-shaped row, sampled through draft/verify steps, has the
+    law of the masked, renormalised target (chi-square against exact enumeration)."""
+    fmt = {"type": "regex", "regex": "[a-f][0-9a-f]{1,3}!"}
+    prompt = [40, 41, 42, 43, 44, 45, 46, 40, 41, 42]
+    params = dict(temperature=1.0, top_k=0, top_p=1.0)
+    exact = _exact_second_token(tiny_models["target"], lltok,
+                                grammar(Request(prompt="x", response_format=fmt)
+                                        .response_format), prompt, params)
+    drafter = PromptLookup() if kind == "prompt lookup" else DraftModel(tiny_models["noisy"])
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, drafter,
+                               max_batch_size=64, draft_length=3, adaptive=False)
+    seeded = kind != "draft model, algorithm 1"
+    reqs = [Request(id=i, prompt_token_ids=prompt, max_new_tokens=3, response_format=fmt,
+                    seed=20_000 + i if seeded else None, **params) for i in range(3000)]
+    results = engine.generate(reqs)
+    assert all(r.error is None for r in results)
+    second = torch.tensor([r.token_ids[1] for r in results])
+    counts = torch.bincount(second, minlength=exact.numel()).double()
+    keep = exact > 0
+    assert counts[~keep].sum() == 0, "a token the grammar refuses was emitted"
+    e = exact[keep].double()
+    pvalue = chisquare(counts[keep].numpy(), (e / e.sum() * counts.sum()).numpy()).pvalue
+    assert pvalue > 1e-3, pvalue
+    if kind != "prompt lookup":
+        accepted = sum(r.counters.accepted for r in results)
+        proposed = sum(r.counters.proposed for r in results)
+        assert 0.05 * proposed < accepted < proposed  # accept and recover paths both ran
+    assert np.isfinite(pvalue)

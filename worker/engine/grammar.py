@@ -1,0 +1,279 @@
+"""Constrained decoding: each shaped row's grammar masks the target's and the draft's logits,
+and what the grammar fixes is drafted for free.
+
+A row with a ``response_format`` (schema/grammar.py) holds a matcher of the llguidance
+library, advanced through every token the row emits. In a step:
+
+1. the draft model's logits are masked by the row's grammar state at each draft position
+   (``DraftMasks``: the matcher advanced through the draft tokens, then rolled back);
+2. ``ForcedDrafts``, the grammar drafter, puts the forced continuation first in the row's
+   proposal (``compute_ff_tokens``: the bytes the grammar fixes, tokenized as the model
+   writes them), then the drafter's continuation of it;
+3. the proposal is cut at the first draft token the grammar refuses (``cut``), and the
+   mask of every verified position is computed (``masks``: the state after each draft
+   prefix) and applied to the target's logits (``apply``) before the accept test;
+4. the tokens the row emits advance its matcher (``advance``).
+
+Masked logits are -inf off the grammar, so the target's distribution at each position is
+its constrained (masked, renormalised) one, and the accept tests keep the output exactly
+what constrained decoding without speculation gives: greedy token for token, sampled in
+law (rejection.py, with p masked; a draft model's q masked too). Temperature, top-k and
+top-p apply after the mask.
+
+A row whose grammar allows no token (an error state) ends alone, with an error naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from specq.schema.generation import RequestError
+from specq.schema.grammar import ResponseFormat, grammar
+from specq.worker.engine.drafters import Drafter, DraftInputs, PromptLookup, Proposal
+
+log = logging.getLogger(__name__)
+MAX_TEMPLATES = 256  # compiled grammars kept per worker (one per job and schema, in practice)
+MAX_FORCED = 16  # forced tokens drafted at most per row and step
+# threads computing a step's masks: a row's mask costs ~14 us on one thread (SmolLM2's 49k
+# vocabulary, a JSON schema), the library's default pool made it ~50 us on a busy 2-core CPU
+MASK_THREADS = 1
+
+
+class GrammarError(RuntimeError):
+    """The grammar library cannot serve this model (its tokenizer) or this row."""
+
+
+class Grammars:
+    """The worker's grammar library: the model's tokenizer read once, and a compiled matcher
+    per grammar text, copied for each row (compiling costs a job once, not once per row).
+    Wall seconds spent computing masks add up in ``mask_seconds``."""
+
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the logits' width
+        self._lltok: Any = None  # llguidance's LLTokenizer, made on first use
+        self._templates: dict[str, Any] = {}  # grammar text -> a compiled LLMatcher
+        self._executor: Any = None  # llguidance's LLExecutor
+        self.mask_seconds = 0.0
+
+    def library_tokenizer(self):
+        if self._lltok is None:
+            import llguidance
+            import llguidance.hf
+
+            n_vocab = max(self.vocab_size, len(self.tokenizer))
+            try:
+                self._lltok = llguidance.hf.from_tokenizer(self.tokenizer, n_vocab=n_vocab)
+            except Exception as exc:  # noqa: BLE001 (the library's word on any tokenizer)
+                raise GrammarError(f"response_format: the grammar library cannot read this "
+                                   f"model's tokenizer ({type(exc).__name__}: {exc})") from None
+            self._executor = llguidance.LLExecutor(MASK_THREADS)
+        return self._lltok
+
+    def matcher(self, response_format: ResponseFormat | None):
+        """A fresh matcher for a row, or None for a row without a constraint.
+        RequestError when the grammar does not compile against this tokenizer."""
+        text = grammar(response_format)
+        if text is None:
+            return None
+        template = self._templates.get(text)
+        if template is None:
+            from llguidance import LLMatcher
+
+            template = LLMatcher(self.library_tokenizer(), text, log_level=0)
+            if template.is_error():
+                raise RequestError("response_format", f"the grammar does not compile for "
+                                   f"this model: {template.get_error()}")
+            if len(self._templates) >= MAX_TEMPLATES:
+                self._templates.pop(next(iter(self._templates)))
+            self._templates[text] = template
+        return template.deep_copy()
+
+    # -- masks ----------------------------------------------------------------------
+
+    def masks(self, matchers: list, drafts: list[list[int]], width: int) -> torch.Tensor:
+        """The bitmask of every verified position of every row: row b's position j is its
+        grammar state after drafts[b][:j]; unconstrained rows and positions past a row's
+        drafts allow everything. -> [B, width, words] int32 on the host"""
+        import llguidance.torch as llt
+
+        t0 = time.perf_counter()
+        words = (self.vocab_size + 31) // 32
+        bitmask = torch.full((len(matchers) * width, words), -1, dtype=torch.int32)
+        rows = [(m, b * width, d) for b, (m, d) in enumerate(zip(matchers, drafts))
+                if m is not None]
+        drafting = [r for r in rows if r[2]]  # the library wants drafts only where there are
+        if drafting:
+            llt.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafting, bitmask)
+        plain = [(m, i) for m, i, d in rows if not d]
+        if plain:
+            llt.fill_next_token_bitmask_par(self._executor, plain, bitmask)
+        self.mask_seconds += time.perf_counter() - t0
+        return bitmask.view(len(matchers), width, words)
+
+    def mask_now(self, matchers: list) -> torch.Tensor:
+        """Each row's bitmask at its current state. -> [B, words] int32 on the host"""
+        return self.masks(matchers, [[] for _ in matchers], 1)[:, 0]
+
+    def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+        """-inf off the grammar, in place (a bitmask row of all ones leaves its logits be).
+        logits: [B, T, V]; bitmask: [B, T, words] int32 on the host -> logits"""
+        t0 = time.perf_counter()
+        ok = allowed(bitmask, logits.shape[-1]).to(logits.device, non_blocking=True)
+        logits.masked_fill_(~ok, float("-inf"))
+        self.mask_seconds += time.perf_counter() - t0
+        return logits
+
+
+def allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Unpack 32-bit word masks (bit i of word w: token 32 w + i) to booleans.
+    bitmask: [..., words] int32 on the host -> [..., vocab_size] bool"""
+    bits = np.unpackbits(bitmask.contiguous().numpy().view(np.uint8), axis=-1,
+                         bitorder="little")  # [..., 32 words]: words are little-endian
+    return torch.from_numpy(bits[..., :vocab_size].view(np.bool_))
+
+
+def cut(matchers: list, drafts: list[list[int]]) -> list[int]:
+    """Per row, how many of its draft tokens the grammar accepts in a row (all of an
+    unconstrained row's): a proposal is cut at the first token it refuses."""
+    return [len(d) if m is None or not d else m.validate_tokens(d)
+            for m, d in zip(matchers, drafts)]
+
+
+def advance(matchers: list, tokens: list[list[int]]) -> list[str | None]:
+    """Feed each row the tokens it emitted, up to its end (EOS: the row keeps nothing after
+    it); per row, None or why its grammar refused them (an error state: the row cannot go
+    on)."""
+    problems: list[str | None] = []
+    for m, toks in zip(matchers, tokens):
+        problem = None
+        for t in toks if m is not None else ():
+            if m.is_stopped():
+                break
+            if not m.consume_token(t):
+                problem = m.get_error() or "the grammar refused the token"
+                break
+        problems.append(problem)
+    return problems
+
+
+def dead_ends(matchers: list, bitmask: torch.Tensor) -> list[int]:
+    """Rows whose grammar allows no token at all now (bitmask [B, words] or [B, T, words]:
+    position 0 is the current state)."""
+    now = bitmask if bitmask.dim() == 2 else bitmask[:, 0]
+    return [b for b, m in enumerate(matchers)
+            if m is not None and (m.is_error() or not bool(now[b].any()))]
+
+
+class DraftMasks:
+    """Masks a draft model's logits with each row's grammar state as it drafts: the draft
+    model's q is the constrained one, as the accept test requires (rejection.py), and it
+    drafts no token the grammar refuses. ``rewind`` undoes the drafts' advance."""
+
+    def __init__(self, grammars: Grammars, matchers: list) -> None:
+        self.grammars, self.matchers = grammars, matchers
+        self.rows = [b for b, m in enumerate(matchers) if m is not None]
+        self.fed = [0] * len(matchers)
+        self.off = [False] * len(matchers)  # drafted past its grammar: unmasked from here
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [B, 1, V] at the rows' current draft positions -> masked in place"""
+        live = [m if not off else None for m, off in zip(self.matchers, self.off)]
+        if all(m is None for m in live):
+            return logits
+        bitmask = self.grammars.mask_now(live)[:, None]  # [B, 1, words]
+        for b in dead_ends(live, bitmask):  # nothing allowed: leave unmasked
+            bitmask[b] = -1
+        return self.grammars.apply(logits, bitmask)
+
+    def advance(self, tokens: list[int]) -> None:
+        for b in self.rows:
+            m = self.matchers[b]
+            # a refused token would leave the matcher in an error state for good: test first
+            if self.off[b] or m.is_stopped() or m.validate_tokens([tokens[b]]) != 1:
+                self.off[b] = True  # the engine cuts the draft there (``cut``)
+            else:
+                m.consume_token(tokens[b])
+                self.fed[b] += 1
+
+    def rewind(self) -> None:
+        for b in self.rows:
+            if self.fed[b]:
+                self.matchers[b].rollback(self.fed[b])
+            self.fed[b] = 0
+
+
+@dataclass
+class ForcedDrafts:
+    """The grammar as a drafter: the string it forces, tokenized as the model writes it,
+    then ``follow``'s continuation of it (a drafter that reads only the tokens: the pair's
+    prompt lookup or suffix drafter, else prompt lookup), g tokens at most. Free to
+    propose; judged by the target like any draft.
+
+    The library's forced tokens (``compute_ff_tokens``) stop where the tokenization of the
+    forced bytes is ambiguous (``{"name":`` of ``{"name": "``: the quote could merge with
+    the value's first letters); the rest of the forced bytes, tokenized alone, is usually
+    what the model writes too (`` "``), and the target judges it anyway."""
+
+    grammars: Grammars
+    follow: Drafter = field(default_factory=PromptLookup)
+    name = "grammar"
+
+    @classmethod
+    def for_drafter(cls, drafter: Drafter, grammars: Grammars) -> ForcedDrafts:
+        return cls(grammars, drafter if drafter.free or drafter.scored else PromptLookup())
+
+    def forced(self, matcher) -> list[int]:
+        """The tokens of the string the grammar forces now (at most MAX_FORCED)."""
+        lltok = self.grammars.library_tokenizer()
+        tokens = matcher.compute_ff_tokens()
+        done, forced = lltok.decode_bytes(tokens), matcher.compute_ff_bytes()
+        if len(forced) > len(done) and forced.startswith(done):
+            more = lltok.tokenize_bytes(forced[len(done):])
+            tokens += more[: matcher.validate_tokens(tokens + more) - len(tokens)]
+        return tokens[:MAX_FORCED]
+
+    def merge(self, prop: Proposal, matchers: list, tokens: list[list[int]], g: int,
+              max_g: int) -> tuple[Proposal, list[int]]:
+        """The proposal with each shaped row's forced tokens first, then the follower's
+        continuation (g tokens at most); rows where nothing is forced keep their own.
+        -> (proposal, forced tokens per row)"""
+        t0 = time.perf_counter()
+        forced = [[] if m is None else self.forced(m) for m in matchers]
+        self.grammars.mask_seconds += time.perf_counter() - t0
+        if not any(forced):
+            return prop, [0] * len(matchers)
+        rows = []
+        for b, f in enumerate(forced):
+            n = int(prop.num_draft[b])
+            if not f:
+                rows.append(prop.token_ids[b, :n].tolist())
+                continue
+            more = min(g, max_g)
+            if more:
+                ext = DraftInputs([tokens[b] + f], *(torch.zeros(1),) * 4, greedy=True)
+                nxt = self.follow.propose(ext, more)
+                f = f + nxt.token_ids[0, : int(nxt.num_draft[0])].tolist()
+            rows.append(f)
+        width = max(len(r) for r in rows)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        probs = None
+        if prop.probs is not None:  # a draft model's rows keep q; forced rows: point masses
+            B, G, V = prop.probs.shape
+            probs = prop.probs.new_zeros(B, width, V)
+            probs[:, : min(G, width)] = prop.probs[:, :width]
+            for b, f in enumerate(forced):
+                if f:
+                    probs[b] = 0
+                    probs[b].scatter_(-1, ids[b, :, None].to(probs.device), 1.0)
+        num = torch.tensor([len(r) for r in rows], dtype=torch.long)
+        # a forced row's confidences are not the scoring drafter's: none is given
+        return Proposal(ids, num, probs, None), [len(f) for f in forced]
