@@ -55,18 +55,17 @@ from specq.bench.runner import (
     NONE,
     Run,
     Target,
+    load_bench_pair,
     run_assisted,
     run_hf,
     run_specq,
 )
 from specq.bench.workloads import WORKLOADS, workload_names
-from specq.configs.presets import get_preset
-from specq.configs.settings import Settings
 from specq.schema.generation import Request
 from specq.worker.engine.drafters import Drafter, DraftModel, PromptLookup
 from specq.worker.engine.speculative import encode_prompt
 from specq.worker.engine.suffix import SuffixDrafter
-from specq.worker.pairs import Pair, load_pair
+from specq.worker.pairs import Pair
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +85,7 @@ def add_model_arguments(p: argparse.ArgumentParser) -> None:
 def load_model(args: argparse.Namespace) -> Pair:
     """torch's threads set and the pair loaded, as add_model_arguments' flags say."""
     logging.basicConfig(level=logging.WARNING)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    settings = Settings(device=args.device, dtype=args.dtype)
-    return load_pair(get_preset(args.pair, settings.presets_file), settings)
+    return load_bench_pair(args)
 
 
 def _ints(text: str) -> list[int]:
@@ -215,12 +211,7 @@ def environment(pair: Pair) -> dict:
 def bench(args: argparse.Namespace, workload: str | None = None) -> dict:
     """Run every configuration on the prompts (those of ``workload`` when given); returns
     the report (also written as JSON and PNG)."""
-    overrides = {k: v for k in ("device", "dtype", "data_dir")
-                 if (v := getattr(args, k, None)) is not None}
-    settings = Settings(**overrides)
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-    pair = load_pair(get_preset(args.pair, settings.presets_file), settings)
+    pair = load_bench_pair(args)
     engine = pair.engine()  # for its EOS ids and pad id, the same the runs use
     new = args.max_new_tokens
     target = Target(pair.target, pair.tokenizer, engine.eos_ids, engine.pad_id)

@@ -34,13 +34,11 @@ import jsonschema
 import torch
 
 from specq.bench.report import write_json
-from specq.configs.presets import get_preset
-from specq.configs.settings import Settings
+from specq.bench.runner import load_bench_pair
 from specq.schema.generation import Message, Request
 from specq.worker.engine.drafters import Drafter, NoDraft, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.engine.suffix import SuffixDrafter
-from specq.worker.pairs import load_pair
 
 log = logging.getLogger(__name__)
 NAME = "json-schema"
@@ -186,12 +184,7 @@ def run_config(pair, cfg: Config, convs, batch: int, max_new: int) -> dict:
 
 
 def bench(args: argparse.Namespace) -> dict:
-    overrides = {k: v for k in ("device", "dtype", "data_dir")
-                 if (v := getattr(args, k, None)) is not None}
-    settings = Settings(**overrides)
-    if getattr(args, "threads", None):
-        torch.set_num_threads(args.threads)
-    pair = load_pair(get_preset(args.pair, settings.presets_file), settings)
+    pair = load_bench_pair(args)
     convs = prompts()
     convs = [convs[i % len(convs)] for i in range(args.prompts or len(convs))]
     drafters = [d for d in args.grammar_drafters.split(",") if d]

@@ -38,9 +38,13 @@ def _cell(row: dict, key: str, fmt: str) -> str:
 
 def table(rows: list[dict]) -> str:
     """Plain fixed-width text, one line per run."""
-    cells = [[h for h, _, _ in COLUMNS]] + [[_cell(r, k, f) for _, k, f in COLUMNS]
-                                             for r in rows]
-    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    return aligned([[h for h, _, _ in COLUMNS]] + [[_cell(r, k, f) for _, k, f in COLUMNS]
+                                                  for r in rows])
+
+
+def aligned(cells: list[list[str]]) -> str:
+    """A header line, a rule and the rows, each column right-aligned to its widest cell."""
+    widths = [max(len(c[i]) for c in cells) for i in range(len(cells[0]))]
     lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells]
     lines.insert(1, "-" * len(lines[0]))
     return "\n".join(lines)
@@ -73,10 +77,7 @@ def profile_table(rows: list[dict]) -> str:
                       _cell(r, "batch_size", "{}"), _cell(r, "g", "{}"),
                       *(f"{100 * shares[p]:.1f}" for p in phases),
                       f"{100 * r['profile_coverage']:.1f}"])
-    widths = [max(len(c[i]) for c in cells) for i in range(len(head))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return aligned(cells)
 
 
 PROFILE_LEGEND = (
@@ -110,10 +111,7 @@ def workload_table(reports: dict[str, dict]) -> str:
         for r in report["runs"]:
             if r["method"] in (NONE, FIXED, ADAPTIVE):
                 cells.append([name] + [_cell(r, k, f) for _, k, f in WORKLOAD_COLUMNS])
-    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in cells]
-    lines.insert(1, "-" * len(lines[0]))
-    return "\n".join(lines)
+    return aligned(cells)
 
 
 def write_json(path: Path, report: dict) -> None:

@@ -7,6 +7,7 @@ engine made (g, proposals, acceptances, draft and verify time), seen through its
 
 from __future__ import annotations
 
+import argparse
 import logging
 import time
 from collections.abc import Callable
@@ -16,11 +17,14 @@ from typing import cast
 import torch
 from transformers import GenerationMixin, PreTrainedModel, PreTrainedTokenizerBase
 
+from specq.configs.presets import get_preset
+from specq.configs.settings import Settings
 from specq.schema.generation import Request
 from specq.worker.engine.batch import left_pad
 from specq.worker.engine.drafters import Drafter, NoDraft
 from specq.worker.engine.result import Result
 from specq.worker.engine.speculative import SpeculativeEngine, Step
+from specq.worker.pairs import Pair, load_pair
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +61,17 @@ class Target:
     tokenizer: PreTrainedTokenizerBase
     eos_ids: set[int]
     pad_id: int
+
+
+def load_bench_pair(args: argparse.Namespace) -> Pair:
+    """The pair a bench runs, on the device, dtype and data directory its flags name (the
+    settings' where they name none), with torch's threads set as --threads says."""
+    overrides = {k: v for k in ("device", "dtype", "data_dir")
+                 if (v := getattr(args, k, None)) is not None}
+    if getattr(args, "threads", None):
+        torch.set_num_threads(args.threads)
+    settings = Settings(**overrides)
+    return load_pair(get_preset(args.pair, settings.presets_file), settings)
 
 
 def _sync(device: torch.device) -> None:
