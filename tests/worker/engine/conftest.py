@@ -10,6 +10,17 @@ from specq.schema.generation import Request
 NEAR_TIE = 1e-5  # relative gap between the two best logits that float noise may flip
 
 
+def tie_gap(target, prompt: list[int], want: list[int], got: list[int]) -> tuple[int, float]:
+    """Where ``got`` first leaves ``want`` (the reference's tokens after ``prompt``), and the
+    target's relative logit gap there between the two tokens: under NEAR_TIE it is a float
+    near-tie that either side may take."""
+    i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
+    with torch.inference_mode():
+        logits = target(torch.tensor([prompt + want[:i]])).logits[0, -1]
+    a, b = logits[want[i]], logits[got[i]]
+    return i, float((a - b).abs() / a.abs().clamp_min(1e-6))
+
+
 def mixed_requests(n: int, seed: int = 0, max_new: int = 48, **params) -> list[Request]:
     """n requests with prompts of 2..40 random tokens and max_new_tokens of 1..max_new."""
     gen = torch.Generator().manual_seed(seed)
@@ -61,12 +72,7 @@ def check_greedy(tiny_models, greedy_reference):
             want = greedy_reference(req)
             if res.token_ids == want:
                 continue
-            i = next(j for j, (a, b) in enumerate(zip(res.token_ids, want)) if a != b)
-            prefix = torch.tensor([req.prompt_token_ids + want[:i]])
-            with torch.no_grad():
-                logits = target(prefix).logits[0, -1]
-            a, b = logits[want[i]], logits[res.token_ids[i]]
-            gap = float((a - b).abs() / a.abs().clamp_min(1e-6))
+            i, gap = tie_gap(target, req.prompt_token_ids, want, res.token_ids)
             assert gap < NEAR_TIE, (
                 f"request {req.id}: token {i} is {res.token_ids[i]}, target-only greedy "
                 f"gives {want[i]}; relative logit gap {gap:.2e} is no near-tie"

@@ -32,7 +32,7 @@ from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine, encode_prompt
 from specq.worker.engine.suffix import SuffixDrafter
 
-from .conftest import NEAR_TIE
+from .conftest import NEAR_TIE, tie_gap
 
 settings.register_profile("ci", max_examples=300, derandomize=True, deadline=None,
                           suppress_health_check=list(HealthCheck), print_blob=True)
@@ -159,11 +159,7 @@ def _drafter(kind: str, models, share: bool):
 
 def _near_tie(target, prompt: list[int], want: list[int], got: list[int]) -> bool:
     """Does the first difference sit on a float near-tie of the target's two best logits?"""
-    i = next(j for j, (a, b) in enumerate(zip(got, want)) if a != b)
-    with torch.inference_mode():
-        logits = target(torch.tensor([prompt + want[:i]])).logits[0, -1]
-    a, b = logits[want[i]], logits[got[i]]
-    return float((a - b).abs() / a.abs().clamp_min(1e-6)) < NEAR_TIE
+    return tie_gap(target, prompt, want, got)[1] < NEAR_TIE
 
 
 @pytest.fixture(scope="module")

@@ -24,8 +24,9 @@ from specq.worker.engine.sampling import logits_to_probs
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.engine.suffix import SuffixDrafter
 
+from .conftest import NEAR_TIE, tie_gap
+
 log = logging.getLogger(__name__)
-NEAR_TIE = 1e-5
 PERSON = {"type": "object", "additionalProperties": False,
           "required": ["name", "age", "kind"],
           "properties": {"name": {"type": "string", "maxLength": 6},
@@ -115,11 +116,7 @@ def check_shaped(tiny_models, lltok, reference):
             assert res.error is None, res.error
             want = reference(req)
             if res.token_ids != want:
-                i = next(j for j, (a, b) in enumerate(zip(res.token_ids, want)) if a != b)
-                with torch.no_grad():
-                    logits = target(torch.tensor([req.prompt_token_ids + want[:i]])).logits[0, -1]
-                a, b = logits[want[i]], logits[res.token_ids[i]]
-                gap = float((a - b).abs() / a.abs().clamp_min(1e-6))
+                i, gap = tie_gap(target, req.prompt_token_ids, want, res.token_ids)
                 assert gap < NEAR_TIE, (f"request {req.id}: token {i} is {res.token_ids[i]}, "
                                         f"the reference gives {want[i]} (gap {gap:.2e})")
                 ties += 1
