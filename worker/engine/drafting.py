@@ -66,6 +66,8 @@ class Drafting:
         """This step's g, the proposal the target judges (cut to g, the grammar's forced
         tokens first in shaped rows), and the forced tokens in it per row."""
         g, full = self.propose(inputs, rows)
+        if inputs.grammar is not None:  # a draft model advanced the matchers as it drafted:
+            inputs.grammar.rewind()  # what is forced is read at the rows' own states
         prop, matchers = full.cut(g), [r.matcher for r in rows]
         if self.grammar is None or all(m is None for m in matchers):
             return g, prop, [0] * len(rows)
