@@ -62,15 +62,17 @@ class Drafting:
         self.drafter, self.policy = drafter, policy
         self.grammar: ForcedDrafts | None = None  # the grammar drafter, when it is on
 
-    def draft(self, inputs: DraftInputs, rows: list[Row]) -> tuple[int, Proposal, list[int]]:
-        """This step's g, the proposal the target judges (cut to g, the grammar's forced
-        tokens first in shaped rows), and the forced tokens in it per row."""
+    def draft(self, inputs: DraftInputs, rows: list[Row]
+              ) -> tuple[int, Proposal, list[list[int]]]:
+        """This step's g, the proposal the target judges (cut to g; in shaped rows the
+        grammar's forced tokens and the drafter's in turn: grammar.ForcedDrafts.chain), and
+        the positions of the forced tokens in it per row."""
         g, full = self.propose(inputs, rows)
         if inputs.grammar is not None:  # a draft model advanced the matchers as it drafted:
             inputs.grammar.rewind()  # what is forced is read at the rows' own states
         prop, matchers = full.cut(g), [r.matcher for r in rows]
         if self.grammar is None or all(m is None for m in matchers):
-            return g, prop, [0] * len(rows)
+            return g, prop, [[] for _ in rows]
         prop, forced = self.grammar.merge(prop, matchers, inputs.tokens, g, self.policy.max_g)
         return g, prop, forced
 
@@ -125,12 +127,16 @@ class Scored(Drafting):
 
 
 def own(step: Step) -> tuple[list[int], list[int]]:
-    """Per row, the drafter's own tokens proposed and accepted in a step: the grammar's
-    forced tokens came first and are not the drafter's; a row whose forced tokens were not
-    all accepted had its drafter's judged not at all."""
-    forced = step.forced or [0] * len(step.num_draft)
-    num = [n - f if k >= f else 0 for n, k, f in zip(step.num_draft, step.accepted, forced)]
-    acc = [k - f if k >= f else 0 for k, f in zip(step.accepted, forced)]
+    """Per row, the drafter's own tokens judged and accepted in a step, the grammar's forced
+    ones left out: of the positions the target judged (up to its first rejection), those
+    not forced, and of them the accepted. A rejection counts against the drafter only where
+    it rejected one of its tokens."""
+    forced = step.forced or [[] for _ in step.num_draft]
+    num, acc = [], []
+    for n, k, at in zip(step.num_draft, step.accepted, forced):
+        judged = min(k + 1, n)
+        num.append(judged - sum(1 for p in at if p < judged))
+        acc.append(k - sum(1 for p in at if p < k))
     return num, acc
 
 
@@ -143,14 +149,15 @@ def verdicts(full: Proposal, step: Step) -> list[tuple[list[float], int]]:
     the target's own draw. Rows the grammar drafted are not the scorer's: no verdict.
     """
     first = full.token_ids[:, :1].tolist()
-    forced = step.forced or [0] * len(step.num_draft)
+    forced = step.forced or [[] for _ in step.num_draft]
     judged = []
-    for conf, k, toks, d, n, f in zip(full.confidences, step.accepted, step.tokens, first,
-                                      step.num_draft, forced):
-        if f:
+    for conf, k, toks, d, n, at in zip(full.confidences, step.accepted, step.tokens, first,
+                                       step.num_draft, forced):
+        if at and at[0] == 0:
             continue
+        lead = at[0] if at else n  # the scorer's own tokens lead the row's proposal
         if conf and step.g:
-            judged.append((conf[:n], k))
+            judged.append((conf[:lead], min(k, lead)))
         elif conf:
             judged.append((conf[:1], int(d[0] == toks[0])))
     return judged

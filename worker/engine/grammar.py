@@ -239,41 +239,83 @@ class ForcedDrafts:
             tokens += more[: matcher.validate_tokens(tokens + more) - len(tokens)]
         return tokens[:MAX_FORCED]
 
+    def chain(self, matcher, context: list[int], own: list[int], budget: int
+              ) -> tuple[list[int], list[int]]:
+        """One row's proposal: what the grammar forces now, else the drafter's own tokens;
+        then, in turn, what the grammar forces after them and the follower's continuation
+        (``budget`` follower tokens in all, own ones included), till neither adds a token.
+        A value copied from the prompt (``"Ada Lovelace",``) is followed by the next key,
+        quoted and with its colon, in the same proposal. The matcher goes through the
+        tokens to read what is forced after them, and is rolled back.
+        -> (tokens, positions of the forced ones)"""
+        cap = budget + MAX_FORCED
+        seq = self.forced(matcher)
+        at = list(range(len(seq)))
+        if not seq:
+            seq, budget = list(own), budget - len(own)
+        fed = 0
+        try:
+            while seq and len(seq) < cap and not matcher.is_stopped():
+                ok = matcher.validate_tokens(seq[fed:])
+                matcher.consume_tokens(seq[fed: fed + ok])
+                fed += ok
+                if fed < len(seq):  # the grammar refuses a token: the proposal ends there
+                    seq = seq[:fed]
+                    break
+                more = self.forced(matcher)[: cap - len(seq)]
+                if more:
+                    at += range(len(seq), len(seq) + len(more))
+                    seq += more
+                    continue
+                if budget <= 0 or not at or at[-1] != len(seq) - 1:
+                    break  # the follower continues what the grammar forced, nothing else
+                ext = DraftInputs([context + seq], *(torch.zeros(1),) * 4, greedy=True)
+                nxt = self.follow.propose(ext, min(budget, cap - len(seq)))
+                follow = nxt.token_ids[0, : int(nxt.num_draft[0])].tolist()
+                if not follow:
+                    break
+                seq += follow
+                budget -= len(follow)
+        finally:
+            if fed:
+                matcher.rollback(fed)
+        return seq, [p for p in at if p < len(seq)]
+
     def merge(self, prop: Proposal, matchers: list, tokens: list[list[int]], g: int,
-              max_g: int) -> tuple[Proposal, list[int]]:
-        """The proposal with each shaped row's forced tokens first, then the follower's
-        continuation (g tokens at most); rows where nothing is forced keep their own.
-        -> (proposal, forced tokens per row)"""
+              max_g: int) -> tuple[Proposal, list[list[int]]]:
+        """The proposal with each shaped row's chain (``chain``: forced tokens and the
+        follower's, in turn); unshaped rows keep their own. A draft model's tokens keep
+        their q where they lead a row's chain; every other token is a point mass (what the
+        grammar forces, or the follower proposes, is fixed by the tokens before it).
+        -> (proposal, positions of the forced tokens per row)"""
         t0 = time.perf_counter()
-        forced = [[] if m is None else self.forced(m) for m in matchers]
-        self.grammars.mask_seconds += time.perf_counter() - t0
-        if not any(forced):
-            return prop, [0] * len(matchers)
-        rows = []
-        for b, f in enumerate(forced):
-            n = int(prop.num_draft[b])
-            if not f:
-                rows.append(prop.token_ids[b, :n].tolist())
+        rows, forced, lead = [], [], []
+        for b, m in enumerate(matchers):
+            own = prop.token_ids[b, : int(prop.num_draft[b])].tolist()
+            if m is None:
+                rows.append(own)
+                forced.append([])
+                lead.append(len(own))
                 continue
-            more = min(g, max_g)
-            if more:
-                ext = DraftInputs([tokens[b] + f], *(torch.zeros(1),) * 4, greedy=True)
-                nxt = self.follow.propose(ext, more)
-                f = f + nxt.token_ids[0, : int(nxt.num_draft[0])].tolist()
-            rows.append(f)
+            seq, at = self.chain(m, tokens[b], own, min(g, max_g))
+            rows.append(seq)
+            forced.append(at)
+            lead.append(0 if at and at[0] == 0 else min(len(own), len(seq)))
+        self.grammars.mask_seconds += time.perf_counter() - t0
+        if all(r == prop.token_ids[b, : int(prop.num_draft[b])].tolist() and not forced[b]
+               for b, r in enumerate(rows)):
+            return prop, forced
         width = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         for b, r in enumerate(rows):
             ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
         probs = None
-        if prop.probs is not None:  # a draft model's rows keep q; forced rows: point masses
+        if prop.probs is not None:  # a draft model's tokens keep q; the rest: point masses
             B, G, V = prop.probs.shape
             probs = prop.probs.new_zeros(B, width, V)
-            probs[:, : min(G, width)] = prop.probs[:, :width]
-            for b, f in enumerate(forced):
-                if f:
-                    probs[b] = 0
-                    probs[b].scatter_(-1, ids[b, :, None].to(probs.device), 1.0)
+            probs.scatter_(-1, ids[:, :, None].to(probs.device), 1.0)
+            for b, k in enumerate(lead):
+                probs[b, :k] = prop.probs[b, :k]
         num = torch.tensor([len(r) for r in rows], dtype=torch.long)
-        # a forced row's confidences are not the scoring drafter's: none is given
-        return Proposal(ids, num, probs, None), [len(f) for f in forced]
+        # the chained tokens' confidences are not the scoring drafter's: none is given
+        return Proposal(ids, num, probs, None), forced

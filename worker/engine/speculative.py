@@ -84,8 +84,8 @@ class Step:
     # per row with a scored proposal: the confidences of the draft tokens the target
     # judged and how many it accepted (drafting.Scored; policy.Calibration.add)
     judged: list[tuple[list[float], int]] = field(default_factory=list)
-    # per row: of num_draft, the grammar's forced tokens, proposed first (grammar.py)
-    forced: list[int] = field(default_factory=list)
+    # per row: the positions of the grammar's forced tokens in its proposal (grammar.py)
+    forced: list[list[int]] = field(default_factory=list)
     t_mask: float = 0.0  # seconds computing grammar masks (cuts and advances included)
 
 
@@ -388,15 +388,16 @@ class SpeculativeEngine:
                     clock.elapsed(), forced=forced,
                     t_mask=self.grammars.mask_seconds - mask_before)
 
-    def _cut(self, prop: Proposal, forced: list[int], matchers: list) -> list[int]:
+    def _cut(self, prop: Proposal, forced: list[list[int]], matchers: list
+             ) -> list[list[int]]:
         """Cut each row's draft at the first token its grammar refuses (prop.num_draft, in
-        place); returns the forced tokens per row that are left."""
+        place); returns the positions of the forced tokens per row that are left."""
         t0 = time.perf_counter()
         drafts = [d[:k] for d, k in zip(prop.token_ids.tolist(), prop.num_draft.tolist())]
         kept = cut(matchers, drafts)
         prop.num_draft = torch.minimum(prop.num_draft, torch.tensor(kept, dtype=torch.long))
         self.grammars.mask_seconds += time.perf_counter() - t0
-        return [min(f, k) for f, k in zip(forced, kept)]
+        return [[p for p in at if p < k] for at, k in zip(forced, kept)]
 
     def _shape(self, logits: torch.Tensor, matchers: list, drafts: list[list[int]],
                width: int, rows: list[Row]) -> list[int]:
@@ -466,7 +467,7 @@ class SpeculativeEngine:
         (its policy learns from the step: drafting.py), and ``on_step``."""
         B = len(self.rows)
         emitted = []
-        forced = step.forced or [0] * B
+        forced = step.forced or [[] for _ in range(B)]
         shaped = sum(r.matcher is not None for r in self.rows)
         for row, toks, n_draft, k, f in zip(self.rows, step.tokens, step.num_draft,
                                             step.accepted, forced):
@@ -477,8 +478,8 @@ class SpeculativeEngine:
             c.target_passes += 1
             c.draft_time += step.t_draft / B
             c.verify_time += (step.t_step - step.t_draft) / B
-            c.forced_proposed += f
-            c.forced_accepted += min(f, k, kept)  # forced tokens come first in a proposal
+            c.forced_proposed += len(f)
+            c.forced_accepted += sum(1 for p in f if p < min(k, kept))
             if row.matcher is not None:
                 c.mask_time += step.t_mask / shaped
         self.drafting.observe(step, self.rows, emitted)
