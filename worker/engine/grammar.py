@@ -289,7 +289,9 @@ class ForcedDrafts:
         grammar forces, or the follower proposes, is fixed by the tokens before it).
         -> (proposal, positions of the forced tokens per row)"""
         t0 = time.perf_counter()
-        rows, forced, lead = [], [], []
+        rows: list[list[int]] = []
+        forced: list[list[int]] = []
+        lead: list[int] = []
         for b, m in enumerate(matchers):
             own = prop.token_ids[b, : int(prop.num_draft[b])].tolist()
             if m is None:
