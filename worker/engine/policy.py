@@ -35,6 +35,7 @@ STALL_CLIP = 3.0  # a sample counts at most this many times a trusted mean: a st
 # process, a page fault) must not switch speculation off for good
 PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 2.0  # a weak prior, soon outweighed: one unlucky first step
 # must not switch speculation off, and where even alpha 1/2 cannot pay, nothing is drafted
+# (a drafter scored while g = 0 starts from alpha 0 instead: Shadowed)
 PROBE_BUDGET = 0.02  # while g = 0 wins, probes at g = default (the only way to see acceptance
 # again) may cost this share of the decoding time...
 PROBE_GAP = 32  # ...and come at least this many steps apart, however cheap: a draft that
@@ -171,13 +172,13 @@ class Acceptance:
     """alpha, the per-token acceptance probability, as accepted / (accepted + rejections)
     (a rejection: a row that did not accept all it proposed), and f, the share of rows
     that propose at all (prompt lookup finds nothing to copy in some); both decayed, and
-    starting from the prior."""
+    starting from the prior (alpha ``prior``, PRIOR_TRIALS trials)."""
 
-    def __init__(self) -> None:
+    def __init__(self, prior: float = PRIOR_ALPHA) -> None:
         self._accepted = _Decayed(ACCEPTANCE_DECAY)
         self._trials = _Decayed(ACCEPTANCE_DECAY)
         self._proposing = _Decayed(ACCEPTANCE_DECAY)
-        self._accepted.add(PRIOR_ALPHA * PRIOR_TRIALS)
+        self._accepted.add(prior * PRIOR_TRIALS)
         self._trials.add(PRIOR_TRIALS)
         self._proposing.add(1.0)
 
@@ -251,6 +252,7 @@ class DraftLengthPolicy:
     """
 
     adapts = True  # g follows the estimates (calibration measures costs only for these)
+    prior_alpha = PRIOR_ALPHA  # the acceptance a generation starts from
 
     def __init__(self, default: int = 4, max_g: int = 8) -> None:
         self.default = default
@@ -261,7 +263,7 @@ class DraftLengthPolicy:
 
     def forget_data(self) -> None:
         """Drop acceptance, steps and history (they describe the data seen); keep costs."""
-        self.acceptance = Acceptance()
+        self.acceptance = Acceptance(self.prior_alpha)
         self.calibration = Calibration()
         self.steps = 0
         self.history: deque[int] = deque(maxlen=HISTORY)  # g of each step
@@ -404,7 +406,13 @@ class DraftLengthPolicy:
 
 class Shadowed(DraftLengthPolicy):
     """A free drafter's proposals are scored while g = 0 (shadow.py): acceptance is seen
-    without drafting, so no probe is needed."""
+    without drafting, so no probe is needed, and no hope either: a generation starts from
+    acceptance 0 and drafts once the scored proposals show it pays. (From the plain
+    regime's prior of 1/2 it drafted its first steps at g = 3-4 whatever the data: on
+    SmolLM2 at batch 4, where a wide pass costs 1.7-2x a plain one, that was 7 % of a
+    synthesis run whose drafts then never paid.)"""
+
+    prior_alpha = 0.0
 
     def _probe_due(self) -> bool:
         return False

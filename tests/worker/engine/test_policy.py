@@ -13,6 +13,7 @@ from specq.worker.engine.policy import (
     Calibration,
     DraftLengthPolicy,
     Pinned,
+    Shadowed,
     Widths,
     expected_tokens,
     measured_speedup,
@@ -178,6 +179,20 @@ def test_no_warm_up_nor_early_probe_where_drafting_cannot_pay():
     assert not any(history), history
 
 
+def test_a_scored_free_drafter_drafts_only_once_its_proposals_show_it_pays():
+    """Shadowed (prompt lookup): acceptance is seen at g = 0 for free, so a generation
+    starts plain, not on the prior's hope, and drafts once scored proposals say it pays;
+    proposals the target would reject keep it plain."""
+    for hits, drafts in ((4, True), (0, False)):
+        policy = Shadowed(default=4)
+        _costs(policy, 4, t1=0.10, wide=0.17, t_draft=0.0)  # a wide pass 1.7x a plain one
+        assert policy.choose(batch=4) == 0
+        for _ in range(3):  # three plain steps, each row's proposal scored
+            policy.observe(0, [0] * 4, [0] * 4, 0.0, 0.10, 1)
+            policy.observe_acceptance([4] * 4, [hits] * 4)
+        assert (policy.choose(batch=4) > 0) is drafts, policy.snapshot()
+
+
 def test_forget_data_keeps_costs_and_drops_acceptance():
     policy = DraftLengthPolicy(default=4)
     _feed(policy, 4, alpha_hits=0, t_draft=0.01, t_verify_by_n=lambda n: 0.1 + 0.01 * n)
@@ -197,7 +212,10 @@ def test_calibration_measures_costs_and_leaves_the_engine_exact(
     assert set(snap["t_verify"]) == {1, 8} and set(snap["t_draft"]) == {1, 8}
     assert all(set(widths) == {1, 2, 5} for widths in snap["t_verify"].values())
     assert all(t > 0 for t in snap["t_draft"].values())
-    assert snap["steps"] == 0 and engine.policy.alpha == pytest.approx(0.5)
+    # the data the calibration showed is forgotten: the acceptance is the regime's prior
+    # (a free drafter, scored while g = 0, starts from none at all: policy.Shadowed)
+    assert snap["steps"] == 0
+    assert engine.policy.alpha == pytest.approx(0.5 if kind == "draft model" else 0.0)
     # the drafter holds no calibration row: generation after it is exact
     requests = make_requests(12, seed=3, max_new=24)
     check_greedy(requests, engine.generate(requests))
