@@ -275,6 +275,7 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
                        code="endpoint_mismatch")
     preset = resolve(scan.model or "", request.app.state.presets)
     _check_quota(client, who, scan.lines)
+    now = utcnow()  # one instant for both: expires_at - created_at is the window exactly
     try:
         with client.sessions.begin() as s:
             batch = store.add_batch(
@@ -283,7 +284,7 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
                 endpoint=body.endpoint, model=scan.model,
                 completion_window=body.completion_window,
                 metadata_=body.metadata, idempotency_key=idempotency_key, request_hash=digest,
-                expires_at=utcnow() + timedelta(seconds=seconds))
+                created_at=now, expires_at=now + timedelta(seconds=seconds))
     except IntegrityError:  # the same key, at the same moment, from another request
         seen = _replay(client, who, idempotency_key or "", digest)
         if seen is None:
