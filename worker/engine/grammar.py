@@ -289,11 +289,11 @@ class ForcedDrafts:
         grammar forces, or the follower proposes, is fixed by the tokens before it).
         -> (proposal, positions of the forced tokens per row)"""
         t0 = time.perf_counter()
+        owns = [d[:n] for d, n in zip(prop.token_ids.tolist(), prop.num_draft.tolist())]
         rows: list[list[int]] = []
         forced: list[list[int]] = []
         lead: list[int] = []
-        for b, m in enumerate(matchers):
-            own = prop.token_ids[b, : int(prop.num_draft[b])].tolist()
+        for b, (m, own) in enumerate(zip(matchers, owns)):
             if m is None:
                 rows.append(own)
                 forced.append([])
@@ -304,8 +304,7 @@ class ForcedDrafts:
             forced.append(at)
             lead.append(0 if at and at[0] == 0 else min(len(own), len(seq)))
         self.grammars.mask_seconds += time.perf_counter() - t0
-        if all(r == prop.token_ids[b, : int(prop.num_draft[b])].tolist() and not forced[b]
-               for b, r in enumerate(rows)):
+        if rows == owns and not any(forced):
             return prop, forced
         width = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
