@@ -267,6 +267,7 @@ def bench(args: argparse.Namespace, workload: str | None = None) -> dict:
     for (run, hf, none), key in zip(runs, tried):
         row = figures(run, hf, none)
         row["seconds_of_repeats"] = [r.seconds for r in tried[key]]
+        row["speedup_vs_none_by_round"] = by_round(tried[key], tried.get((NONE, key[1])))
         row["reference"] = run is reference
         row["greedy"] = None if run is reference else compare(reference.outputs, run.outputs,
                                                               near_tie)
@@ -289,6 +290,18 @@ def bench(args: argparse.Namespace, workload: str | None = None) -> dict:
         "greedy_mismatched_runs": mismatched,
         "runs": rows,
     }
+
+
+def by_round(runs: list[Run], none: list[Run] | None) -> list[float] | None:
+    """Speedup over no speculation in each round of repeats: a run against the
+    no-speculation run of its own round. A round's configurations run one after another,
+    so a slow spell of the machine that spans the round falls on both sides of its ratio;
+    the spread of these ratios is what the median speedup can be trusted to. None without
+    no-speculation runs in the same rounds (hf-assisted runs have rounds of their own)."""
+    if not none or len(none) != len(runs) or runs[0].method == ASSISTED:
+        return None
+    return [(r.new_tokens / r.seconds) / (n.new_tokens / n.seconds)
+            for r, n in zip(runs, none)]
 
 
 def run(args: argparse.Namespace) -> int:

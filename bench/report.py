@@ -13,8 +13,8 @@ log = logging.getLogger(__name__)
 COLUMNS = [  # header, key, format
     ("draft", "draft", "{}"), ("method", "method", "{}"), ("B", "batch_size", "{}"),
     ("g", "g", "{}"), ("tok/s", "tokens_per_s", "{:.1f}"), ("xHF", "speedup_vs_hf", "{:.2f}"),
-    ("xnone", "speedup_vs_none", "{:.2f}"), ("xdec", "decode_speedup_vs_none", "{:.2f}"),
-    ("acc", "acceptance_rate", "{:.2f}"),
+    ("xnone", "speedup_vs_none", "{:.2f}"), ("rounds", "speedup_vs_none_by_round", "{}"),
+    ("xdec", "decode_speedup_vs_none", "{:.2f}"), ("acc", "acceptance_rate", "{:.2f}"),
     ("alpha", "alpha", "{:.2f}"), ("mal", "mean_acceptance_length", "{:.2f}"),
     ("E", "tokens_per_step", "{:.2f}"),
     ("c", "c", "{:.2f}"), ("thm3.8", "predicted_theorem", "{:.2f}"),
@@ -31,6 +31,8 @@ def _cell(row: dict, key: str, fmt: str) -> str:
         flag = "" if not v["mismatches"] else " MISMATCH"
         tie = f"~{v['near_ties']}" if v["near_ties"] else ""
         return f"{v['equal']}/{v['equal'] + v['near_ties'] + v['mismatches']}{tie}{flag}"
+    if key == "speedup_vs_none_by_round":  # the rounds' range: what the median is worth
+        return "-" if not v or row.get("reference") else f"{min(v):.2f}-{max(v):.2f}"
     if key == "g" and v is None and row["method"] == ADAPTIVE:
         return "auto"
     return "-" if v is None else fmt.format(v)
@@ -52,7 +54,9 @@ def aligned(cells: list[list[str]]) -> str:
 
 LEGEND = (
     "xHF: speedup over HF plain generate at the same batch size (hf-assisted: over batch 1); "
-    "xnone: over specq without speculation; acc: accepted/proposed; alpha: per-token "
+    "xnone: over specq without speculation (the median runs'); rounds: with --repeat, "
+    "the lowest and highest xnone of one round of runs; acc: accepted/proposed; alpha: "
+    "per-token "
     "acceptance probability; xdec: xnone in decoding time, the prompts' prefill (the same "
     "work in both) left out; mal: mean acceptance length (bonus included); c: draft step / "
     "plain decode step; E: tokens a row gains per target pass; thm3.8: Leviathan Thm 3.8 "
@@ -93,13 +97,16 @@ PROFILE_LEGEND = (
 WORKLOAD_COLUMNS = [  # header, key, format
     ("draft", "draft", "{}"), ("method", "method", "{}"), ("B", "batch_size", "{}"),
     ("g", "g", "{}"), ("tok/pass", "tokens_per_step", "{:.2f}"),
-    ("xnone", "speedup_vs_none", "{:.2f}"), ("xdec", "decode_speedup_vs_none", "{:.2f}"),
+    ("xnone", "speedup_vs_none", "{:.2f}"), ("rounds", "speedup_vs_none_by_round", "{}"),
+    ("xdec", "decode_speedup_vs_none", "{:.2f}"),
     ("xHF", "speedup_vs_hf", "{:.2f}"), ("acc", "acceptance_rate", "{:.2f}"),
     ("propose", "propose_share", "{:.3f}"), ("greedy", "greedy", "{}"),
 ]
 WORKLOAD_LEGEND = (
-    "tok/pass: tokens a row gains per target pass while decoding; propose: drafting time "
-    "over target-pass time in the steps that drafted."
+    "tok/pass: tokens a row gains per target pass while decoding; rounds: with --repeat, "
+    "the lowest and highest xnone of one round (a run against the no-speculation run of "
+    "its own round): the noise the median xnone carries; propose: drafting time over "
+    "target-pass time in the steps that drafted."
 )
 
 

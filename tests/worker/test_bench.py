@@ -70,6 +70,14 @@ def test_bench_runs_end_to_end(tmp_path, capsys, pair, drafts, repeat):
         assert r["seconds"] == sorted(r["seconds_of_repeats"])[repeat // 2]  # the median run
         assert r["new_tokens"] > 0 and r["tokens_per_s"] > 0
         assert r["speedup_vs_hf"] is not None and r["speedup_vs_none"] is not None
+        rounds = r["speedup_vs_none_by_round"]
+        if r["method"] == "hf-assisted":  # rounds of their own, no baseline in them
+            assert rounds is None
+        else:  # each round's run against that round's no-speculation run
+            none = next(n for n in runs if n["method"] == NONE
+                        and n["batch_size"] == r["batch_size"])
+            assert rounds == pytest.approx([n / s for s, n in zip(r["seconds_of_repeats"],
+                                                                  none["seconds_of_repeats"])])
         if not r["reference"]:  # greedy: every method gives the target's own tokens
             assert r["greedy"]["mismatches"] == 0, r
         if r["method"] == FIXED:
