@@ -2,9 +2,10 @@
 
 Hypothesis draws jobs as offline users send them: prompts built from a few shared
 templates (system prompts, synthesis templates) and lone prompts, plain and chat, with
-random max_new_tokens, stop strings, seeds and temperatures. It runs them through an engine
-with a random drafter (draft model, prompt lookup, suffix, none), batch size, refill group,
-draft length, prefix sharing on or off, and now and then an out-of-memory error mid-run
+random max_new_tokens, stop strings, seeds, temperatures and response formats (JSON
+schema, JSON object, regex, choice). It runs them through an engine with a random drafter
+(draft model, prompt lookup, suffix, none), grammar drafts on or off, batch size, refill
+group, draft length, prefix sharing on or off, and now and then an out-of-memory error mid-run
 (the worker's halving path, worker/attempts.py). Every output must equal the same request
 run alone through the target by itself: token for token when greedy (a float near-tie
 excepted, and counted), and when sampled with a seed (the draw is keyed by seed and
@@ -43,6 +44,15 @@ PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 WORDS = ("the", "data", "model", "answer", "json", "list", "rewrite", "formal", "summary",
          "of", "a", "user", "review", "ticket", "name", "city", "and", "short", "quiz", "key")
 DRAFTERS = ("none", "lookup", "suffix", "near", "noisy")
+ITEM = {"type": "object", "additionalProperties": False, "required": ["name", "n"],
+        "properties": {"name": {"type": "string", "maxLength": 5},
+                       "n": {"type": "integer", "minimum": 0, "maximum": 99}}}
+FORMATS = (  # a quarter of the requests, shaped rows beside free ones
+    {"type": "json_schema", "json_schema": {"name": "item", "schema": ITEM}},
+    {"type": "json_object"},
+    {"type": "regex", "regex": "(key|name)=[a-z]{1,4}; (key|name)=[0-9]{2};"},
+    {"type": "choice", "choice": ["the answer", "the data", "a summary"]},
+)
 
 words = st.lists(st.sampled_from(WORDS), min_size=1, max_size=6).map(" ".join)
 # a template of 3..12 words: on the byte-level tiny tokenizer, 16 or more shared tokens
@@ -57,6 +67,7 @@ class Case:
     admit_group: int
     share: bool
     adaptive: bool
+    grammar_drafts: bool
     draft_length: int
     oom_at: int | None  # raise out-of-memory at this step (None: never)
 
@@ -86,6 +97,8 @@ def cases(draw) -> Case:
                           top_k=draw(st.sampled_from([0, 5, 50])),
                           top_p=draw(st.sampled_from([1.0, 0.9])),
                           seed=draw(st.integers(0, 2**32)))
+        if draw(st.integers(0, 3)) == 0:
+            params["response_format"] = draw(st.sampled_from(FORMATS))
         requests.append(Request(id=i, **prompt, **params))
     batch = draw(st.integers(1, 16))
     return Case(
@@ -95,6 +108,7 @@ def cases(draw) -> Case:
         admit_group=draw(st.integers(1, batch)),
         share=draw(st.booleans()),
         adaptive=draw(st.booleans()),
+        grammar_drafts=draw(st.booleans()),
         draft_length=draw(st.integers(1, 6)),
         oom_at=draw(st.one_of(st.none(), st.integers(0, 12))),
     )
@@ -182,7 +196,8 @@ def test_every_mix_gives_what_each_request_gives_alone(case, tiny_models, tiny_t
     drafter = _drafter(case.drafter, tiny_models, case.share)
     engine = SpeculativeEngine(target, tiny_tokenizer, drafter, max_batch_size=case.batch,
                                draft_length=case.draft_length, adaptive=case.adaptive,
-                               share_prefixes=case.share, admit_group=case.admit_group)
+                               share_prefixes=case.share, admit_group=case.admit_group,
+                               grammar_drafts=case.grammar_drafts)
     steps = 0
 
     def on_step(_) -> None:

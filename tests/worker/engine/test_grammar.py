@@ -201,6 +201,47 @@ def test_forced_tokens_and_the_drafter_s_take_turns_in_one_proposal(
     assert chained, "no proposal had forced tokens after the drafter's"
 
 
+class _Failing(PromptLookup):
+    """A follower that raises once armed: every call comes from inside a chain, after the
+    row's matcher went through the forced tokens before it."""
+
+    armed = False
+
+    def propose(self, batch, g):
+        if self.armed:
+            raise RuntimeError("the follower failed (injected by the test)")
+        return super().propose(batch, g)
+
+
+def test_a_follower_that_raises_mid_chain_leaves_every_matcher_where_it_was(
+        tiny_models, tiny_tokenizer, check_shaped):
+    """The chain rolls its matcher back on the way out of an exception: each row's matcher
+    still allows exactly what a fresh one fed the row's tokens allows, the error reaches the
+    caller as it was, and the engine's next generation is the reference's."""
+    fmt = {"type": "regex", "regex": "n: [a-z]{3}; a: [0-9]{2}; z: [a-z]{3};"}
+    prompt = tiny_tokenizer.encode("n: abc; a: 12; z: xyz; n: abc; a: 12; ",
+                                   add_special_tokens=False)
+    requests = [Request(id=i, prompt_token_ids=prompt[i:], max_new_tokens=40,
+                        response_format=fmt) for i in range(4)]
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
+                               max_batch_size=4, draft_length=3, adaptive=False)
+    failing = _Failing()
+    engine.drafting.grammar.follow = failing
+    engine.on_step = lambda step: setattr(failing, "armed", True)  # after the first step
+    with pytest.raises(RuntimeError, match="injected by the test"):
+        engine.generate(requests)
+    shaped = [r for r in engine.rows if r.matcher is not None]
+    assert shaped and any(r.generated for r in shaped)
+    for row in shaped:
+        fresh = engine.grammars.matcher(row.request.response_format)
+        assert fresh.consume_tokens(row.generated)
+        assert torch.equal(engine.grammars.mask_now([row.matcher]),
+                           engine.grammars.mask_now([fresh])), row.request.id
+    failing.armed = False
+    engine.on_step = None
+    assert check_shaped(requests, engine.generate(requests)) == 0
+
+
 def test_a_row_whose_grammar_dies_fails_alone(tiny_models, tiny_tokenizer, check_shaped):
     """A matcher in an error state (the library's dead end) ends its row with an error
     naming response_format; its batch-mates finish as the reference says."""
