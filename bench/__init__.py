@@ -229,7 +229,8 @@ def bench(args: argparse.Namespace, workload: str | None = None) -> dict:
              min(map(len, prompts)), max(map(len, prompts)), [d[0] for d in drafters])
 
     # every configuration's runs; repeats go round all configurations of a batch size in
-    # turn, so that a slow spell of the machine falls on all of them alike
+    # turn, so that a slow spell of the machine falls on all of them alike, and each round
+    # starts one configuration later, so that none always runs right after the same one
     tried: dict[tuple, list[Run]] = {}
 
     def done(key: tuple, run: Run) -> None:
@@ -238,21 +239,24 @@ def bench(args: argparse.Namespace, workload: str | None = None) -> dict:
                  run.g, run.new_tokens / run.seconds)
 
     for B in args.batch_sizes:
-        for _ in range(args.repeat):
-            if HF in methods:
-                done((HF, B), run_hf(target, prompts, B, new))
-            if NONE in methods:
-                done((NONE, B), run_specq(target, prompts, B, new))
-            for name, make, _ in drafters:
-                if FIXED in methods:
-                    for g in args.draft_lengths:
-                        done((FIXED, B, name, g), run_specq(target, prompts, B, new,
-                                                            make_drafter=make, draft=name, g=g,
-                                                            max_g=max_g))
-                if ADAPTIVE in methods:
-                    done((ADAPTIVE, B, name), run_specq(target, prompts, B, new,
-                                                        make_drafter=make, draft=name, g=None,
-                                                        max_g=max_g))
+        configs: list[tuple[tuple, Callable[[], Run]]] = []
+        if HF in methods:
+            configs.append(((HF, B), partial(run_hf, target, prompts, B, new)))
+        if NONE in methods:
+            configs.append(((NONE, B), partial(run_specq, target, prompts, B, new)))
+        for name, make, _ in drafters:
+            if FIXED in methods:
+                configs += [((FIXED, B, name, g),
+                             partial(run_specq, target, prompts, B, new, make_drafter=make,
+                                     draft=name, g=g, max_g=max_g))
+                            for g in args.draft_lengths]
+            if ADAPTIVE in methods:
+                configs.append(((ADAPTIVE, B, name),
+                                partial(run_specq, target, prompts, B, new, make_drafter=make,
+                                        draft=name, g=None, max_g=max_g)))
+        for i in range(args.repeat):
+            for key, go in configs[i % len(configs):] + configs[: i % len(configs)]:
+                done(key, go())
     if ASSISTED in methods:  # batch size is irrelevant: compare with the smallest's baselines
         for _ in range(args.repeat):
             for name, _, assistant in drafters:
