@@ -242,6 +242,38 @@ def test_a_follower_that_raises_mid_chain_leaves_every_matcher_where_it_was(
     assert check_shaped(requests, engine.generate(requests)) == 0
 
 
+def test_the_follower_s_proposing_counts_as_drafting_not_masking(
+        tiny_models, tiny_tokenizer, monkeypatch):
+    """A clock that moves (a second a call) only while the follower proposes: the chains'
+    time is all the follower's, none of it the grammar's mask time (counters.mask_time
+    reads it)."""
+    from types import SimpleNamespace
+
+    from specq.worker.engine import grammar as grammar_module
+
+    clock = SimpleNamespace(now=0.0)
+
+    class Slow(PromptLookup):
+        def propose(self, batch, g):
+            clock.now += 1.0
+            return super().propose(batch, g)
+
+    monkeypatch.setattr(grammar_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    fmt = {"type": "regex", "regex": "n: [a-z]{3}; a: [0-9]{2}; z: [a-z]{3};"}
+    prompt = tiny_tokenizer.encode("n: abc; a: 12; z: xyz; n: abc; a: 12; ",
+                                   add_special_tokens=False)
+    requests = [Request(id=i, prompt_token_ids=prompt[i:], max_new_tokens=30,
+                        response_format=fmt) for i in range(3)]
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
+                               max_batch_size=3, draft_length=3, adaptive=False)
+    engine.drafting.grammar.follow = Slow()
+    engine.generate(requests)
+    assert engine.drafting.grammar.following == clock.now >= 1
+    # the engine's cuts and advances (speculative.py) keep the real clock: milliseconds here,
+    # where one follower call counted as masking would add a whole second
+    assert engine.grammars.mask_seconds < 0.5
+
+
 def test_a_row_whose_grammar_dies_fails_alone(tiny_models, tiny_tokenizer, check_shaped):
     """A matcher in an error state (the library's dead end) ends its row with an error
     naming response_format; its batch-mates finish as the reference says."""
