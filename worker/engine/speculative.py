@@ -324,8 +324,9 @@ class SpeculativeEngine:
         """Draft g tokens -> one target pass -> accept or reject -> fix up the caches.
 
         Returns what the step did; ``_apply`` hands it to the rows. The host waits for the
-        device once, to read the step's tokens and accepted counts (and, now and then, when
-        a cache counts its waste: batch.py). Timings wait for nothing (StepClock).
+        device once, to read the step's tokens, accepted counts and the target cache's waste
+        (and, now and then, when a draft model's cache counts its own: batch.py). Timings
+        wait for nothing (StepClock).
         """
         B, dev = len(self.rows), self.target.device
         params = self._params(self.rows)  # seeds, temperature, top_k, top_p
@@ -372,15 +373,16 @@ class SpeculativeEngine:
         self.kv.keep(start, accepted + 1)  # the last token and the accepted drafts stay
         self.last = out.gather(1, accepted[:, None])[:, 0]  # [B] recovered or bonus token
 
-        host = torch.cat([accepted[:, None], out], 1).tolist()  # the step's one sync
+        waste = self.kv.waste_on_device().expand(B)  # read with the rest: compaction's cue
+        host = torch.cat([accepted[:, None], waste[:, None], out], 1).tolist()  # the one sync
         accepted_l = [row[0] for row in host]
-        tokens = [row[1 : k + 2] for row, k in zip(host, accepted_l)]
+        tokens = [row[2 : k + 3] for row, k in zip(host, accepted_l)]
         lap("accept")
         if shaped:
             self._advance(self.rows, matchers, tokens, dead)
             lap("mask")
         self.drafter.update(accepted_l, tokens)
-        self.kv.compact()  # both compact only when enough rejected columns piled up
+        self.kv.compact(waste=host[0][1])  # both compact only when enough holes piled up
         self.drafter.compact()
         lap("upkeep")
         t_draft, t_verify = clock.phases()

@@ -4,6 +4,7 @@ import logging
 
 import pytest
 
+from specq.worker.engine.batch import LAZY_SHARE, MIN_WASTE, WASTE_SHARE, KVRows
 from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.engine.suffix import SuffixDrafter
@@ -66,6 +67,31 @@ def test_long_runs_compact_the_caches(tiny_models, tiny_tokenizer, make_requests
                                DraftModel(tiny_models["unrelated"]), max_batch_size=3,
                                draft_length=6)
     assert check_greedy(requests, engine.generate(requests)) <= 1
+
+
+def test_the_target_cache_compacts_early_without_a_sync_of_its_own(
+        tiny_models, tiny_tokenizer, make_requests, check_greedy, monkeypatch):
+    """The step reads the target cache's waste with its tokens (the one sync): that cache
+    never counts its waste itself, compacts once the waste reaches WASTE_SHARE of it (the
+    lazy bar, half, would have let holes pile up), and the output stays exact."""
+    target = tiny_models["target"]
+    counted, gathered = [], []
+    count, gather = KVRows.waste, KVRows._gather
+    monkeypatch.setattr(KVRows, "waste", lambda kv: counted.append(kv.model) or count(kv))
+
+    def spy(kv, waste):
+        gathered.append((kv.model, waste, kv.length))
+        return gather(kv, waste)
+
+    monkeypatch.setattr(KVRows, "_gather", spy)
+    requests = make_requests(6, seed=3, max_new=120)
+    engine = SpeculativeEngine(target, tiny_tokenizer, DraftModel(tiny_models["unrelated"]),
+                               max_batch_size=3, draft_length=4, adaptive=False)
+    assert check_greedy(requests, engine.generate(requests)) <= 1
+    assert target not in counted and counted  # the draft model's cache counts (lazily)
+    mine = [(w, n) for m, w, n in gathered if m is target]
+    assert mine and all(w >= max(MIN_WASTE, int(n * WASTE_SHARE)) for w, n in mine), mine
+    assert any(w < n * LAZY_SHARE for w, n in mine), mine  # earlier than the lazy bar
 
 
 def test_refills_wait_for_a_group_and_share_its_prefill(tiny_models, tiny_tokenizer,
