@@ -201,6 +201,19 @@ def test_forced_tokens_and_the_drafter_s_take_turns_in_one_proposal(
     assert chained, "no proposal had forced tokens after the drafter's"
 
 
+def _chained(models, tokenizer, rows: int, max_new: int
+             ) -> tuple[list[Request], SpeculativeEngine]:
+    """Requests whose grammar forces a key after each value the prompt offers to copy (the
+    chain's case), and a prompt-lookup engine at fixed g = 3 over all of them at once."""
+    fmt = {"type": "regex", "regex": "n: [a-z]{3}; a: [0-9]{2}; z: [a-z]{3};"}
+    prompt = tokenizer.encode("n: abc; a: 12; z: xyz; n: abc; a: 12; ", add_special_tokens=False)
+    requests = [Request(id=i, prompt_token_ids=prompt[i:], max_new_tokens=max_new,
+                        response_format=fmt) for i in range(rows)]
+    engine = SpeculativeEngine(models["target"], tokenizer, PromptLookup(),
+                               max_batch_size=rows, draft_length=3, adaptive=False)
+    return requests, engine
+
+
 class _Failing(PromptLookup):
     """A follower that raises once armed: every call comes from inside a chain, after the
     row's matcher went through the forced tokens before it."""
@@ -218,13 +231,7 @@ def test_a_follower_that_raises_mid_chain_leaves_every_matcher_where_it_was(
     """The chain rolls its matcher back on the way out of an exception: each row's matcher
     still allows exactly what a fresh one fed the row's tokens allows, the error reaches the
     caller as it was, and the engine's next generation is the reference's."""
-    fmt = {"type": "regex", "regex": "n: [a-z]{3}; a: [0-9]{2}; z: [a-z]{3};"}
-    prompt = tiny_tokenizer.encode("n: abc; a: 12; z: xyz; n: abc; a: 12; ",
-                                   add_special_tokens=False)
-    requests = [Request(id=i, prompt_token_ids=prompt[i:], max_new_tokens=40,
-                        response_format=fmt) for i in range(4)]
-    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
-                               max_batch_size=4, draft_length=3, adaptive=False)
+    requests, engine = _chained(tiny_models, tiny_tokenizer, rows=4, max_new=40)
     failing = _Failing()
     engine.drafting.grammar.follow = failing
     engine.on_step = lambda step: setattr(failing, "armed", True)  # after the first step
@@ -259,13 +266,7 @@ def test_the_follower_s_proposing_counts_as_drafting_not_masking(
             return super().propose(batch, g)
 
     monkeypatch.setattr(grammar_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
-    fmt = {"type": "regex", "regex": "n: [a-z]{3}; a: [0-9]{2}; z: [a-z]{3};"}
-    prompt = tiny_tokenizer.encode("n: abc; a: 12; z: xyz; n: abc; a: 12; ",
-                                   add_special_tokens=False)
-    requests = [Request(id=i, prompt_token_ids=prompt[i:], max_new_tokens=30,
-                        response_format=fmt) for i in range(3)]
-    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
-                               max_batch_size=3, draft_length=3, adaptive=False)
+    requests, engine = _chained(tiny_models, tiny_tokenizer, rows=3, max_new=30)
     engine.drafting.grammar.follow = Slow()
     engine.generate(requests)
     assert engine.drafting.grammar.following == clock.now >= 1
