@@ -60,10 +60,12 @@ HOSTILE = [
 
 @pytest.mark.parametrize("template, message", HOSTILE)
 def test_a_hostile_template_fails_fast_naming_row_and_field(tmp_path, template, message):
+    # the limit under test is the only one that can fire: the time limit is raised out of
+    # the way, so a busy machine cannot stop a render before its loop or size limit does
     t0 = time.perf_counter()
     with pytest.raises(SpecError) as err:
-        load_spec(spec_file(tmp_path, template=template))
-    assert time.perf_counter() - t0 < 5
+        load_spec(spec_file(tmp_path, template=template, limits={"seconds": 600}))
+    assert time.perf_counter() - t0 < 120  # a ceiling against a hang, not a speed test
     problem = err.value.problems[0]
     assert message in problem and "template: " in problem, problem
     assert "\n" not in problem and len(problem) < 600
@@ -111,7 +113,7 @@ def test_limits_are_the_spec_s_to_set(tmp_path):
     t0 = time.perf_counter()
     with pytest.raises(SpecError, match=r"row 0: rendering took more than 0.3 s"):
         load_spec(spec_file(tmp_path, template=slow, limits={"seconds": 0.3}))
-    assert time.perf_counter() - t0 < 3
+    assert time.perf_counter() - t0 < 120  # a ceiling against a hang, not a speed test
     for bad in ({"max_chars": 0}, {"seconds": float("nan")}, {"loop_turns": True},
                 {"seconds": -1}, {"colour": 1}):
         with pytest.raises(SpecError, match="limits"):
@@ -119,7 +121,7 @@ def test_limits_are_the_spec_s_to_set(tmp_path):
 
 
 def test_the_sandbox_still_renders_ordinary_templates():
-    sandbox = BoundedSandbox(RenderLimits())
+    sandbox = BoundedSandbox(RenderLimits(seconds=600))  # only the loop limit can fire
     template = sandbox.compile_template(
         "{{ topic|title }}: {% for w in words %}{{ loop.index }}={{ w ~ '!' }}"
         "{% if not loop.last %}, {% endif %}{% endfor %} {{ '%-4s|' % 'ab' }}"
@@ -157,7 +159,7 @@ def test_any_template_renders_or_fails_with_a_spec_error(tmp_path, template):
         assert all("\n" not in p and p.isprintable() for p in exc.problems), exc.problems
     else:
         assert all(len(r["prompt"]) <= 100_000 for r in synthesis.requests(spec))
-    assert time.perf_counter() - t0 < 10
+    assert time.perf_counter() - t0 < 120  # a ceiling against a hang, not a speed test
 
 
 SPEC_FIELDS = {
