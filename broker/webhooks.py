@@ -125,7 +125,7 @@ class Sender:
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.workers, self.batch = workers, batch
         # a lease outlasts a post: connect, send and answer each within the timeout
-        self.hold = 3 * settings.webhook_timeout + 10
+        self.hold = 3 * settings.webhook_timeout + 2
 
     def run_once(self) -> int:
         """Post what is due now (up to ``batch``); how many were posted."""
