@@ -381,6 +381,12 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--once", action="store_true", help="post what is due now, then exit")
     s.set_defaults(func=cmd_webhooks_send)
 
+    s = sub.add_parser("sweep", help="delete what expired: uploads past expires_after, and "
+                       "old outputs and results per SPECQ_RETENTION_*")
+    s.add_argument("--every", type=_number(0.0, inclusive=False), metavar="SECONDS",
+                   help="sweep again every SECONDS until stopped (default: one pass)")
+    s.set_defaults(func=cmd_sweep)
+
     s = sub.add_parser("migrate", help="create or upgrade the database schema (alembic)")
     s.set_defaults(func=cmd_migrate)
 
@@ -863,6 +869,19 @@ def cmd_webhooks_send(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """One retention sweep (api/retention.py), or one every --every seconds; each pass's
+    counts as a JSON line."""
+    from specq.api.retention import sweep
+
+    settings = get_settings()
+    while True:
+        print(json.dumps(sweep(settings).as_dict()), flush=True)
+        if args.every is None:
+            return 0
+        time.sleep(args.every)
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

@@ -113,6 +113,8 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # when the retention sweep emptied its results (db/retention.py); NULL: not swept
+    swept_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Item(Base):

@@ -111,3 +111,18 @@ def test_a_batch_cancelled_over_http_reaches_the_receiver_signed(server, hook_se
         sender.join(10)
         receiver.shutdown()
         receiver.server_close()
+
+
+def test_an_upload_carries_expires_after_as_openai_documents_it(server, hook_settings):
+    sdk = openai.OpenAI(base_url=server.url, api_key=new_key(hook_settings), max_retries=0)
+    data = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {}}\n'
+    f = sdk.files.create(file=("x.jsonl", data), purpose="batch",
+                         expires_after={"anchor": "created_at", "seconds": 7200})
+    assert f.expires_at == f.created_at + 7200
+    assert sdk.files.retrieve(f.id).expires_at == f.expires_at
+    assert upload(sdk, [line("b", "hi")]).expires_at is None  # no retention set: kept
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.files.create(file=("x.jsonl", data), purpose="batch",
+                         expires_after={"anchor": "created_at", "seconds": 5})
+    assert refused.value.body["param"] == "expires_after"
+    assert "expires_after.seconds" in refused.value.body["message"]

@@ -1,12 +1,12 @@
 """webhook_endpoints, webhook_deliveries (the outbox) and webhook_attempts: the producer is
-told when a batch or a job ends; files gain expires_at (retention)
+told when a batch or a job ends; files gain expires_at and jobs swept_at (retention)
 
 Revision ID: 0011_webhooks_and_retention
 Revises: 0010
 Create Date: 2026-12-02
 
-New tables, and one nullable column on files: jobs, items and the metrics views stay as
-0010 left them.
+New tables, and a nullable column on files and on jobs: the metrics views stay as 0010 left
+them (they name their columns).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ def _when(name: str, **kw) -> sa.Column:
 
 
 def upgrade() -> None:
+    op.add_column("jobs", _when("swept_at", nullable=True))
     op.add_column("files", _when("expires_at", nullable=True))
     op.create_index("ix_files_expires_at", "files", ["expires_at"])
     op.create_table(
@@ -91,3 +92,5 @@ def downgrade() -> None:
     op.drop_index("ix_files_expires_at", table_name="files")
     with op.batch_alter_table("files") as batch:
         batch.drop_column("expires_at")
+    with op.batch_alter_table("jobs") as batch:
+        batch.drop_column("swept_at")
