@@ -372,3 +372,14 @@ def next_due_in(session: Session) -> float | None:
     if soonest is None:
         return None
     return max(0.0, float(soonest) - float(session.scalar(select(db_now())) or 0.0))
+
+
+def backlog(session: Session) -> tuple[int, int, float]:
+    """Deliveries pending, deliveries given up (failed), and the age in seconds of the
+    oldest pending one (0 with none): what the exporter serves."""
+    d = WebhookDelivery
+    counts = dict(session.execute(select(d.status, func.count())
+                                  .where(d.status.in_((PENDING, FAILED))).group_by(d.status)).all())
+    oldest = session.execute(select(db_now() - func.min(d.created))
+                             .where(d.status == PENDING)).scalar_one()
+    return int(counts.get(PENDING, 0)), int(counts.get(FAILED, 0)), max(float(oldest or 0), 0.0)
