@@ -20,6 +20,10 @@ branch_labels = None
 depends_on = None
 
 
+# the columns of webhook_endpoints other roles may read: all but the secret
+READABLE = "id, openai_id, tenant_id, name, url, event_types, created_at, updated_at"
+
+
 def _when(name: str, **kw) -> sa.Column:
     return sa.Column(name, sa.DateTime(timezone=True), **kw)
 
@@ -45,6 +49,21 @@ def upgrade() -> None:
         sa.UniqueConstraint("openai_id", name="uq_webhook_endpoints_openai_id"),
     )
     op.create_index("ix_webhook_endpoints_tenant_id", "webhook_endpoints", ["tenant_id"])
+    if op.get_bind().dialect.name == "postgresql":
+        # the analysts' read-only role (db/readonly.sql) got SELECT on the new table by
+        # default privileges: every column but the signing secrets
+        op.execute(f"""
+        DO $$
+        DECLARE r record;
+        BEGIN
+          FOR r IN SELECT DISTINCT grantee FROM information_schema.role_table_grants
+                   WHERE table_schema = current_schema() AND table_name = 'webhook_endpoints'
+                     AND privilege_type = 'SELECT' AND grantee NOT IN (current_user, 'PUBLIC')
+          LOOP
+            EXECUTE format('REVOKE SELECT ON webhook_endpoints FROM %I', r.grantee);
+            EXECUTE format('GRANT SELECT ({READABLE}) ON webhook_endpoints TO %I', r.grantee);
+          END LOOP;
+        END $$""")
     op.create_table(
         "webhook_deliveries",
         sa.Column("id", sa.Integer(), autoincrement=True),
