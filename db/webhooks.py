@@ -130,9 +130,14 @@ def tenant_id_of(session: Session, *, tenant: str) -> int:
     return found
 
 
-def _info(session: Session, row: WebhookEndpoint, counts: dict[str, int]) -> EndpointInfo:
-    tenant = (None if row.tenant_id is None else
-              session.scalar(select(Tenant.name).where(Tenant.id == row.tenant_id)))
+def _info(session: Session, row: WebhookEndpoint, counts: dict[str, int],
+          names: dict[int, str] | None = None) -> EndpointInfo:
+    if row.tenant_id is None:
+        tenant = None
+    elif names is not None:
+        tenant = names.get(row.tenant_id)
+    else:
+        tenant = session.scalar(select(Tenant.name).where(Tenant.id == row.tenant_id))
     return EndpointInfo(row.openai_id, tenant, row.name, row.url, list(row.event_types),
                         row.secret[:SHOWN] + "...", row.created_at, row.updated_at,
                         {s: counts.get(s, 0) for s in (PENDING, DELIVERED, FAILED)})
@@ -168,7 +173,10 @@ def list_endpoints(session: Session, *, tenant_id: int | None = _ANY, after: str
                 .where(d.endpoint_id.in_([r.id for r in rows]))
                 .group_by(d.endpoint_id, d.status)):
             counts.setdefault(endpoint_id, {})[status] = n
-    return [_info(session, r, counts.get(r.id, {})) for r in rows], more
+    tenant_ids = {r.tenant_id for r in rows if r.tenant_id is not None}
+    names = dict(session.execute(select(Tenant.id, Tenant.name)
+                                 .where(Tenant.id.in_(tenant_ids))).all()) if tenant_ids else {}
+    return [_info(session, r, counts.get(r.id, {}), names) for r in rows], more
 
 
 def get_endpoint(session: Session, *, openai_id: str, tenant_id: int | None = _ANY
