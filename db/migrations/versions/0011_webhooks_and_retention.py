@@ -109,7 +109,6 @@ def downgrade() -> None:
     op.drop_table("webhook_deliveries")
     op.drop_table("webhook_endpoints")
     op.drop_index("ix_files_expires_at", table_name="files")
-    with op.batch_alter_table("files") as batch:
-        batch.drop_column("expires_at")
-    with op.batch_alter_table("jobs") as batch:
-        batch.drop_column("swept_at")
+    # plain DROP COLUMN, as 0010: SQLite rebuilding jobs would break the views on it
+    op.execute("ALTER TABLE files DROP COLUMN expires_at")
+    op.execute("ALTER TABLE jobs DROP COLUMN swept_at")
