@@ -377,6 +377,11 @@ def parser() -> argparse.ArgumentParser:
     s = hsub.add_parser("remove", help="delete endpoint ID (we_...) and its deliveries")
     s.add_argument("id")
     s.set_defaults(func=cmd_webhooks_remove)
+    s = hsub.add_parser("rotate", help="a new signing secret for endpoint ID, printed once")
+    s.add_argument("id")
+    s.add_argument("--keep-old", type=_number(0.0), default=0.0, metavar="SECONDS",
+                   help="the old secret signs too for SECONDS (receivers switch meanwhile)")
+    s.set_defaults(func=cmd_webhooks_rotate)
     s = hsub.add_parser("send", help="the sender: post due events with retries until stopped")
     s.add_argument("--once", action="store_true", help="post what is due now, then exit")
     s.set_defaults(func=cmd_webhooks_send)
@@ -847,6 +852,19 @@ def cmd_webhooks_remove(args: argparse.Namespace) -> int:
     if not gone:
         raise KeyError(f"webhook endpoint {args.id!r}: not found (specq webhooks list)")
     print(f"endpoint {args.id} removed, with its deliveries", file=sys.stderr)
+    return 0
+
+
+def cmd_webhooks_rotate(args: argparse.Namespace) -> int:
+    from specq.db import webhooks
+
+    with Client().sessions.begin() as s:
+        found = webhooks.rotate_secret(s, openai_id=args.id, keep_old_for=args.keep_old)
+    if found is None:
+        raise KeyError(f"webhook endpoint {args.id!r}: not found (specq webhooks list)")
+    kept = f"; the old one signs too for {args.keep_old:g} s" if args.keep_old else ""
+    print(f"endpoint {args.id}: a new signing secret (shown this once{kept}):", file=sys.stderr)
+    print(found[1])
     return 0
 
 

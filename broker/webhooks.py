@@ -53,11 +53,16 @@ def signature(secret: str, event_id: str, timestamp: int, body: str) -> str:
     return "v1," + base64.b64encode(mac).decode()
 
 
-def headers(secret: str, event_id: str, body: str, now: float | None = None) -> dict[str, str]:
+def headers(secret: str | tuple[str, ...], event_id: str, body: str,
+            now: float | None = None) -> dict[str, str]:
+    """The Standard Webhooks headers; with several secrets (one rotated out that still
+    counts) one signature each, space-separated: a receiver accepts any that matches."""
     timestamp = int(time.time() if now is None else now)
+    keys = (secret,) if isinstance(secret, str) else secret
     return {"content-type": "application/json", "user-agent": "specq-webhooks",
             "webhook-id": event_id, "webhook-timestamp": str(timestamp),
-            "webhook-signature": signature(secret, event_id, timestamp, body)}
+            "webhook-signature": " ".join(signature(k, event_id, timestamp, body)
+                                          for k in keys)}
 
 
 class _Pinned(http.client.HTTPConnection):
@@ -138,7 +143,7 @@ class Sender:
         return len(due)
 
     def _deliver(self, due: outbox.Due) -> None:
-        answer = post(due.url, due.body, headers(due.secret, due.event_id, due.body),
+        answer = post(due.url, due.body, headers(due.secrets, due.event_id, due.body),
                       self.settings)
         s = self.settings
         with self.sessions.begin() as session:

@@ -353,6 +353,10 @@ class WebhookEndpoint(Base):
     url: Mapped[str] = mapped_column(Text)
     event_types: Mapped[list[str]] = mapped_column(JSON)
     secret: Mapped[str] = mapped_column(String(100))
+    # the secret before a rotation that keeps it valid a while: posts are signed with both
+    # until ``previous_until`` (seconds since the epoch)
+    previous_secret: Mapped[str | None] = mapped_column(String(100))
+    previous_until: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 

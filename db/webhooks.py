@@ -27,6 +27,7 @@ from __future__ import annotations
 import base64
 import json
 import secrets
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -189,6 +190,50 @@ def get_endpoint(session: Session, *, openai_id: str, tenant_id: int | None = _A
     return None if row is None else _info(session, row, {})
 
 
+def _own(session: Session, *, openai_id: str, tenant_id: int | None) -> WebhookEndpoint | None:
+    stmt = select(WebhookEndpoint).where(WebhookEndpoint.openai_id == openai_id)
+    if tenant_id is not _ANY:
+        stmt = stmt.where(WebhookEndpoint.tenant_id.is_(None) if tenant_id is None
+                          else WebhookEndpoint.tenant_id == tenant_id)
+    return session.scalar(stmt)
+
+
+def update_endpoint(session: Session, *, openai_id: str, tenant_id: int | None = _ANY,
+                    name: str | None = None, url: str | None = None,
+                    event_types: Sequence[str] | None = None, allow_private: bool = False,
+                    allow_http: bool = False) -> EndpointInfo | None:
+    """Change what is given (the URL checked as at creation); None: no such endpoint."""
+    row = _own(session, openai_id=openai_id, tenant_id=tenant_id)
+    if row is None:
+        return None
+    if url is not None:
+        check_url(url, allow_private=allow_private, allow_http=allow_http)
+        row.url = url
+    if event_types is not None:
+        row.event_types = check_event_types(event_types, tenant=row.tenant_id is not None)
+    if name is not None:
+        row.name = name[:200]
+    row.updated_at = utcnow()
+    session.flush()
+    return _info(session, row, {})
+
+
+def rotate_secret(session: Session, *, openai_id: str, tenant_id: int | None = _ANY,
+                  keep_old_for: float = 0.0) -> tuple[EndpointInfo, str] | None:
+    """A new secret for the endpoint, shown this once; the old one signs too for
+    ``keep_old_for`` seconds (0: it is dropped now). None: no such endpoint."""
+    row = _own(session, openai_id=openai_id, tenant_id=tenant_id)
+    if row is None:
+        return None
+    secret = new_secret()
+    row.previous_secret = row.secret if keep_old_for > 0 else None
+    row.previous_until = time.time() + keep_old_for if keep_old_for > 0 else None
+    row.secret = secret
+    row.updated_at = utcnow()
+    session.flush()
+    return _info(session, row, {}), secret
+
+
 def remove_endpoint(session: Session, *, openai_id: str, tenant_id: int | None = _ANY) -> bool:
     """Delete the endpoint (of that tenant, if given) with its deliveries, sent or not, and
     their attempts; whether there was one."""
@@ -320,7 +365,7 @@ class Due:
     event_id: str
     body: str
     url: str
-    secret: str
+    secrets: tuple[str, ...]  # the secret, and one rotated out that still signs
     attempts: int
 
 
@@ -339,10 +384,14 @@ def claim_due(session: Session, *, owner: str, hold: float, limit: int) -> list[
                     .values(lease_owner=owner, lease_until=db_now() + hold),
                     execution_options={"synchronize_session": False})
     rows = session.execute(
-        select(d.id, d.event_id, d.body, e.url, e.secret, d.attempts)
+        select(d.id, d.event_id, d.body, e.url, e.secret, e.previous_secret, e.previous_until,
+               d.attempts)
         .join(e, e.id == d.endpoint_id).where(d.id.in_(ids), d.lease_owner == owner)
         .order_by(d.id))
-    return [Due(*r) for r in rows]
+    wall = time.time()
+    return [Due(i, event_id, body, url,
+                (secret, previous) if previous and (until or 0) > wall else (secret,), attempts)
+            for i, event_id, body, url, secret, previous, until, attempts in rows]
 
 
 def record(session: Session, *, delivery_id: int, owner: str, status_code: int | None,

@@ -172,7 +172,7 @@ def test_a_receiver_that_keeps_failing_is_retried_with_backoff_then_given_up(url
     ep, receiver.secret = endpoint(sessions, receiver.port)
     ended_jobs(sessions, 1)
     stop = threading.Event()
-    sender = threading.Thread(target=Sender(settings_for(url, webhook_retry_for=1.5)).run,
+    sender = threading.Thread(target=Sender(settings_for(url, webhook_retry_for=3.0)).run,
                               args=(stop,))
     sender.start()
     try:

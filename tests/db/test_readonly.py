@@ -162,7 +162,7 @@ def test_a_role_made_before_the_webhook_tables_cannot_read_their_secrets():
                 conn.execute(text("SELECT id, url, event_types FROM webhook_endpoints")).all()
                 conn.execute(text("SELECT * FROM webhook_deliveries")).all()
                 with pytest.raises(DBAPIError, match="permission denied"):
-                    conn.execute(text("SELECT secret FROM webhook_endpoints")).all()
+                    conn.execute(text("SELECT previous_secret FROM webhook_endpoints")).all()
         finally:
             reader.dispose()
             owner = create_engine(url, isolation_level="AUTOCOMMIT")

@@ -6,6 +6,7 @@ schema/addresses.py."""
 from __future__ import annotations
 
 import json
+import time
 from datetime import timedelta
 
 import pytest
@@ -225,3 +226,41 @@ def test_batch_events_reach_their_tenant_and_the_openai_sdk_verifies_them(sessio
         with sessions.begin() as s:
             webhooks.remove_endpoint(s, openai_id=ep.id)
             webhooks.remove_endpoint(s, openai_id=elsewhere.id)
+
+
+def test_a_rotated_secret_signs_alone_or_beside_the_old_one_for_a_while(sessions):
+    openai = pytest.importorskip("openai")
+    info, old = _operator(sessions)
+    try:
+        with sessions.begin() as s:
+            assert webhooks.update_endpoint(s, openai_id=info.id, name="renamed",
+                                            event_types=["job.cancelled"]).name == "renamed"
+            with pytest.raises(TargetError):
+                webhooks.update_endpoint(s, openai_id=info.id, url="https://10.0.0.1/")
+            _, kept = webhooks.rotate_secret(s, openai_id=info.id, keep_old_for=3600)
+        make_job(sessions, name="rotated", n=1, cancel=True)
+        sdk = openai.OpenAI(api_key="unused")
+
+        def signed_with(**candidates: str) -> dict[str, bool]:
+            time.sleep(0.01)  # the last claim's lease (1 ms) has run out
+            with sessions.begin() as s:
+                (due,) = [d for d in webhooks.claim_due(s, owner="t", hold=0.001, limit=100)
+                          if d.url.endswith("/ops")]
+            head = headers(due.secrets, due.event_id, due.body)
+            ok = {}
+            for name, secret in candidates.items():
+                try:
+                    sdk.webhooks.verify_signature(due.body, head, secret=secret)
+                    ok[name] = True
+                except openai.InvalidWebhookSignatureError:
+                    ok[name] = False
+            return ok
+
+        assert signed_with(old=old, kept=kept) == {"old": True, "kept": True}
+        with sessions.begin() as s:
+            _, new = webhooks.rotate_secret(s, openai_id=info.id)  # the old ones dropped now
+        assert signed_with(old=old, kept=kept, new=new) == {"old": False, "kept": False,
+                                                           "new": True}
+    finally:
+        with sessions.begin() as s:
+            webhooks.remove_endpoint(s, openai_id=info.id)

@@ -58,6 +58,21 @@ def test_a_tenant_manages_its_endpoints_and_a_private_url_is_refused(server, hoo
     with pytest.raises(openai.BadRequestError) as refused:
         sdk.webhooks.create(name="x", url="https://93.184.216.34/", event_types=["job.done"])
     assert refused.value.body["param"] == "event_types"
+    changed = sdk.webhooks.update(made.id, name="renamed", url="https://93.184.216.35/h")
+    assert (changed.name, changed.url, changed.event_types) == (
+        "renamed", "https://93.184.216.35/h", ["batch.completed", "batch.failed"])
+    with pytest.raises(openai.BadRequestError) as refused:
+        sdk.webhooks.update(made.id, url="https://10.0.0.1/h")
+    assert refused.value.body["param"] == "url"
+    with pytest.raises(openai.NotFoundError):
+        other.webhooks.update(made.id, name="theirs")
+    rotated = sdk.webhooks.rotate_secret(made.id, keep_old_secret_active_for_24_hours=True)
+    assert rotated.signing_secret.startswith("whsec_")
+    assert rotated.signing_secret != made.signing_secret
+    assert sdk.webhooks.retrieve(made.id).signing_secret_hint == \
+        rotated.signing_secret[:10] + "..."
+    with pytest.raises(openai.NotFoundError):
+        other.webhooks.rotate_secret(made.id)
     deleted = sdk.webhooks.delete(made.id)
     assert deleted.deleted and deleted.id == made.id
     assert list(sdk.webhooks.list()) == []

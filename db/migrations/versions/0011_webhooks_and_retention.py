@@ -20,7 +20,7 @@ branch_labels = None
 depends_on = None
 
 
-# the columns of webhook_endpoints other roles may read: all but the secret
+# the columns of webhook_endpoints other roles may read: all but the secrets
 READABLE = "id, openai_id, tenant_id, name, url, event_types, created_at, updated_at"
 
 
@@ -41,6 +41,8 @@ def upgrade() -> None:
         sa.Column("url", sa.Text(), nullable=False),
         sa.Column("event_types", sa.JSON(), nullable=False),
         sa.Column("secret", sa.String(length=100), nullable=False),
+        sa.Column("previous_secret", sa.String(length=100), nullable=True),
+        sa.Column("previous_until", sa.Float(), nullable=True),
         _when("created_at", nullable=False),
         _when("updated_at", nullable=False),
         sa.PrimaryKeyConstraint("id", name="pk_webhook_endpoints"),
