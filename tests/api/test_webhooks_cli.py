@@ -91,3 +91,57 @@ def test_send_once_posts_what_is_due_and_sweep_reports_json(env, capsys):
     assert code == 0 and json.loads(out) == {
         "files": 0, "file_bytes": 0, "outputs": 0, "jobs_emptied": 0, "items_emptied": 0,
         "jobs_deleted": 0, "items_deleted": 0}
+
+
+def test_a_job_run_to_its_end_is_announced_to_the_operator(env, capsys):
+    """The worker's own code settles the job (run_inline, the embedded mode): its
+    job.completed event, with the counts, reaches a real receiver through `send --once`."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import openai
+
+    from specq.configs.presets import get_preset
+    from specq.worker.pairs import load_pair
+    from specq.worker.tasks import run_inline
+
+    got: list[tuple[bytes, dict]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            got.append((self.rfile.read(int(self.headers["content-length"])),
+                        dict(self.headers)))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args) -> None:
+            pass
+
+    receiver = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    try:
+        env.setenv("SPECQ_WEBHOOK_ALLOW_PRIVATE", "true")
+        env.setenv("SPECQ_WEBHOOK_ALLOW_HTTP", "true")
+        code, out, _ = run(["webhooks", "add", "--event", "job.completed",
+                            f"http://127.0.0.1:{receiver.server_address[1]}/jobs"], capsys)
+        secret = out.strip().splitlines()[-1]
+        client = Client()
+        engine = load_pair(get_preset("tiny", client.settings.presets_file),
+                           client.settings).engine()
+        job = client.submit(["Say one", "Say two", "Say three"], pair="tiny", enqueue=False,
+                            max_new_tokens=4)
+        run_inline(sessions=client.sessions, engine=engine, pair="tiny", job_id=job.id,
+                   progress=False)
+        code, _, err = run(["webhooks", "send", "--once"], capsys)
+        assert code == 0 and "1 webhook deliveries posted" in err
+        ((body, head),) = got
+        openai.OpenAI(api_key="unused").webhooks.verify_signature(body, head, secret=secret)
+        event = json.loads(body)
+        assert event["type"] == "job.completed" and event["data"]["id"] == job.id
+        assert event["data"]["request_counts"] == {"total": 3, "pending": 0, "completed": 3,
+                                                   "failed": 0, "cancelled": 0}
+        assert run(["webhooks", "send", "--once"], capsys)[2].startswith("0 webhook")
+        assert len(got) == 1
+    finally:
+        receiver.shutdown()
+        receiver.server_close()

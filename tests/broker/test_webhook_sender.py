@@ -243,3 +243,23 @@ def test_a_sender_killed_mid_post_loses_no_event(url, tmp_path):
                 p.kill()
                 p.wait(10)
         receiver.close()
+
+
+def test_the_sender_checks_the_address_again_before_each_post(url):
+    """An endpoint registered while private addresses were allowed (or a name that now
+    resolves to one): a sender that does not allow them refuses to post, records why."""
+    sessions = session_factory(url)
+    receiver = Receiver()
+    ep, _ = endpoint(sessions, receiver.port)
+    ended_jobs(sessions, 1)
+    strict = settings_for(url).model_copy(update={"webhook_allow_private": False})
+    try:
+        assert Sender(strict).run_once() == 1
+        with sessions() as s:
+            error = s.scalar(select(WebhookDelivery.last_error).where(
+                WebhookDelivery.event_id.in_(list(deliveries(sessions, ep)))))
+        assert error.startswith("refused: url: host '127.0.0.1' is a loopback") and \
+            "SPECQ_WEBHOOK_ALLOW_PRIVATE" in error
+        assert receiver.ids == [] and set(deliveries(sessions, ep).values()) == {"pending"}
+    finally:
+        receiver.close()
