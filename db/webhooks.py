@@ -297,6 +297,8 @@ def job_ended(session: Session, *, job_id: int, batch_only: bool = False) -> lis
     no endpoint wants them: a query or two, nothing stored)."""
     from specq.db.repository import status_counts  # (it calls this one)
 
+    if session.scalar(select(WebhookEndpoint.id).limit(1)) is None:
+        return []  # no endpoint at all (most installs): one query, nothing else read
     job = session.execute(select(Job.status, Job.pair, Job.source, Job.spec, Job.schedule,
                                  Job.error).where(Job.id == job_id)).one_or_none()
     if job is None:
