@@ -19,7 +19,8 @@ a million items stored as with ten (tests/db/test_plans.py holds its plan to tha
     specq_webhook_oldest_pending_seconds       age of the oldest delivery not made yet
     specq_retention_swept_total{what}          what retention sweeps deleted or emptied:
                                                files, file_bytes, outputs, jobs_emptied,
-                                               items_emptied, jobs_deleted, items_deleted
+                                               items_emptied, jobs_deleted, items_deleted,
+                                               deliveries
     specq_database_up, specq_broker_up         1 when the scrape read it, else 0
     specq_exporter_errors_total{source}        scrapes the database or the broker failed
 """

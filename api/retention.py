@@ -37,6 +37,7 @@ class SweepReport:
     items_emptied: int = 0
     jobs_deleted: int = 0  # jobs deleted whole (retention_keep_metrics off)
     items_deleted: int = 0
+    deliveries: int = 0  # webhook deliveries made or given up, with their attempts
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -85,6 +86,13 @@ def sweep(settings: Settings, *, sessions: sessionmaker[Session] | None = None,
         for job_id in jobs:
             _sweep_job(settings, sessions, job_id, now, report)
         if len(jobs) < rows:
+            break
+    while settings.retention_webhooks is not None:
+        with sessions.begin() as s:
+            ids = retention.old_deliveries(
+                s, before=now.timestamp() - settings.retention_webhooks, limit=rows)
+            report.deliveries += retention.delete_deliveries(s, ids=ids)
+        if len(ids) < rows:
             break
     if any(asdict(report).values()):
         log.info("retention sweep: %s", ", ".join(f"{k} {v}" for k, v in asdict(report).items()

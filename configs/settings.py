@@ -173,6 +173,9 @@ class Settings(BaseSettings):
     retention_keep_metrics: bool = Field(
         True, description="a swept job keeps its rows and acceptance counters, its prompts "
         "and outputs emptied; off: the job and its items are deleted")
+    retention_webhooks: float | None = Field(
+        2_592_000, gt=0, description="seconds a delivered or given-up webhook delivery "
+        "(and its attempts) is kept after it was made; unset: for ever")
     retention_sweep_rows: int = Field(
         1000, ge=1, le=1_000_000, description="rows one sweep statement changes (bounded "
         "batches, each its own transaction)")
@@ -190,7 +193,7 @@ class Settings(BaseSettings):
         return value
 
     @field_validator("device_hour_price", "retention_files", "retention_outputs",
-                     "retention_results", mode="before")
+                     "retention_results", "retention_webhooks", mode="before")
     @classmethod
     def _unset(cls, value: Any) -> Any:
         """An empty value is no value (compose passes ${SPECQ_DEVICE_HOUR_PRICE:-} on)."""

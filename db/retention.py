@@ -12,6 +12,8 @@ Three things expire:
                           job): the items' prompts and outputs emptied, their counters kept
                           (the job's acceptance metrics outlive its texts), or with
                           retention_keep_metrics off the job, its items, chunks and batch
+    a webhook delivery    retention_webhooks after it was made, once delivered or given up:
+                          the row and its attempts (pending ones stay)
 
 Each statement changes at most ``rows`` rows and each batch is its own transaction (the
 caller's), so a sweep never holds a long lock, and one stopped half-way is taken up where
@@ -26,7 +28,17 @@ from typing import Any
 from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from specq.db.models import Batch, Chunk, File, FilePart, Item, Job, JobStatus
+from specq.db.models import (
+    Batch,
+    Chunk,
+    File,
+    FilePart,
+    Item,
+    Job,
+    JobStatus,
+    WebhookAttempt,
+    WebhookDelivery,
+)
 from specq.db.session import changed
 
 FINISHED = tuple(s.value for s in JobStatus if s.finished)
@@ -115,3 +127,19 @@ def delete_job(session: Session, *, job_id: int) -> None:
         session.execute(delete(Batch).where(Batch.id.in_(batch_ids)))
     session.execute(delete(Chunk).where(Chunk.job_id == job_id))
     session.execute(delete(Job).where(Job.id == job_id))
+
+
+def old_deliveries(session: Session, *, before: float, limit: int) -> list[int]:
+    """Delivered or given-up webhook deliveries made before ``before`` (seconds since the
+    epoch)."""
+    d = WebhookDelivery
+    return list(session.scalars(
+        select(d.id).where(d.status != "pending", d.created < before)
+        .order_by(d.id).limit(limit)))
+
+
+def delete_deliveries(session: Session, *, ids: list[int]) -> int:
+    if not ids:
+        return 0
+    session.execute(delete(WebhookAttempt).where(WebhookAttempt.delivery_id.in_(ids)))
+    return changed(session.execute(delete(WebhookDelivery).where(WebhookDelivery.id.in_(ids))))

@@ -152,3 +152,28 @@ def test_without_metrics_kept_an_old_job_and_its_batch_outputs_go_whole(own_url,
         assert s.scalar(select(func.count()).select_from(Chunk)
                         .where(Chunk.job_id == job.id)) == 0
         assert s.get(Job, other.id) is not None  # swept before, with its metrics kept
+
+
+def test_old_webhook_deliveries_go_once_made_or_given_up(own_url, tmp_path):
+    from specq.db import webhooks
+    from specq.db.models import WebhookAttempt, WebhookDelivery
+
+    sessions = session_factory(own_url)
+    with sessions.begin() as s:
+        webhooks.add_endpoint(s, url="http://127.0.0.1:9/", tenant_id=None,
+                              allow_private=True, allow_http=True)
+    for name in ("a", "b", "c"):
+        make_job(sessions, name=name, n=1, cancel=True)  # three job.cancelled events
+    with sessions.begin() as s:
+        ids = sorted(s.scalars(select(WebhookDelivery.id)))
+        for i, status in zip(ids, ("delivered", "failed")):  # the third stays pending
+            webhooks.record(s, delivery_id=i, owner="t", seconds=0.1, backoff=1,
+                            backoff_max=1, retry_for=0 if status == "failed" else 9,
+                            status_code=200 if status == "delivered" else 500, error=None)
+    settings = settings_for(own_url, tmp_path, retention_webhooks=86400.0,
+                            retention_sweep_rows=1)
+    assert sweep(settings, now=utcnow() + timedelta(hours=23)).deliveries == 0
+    assert sweep(settings, now=utcnow() + timedelta(days=2)).deliveries == 2
+    with sessions() as s:
+        assert list(s.scalars(select(WebhookDelivery.status))) == ["pending"]
+        assert s.scalar(select(func.count()).select_from(WebhookAttempt)) == 0
