@@ -359,6 +359,39 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--key", help="only the key whose first characters `keys list` shows")
     s.set_defaults(func=cmd_keys_revoke)
 
+    hooks = sub.add_parser("webhooks", help="endpoints told when a batch or a job ends "
+                           "(signed, at least once), and their sender")
+    hsub = hooks.add_subparsers(required=True, metavar="ACTION")
+    s = hsub.add_parser("add", help="a new endpoint: tenant NAME's batches (--tenant), or "
+                        "every job (none); the last line printed is its secret, shown once")
+    s.add_argument("url")
+    s.add_argument("--tenant", help="the tenant whose batch.* events it gets (default: the "
+                   "operator's endpoint, which gets job.* events of every job)")
+    s.add_argument("--name", default="", help="a name to tell endpoints apart")
+    s.add_argument("--event", action="append", dest="events", metavar="TYPE",
+                   help="an event type it wants (repeatable; default: all of its kind)")
+    s.set_defaults(func=cmd_webhooks_add)
+    s = hsub.add_parser("list", help="every endpoint: id, tenant, url, events, deliveries")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=cmd_webhooks_list)
+    s = hsub.add_parser("remove", help="delete endpoint ID (we_...) and its deliveries")
+    s.add_argument("id")
+    s.set_defaults(func=cmd_webhooks_remove)
+    s = hsub.add_parser("rotate", help="a new signing secret for endpoint ID, printed once")
+    s.add_argument("id")
+    s.add_argument("--keep-old", type=_number(0.0), default=0.0, metavar="SECONDS",
+                   help="the old secret signs too for SECONDS (receivers switch meanwhile)")
+    s.set_defaults(func=cmd_webhooks_rotate)
+    s = hsub.add_parser("send", help="the sender: post due events with retries until stopped")
+    s.add_argument("--once", action="store_true", help="post what is due now, then exit")
+    s.set_defaults(func=cmd_webhooks_send)
+
+    s = sub.add_parser("sweep", help="delete what expired: uploads past expires_after, and "
+                       "old outputs and results per SPECQ_RETENTION_*")
+    s.add_argument("--every", type=_number(0.0, inclusive=False), metavar="SECONDS",
+                   help="sweep again every SECONDS until stopped (default: one pass)")
+    s.set_defaults(func=cmd_sweep)
+
     s = sub.add_parser("migrate", help="create or upgrade the database schema (alembic)")
     s.set_defaults(func=cmd_migrate)
 
@@ -767,6 +800,106 @@ def cmd_keys_revoke(args: argparse.Namespace) -> int:
         n = tenants.revoke(s, tenant=_tenant_name(args.name), prefix=prefix)
     print(f"tenant {args.name}: {n} key{'s' * (n != 1)} revoked", file=sys.stderr)
     return 0 if n else 1
+
+
+def cmd_webhooks_add(args: argparse.Namespace) -> int:
+    from specq.db import webhooks
+    from specq.schema.addresses import TargetError
+
+    settings = get_settings()
+    with Client().sessions.begin() as s:
+        tenant_id = (None if args.tenant is None
+                     else webhooks.tenant_id_of(s, tenant=_tenant_name(args.tenant)))
+        try:
+            info, secret = webhooks.add_endpoint(
+                s, url=args.url, tenant_id=tenant_id, name=args.name, event_types=args.events,
+                allow_private=settings.webhook_allow_private,
+                allow_http=settings.webhook_allow_http)
+        except (TargetError, ValueError) as exc:
+            raise InputError([str(exc)]) from None
+    whose = f"tenant {info.tenant}" if info.tenant else "the operator (every job)"
+    print(f"endpoint {info.id} for {whose}: {', '.join(info.event_types)} -> {info.url}",
+          file=sys.stderr)
+    print("its signing secret (shown this once; receivers verify with it):", file=sys.stderr)
+    print(secret)
+    return 0
+
+
+def cmd_webhooks_list(args: argparse.Namespace) -> int:
+    from specq.db import webhooks
+
+    with Client().sessions() as s:
+        found, _ = webhooks.list_endpoints(s)
+    if args.json:
+        print(json.dumps([{"id": e.id, "tenant": e.tenant, "name": e.name, "url": e.url,
+                           "event_types": e.event_types, "secret": e.secret_hint,
+                           "created_at": e.created_at.isoformat(), "deliveries": e.deliveries}
+                          for e in found], indent=2))
+        return 0
+    print(f"{'id':<28} {'tenant':<16} {'pending':>7} {'sent':>7} {'failed':>7}  url  events")
+    for e in found:
+        d = e.deliveries
+        print(f"{e.id:<28} {e.tenant or '(operator)':<16} {d['pending']:>7} "
+              f"{d['delivered']:>7} {d['failed']:>7}  {e.url}  {','.join(e.event_types)}")
+    return 0
+
+
+def cmd_webhooks_remove(args: argparse.Namespace) -> int:
+    from specq.db import webhooks
+
+    with Client().sessions.begin() as s:
+        gone = webhooks.remove_endpoint(s, openai_id=args.id)
+    if not gone:
+        raise KeyError(f"webhook endpoint {args.id!r}: not found (specq webhooks list)")
+    print(f"endpoint {args.id} removed, with its deliveries", file=sys.stderr)
+    return 0
+
+
+def cmd_webhooks_rotate(args: argparse.Namespace) -> int:
+    from specq.db import webhooks
+
+    with Client().sessions.begin() as s:
+        found = webhooks.rotate_secret(s, openai_id=args.id, keep_old_for=args.keep_old)
+    if found is None:
+        raise KeyError(f"webhook endpoint {args.id!r}: not found (specq webhooks list)")
+    kept = f"; the old one signs too for {args.keep_old:g} s" if args.keep_old else ""
+    print(f"endpoint {args.id}: a new signing secret (shown this once{kept}):", file=sys.stderr)
+    print(found[1])
+    return 0
+
+
+def cmd_webhooks_send(args: argparse.Namespace) -> int:
+    """The sender (broker/webhooks.py), until SIGTERM or Ctrl-C; --once: one pass."""
+    import signal
+    import threading
+
+    from specq.broker.webhooks import Sender
+
+    sender = Sender(get_settings())
+    if args.once:
+        n = sender.run_once()
+        print(f"{n} webhook deliveries posted", file=sys.stderr)
+        return 0
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        sender.run(stop)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    """One retention sweep (api/retention.py), or one every --every seconds; each pass's
+    counts as a JSON line."""
+    from specq.api.retention import sweep
+
+    settings = get_settings()
+    while True:
+        print(json.dumps(sweep(settings).as_dict()), flush=True)
+        if args.every is None:
+            return 0
+        time.sleep(args.every)
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:

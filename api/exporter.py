@@ -14,6 +14,13 @@ a million items stored as with ten (tests/db/test_plans.py holds its plan to tha
     specq_jobs{status}                         jobs by status
     specq_reconciler_actions_total{action}     runs, resent, settled, refilled, abandoned,
                                                database_errors (broker/reconciler.py)
+    specq_webhook_deliveries{status}           webhook deliveries pending, and given up
+                                               (failed) (db/webhooks.py)
+    specq_webhook_oldest_pending_seconds       age of the oldest delivery not made yet
+    specq_retention_swept_total{what}          what retention sweeps deleted or emptied:
+                                               files, file_bytes, outputs, jobs_emptied,
+                                               items_emptied, jobs_deleted, items_deleted,
+                                               deliveries
     specq_database_up, specq_broker_up         1 when the scrape read it, else 0
     specq_exporter_errors_total{source}        scrapes the database or the broker failed
 """
@@ -30,9 +37,11 @@ from typing import Any
 from sqlalchemy import and_, false, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from specq.api.retention import read_swept
 from specq.broker import dispatch
 from specq.broker.reconciler import ACTIONS, read_actions
 from specq.configs.settings import Settings, get_settings
+from specq.db import webhooks
 from specq.db.clock import db_now
 from specq.db.models import RUNNING, Chunk, Job, JobStatus
 from specq.db.session import session_factory
@@ -88,21 +97,23 @@ class ControlPlane:
             with self.sessions() as s:
                 rows = unfinished(s)
                 jobs = jobs_by_status(s)
+                hooks = webhooks.backlog(s)
         except Exception as exc:  # noqa: BLE001 (the database away: a gauge says so)
             log.warning("exporter: the database did not answer (%s: %s)", type(exc).__name__,
                         str(exc).splitlines()[0] if str(exc) else "")
             self.errors["database"] += 1
-            db_up, rows, jobs = 0, None, None
+            db_up, rows, jobs, hooks = 0, None, None, None
         try:
             client = dispatch.broker_client(self.settings)
             try:
                 actions = read_actions(client, self.settings)
+                swept = read_swept(client, self.settings)
             finally:
                 client.close()
         except Exception as exc:  # noqa: BLE001 (the broker's errors vary by transport)
             log.warning("exporter: the broker did not answer (%s)", exc)
             self.errors["broker"] += 1
-            broker_up, actions = 0, None
+            broker_up, actions, swept = 0, None, None
 
         if rows is not None and jobs is not None:
             yield from self._queue(rows, GaugeMetricFamily)
@@ -110,6 +121,20 @@ class ControlPlane:
             for status, n in jobs.items():
                 g.add_metric([status], n)
             yield g
+        if hooks is not None:
+            g = GaugeMetricFamily("specq_webhook_deliveries", "Webhook deliveries pending, and "
+                                  "given up after their retries (failed)", labels=["status"])
+            g.add_metric(["pending"], hooks[0])
+            g.add_metric(["failed"], hooks[1])
+            yield g
+            yield GaugeMetricFamily("specq_webhook_oldest_pending_seconds", "Age of the oldest "
+                                    "webhook delivery not made yet", value=hooks[2])
+        if swept is not None:
+            c = CounterMetricFamily("specq_retention_swept", "What retention sweeps deleted "
+                                    "or emptied, added up", labels=["what"])
+            for name, n in swept.items():
+                c.add_metric([name], n)
+            yield c
         if actions is not None:
             c = CounterMetricFamily("specq_reconciler_actions",
                                     "What the deployment's reconcilers did, added up",

@@ -142,6 +142,44 @@ class Settings(BaseSettings):
         16384, ge=1024, le=1024 * 1024, description="request headers larger than this are "
         "refused (431)")
 
+    # Webhooks: signed events when a batch or a job ends (db/webhooks.py, broker/webhooks.py).
+    webhook_allow_private: bool = Field(
+        False, description="let webhook URLs reach loopback, private, link-local and other "
+        "non-public addresses (off: no request forgery into the operator's network)")
+    webhook_allow_http: bool = Field(
+        False, description="let webhook URLs be plain http:// (off: https:// only)")
+    webhook_timeout: float = Field(
+        10.0, gt=0, le=300, description="seconds one webhook post may take (connect, send, "
+        "answer)")
+    webhook_backoff: float = Field(
+        5.0, gt=0, le=86400, description="first pause before a failed webhook is posted "
+        "again; doubles after each failure up to webhook_backoff_max")
+    webhook_backoff_max: float = Field(600.0, gt=0, le=86400)
+    webhook_retry_for: float = Field(
+        3 * 86400.0, gt=0, le=365 * 86400, description="seconds an event is retried after it "
+        "was made; then it is given up (status failed, every attempt kept)")
+    webhook_poll: float = Field(
+        1.0, gt=0, le=3600, description="seconds the sender waits when nothing is due")
+    # Retention (db/retention.py, `specq sweep`): unset keeps everything for ever.
+    retention_files: float | None = Field(
+        None, gt=0, description="seconds an uploaded file is kept when its upload names no "
+        "expires_after; unset: until deleted")
+    retention_outputs: float | None = Field(
+        None, gt=0, description="seconds a batch's output and error files (and its job's "
+        "results) are kept after the batch ends; unset: for ever")
+    retention_results: float | None = Field(
+        None, gt=0, description="seconds a finished job's results are kept (texts, or the "
+        "whole job: retention_keep_metrics); unset: for ever")
+    retention_keep_metrics: bool = Field(
+        True, description="a swept job keeps its rows and acceptance counters, its prompts "
+        "and outputs emptied; off: the job and its items are deleted")
+    retention_webhooks: float | None = Field(
+        2_592_000, gt=0, description="seconds a delivered or given-up webhook delivery "
+        "(and its attempts) is kept after it was made; unset: for ever")
+    retention_sweep_rows: int = Field(
+        1000, ge=1, le=1_000_000, description="rows one sweep statement changes (bounded "
+        "batches, each its own transaction)")
+
     @field_validator("*", mode="before")
     @classmethod
     def _whole_numbers(cls, value: Any, info: ValidationInfo) -> Any:
@@ -154,10 +192,11 @@ class Settings(BaseSettings):
                 raise ValueError("must be an integer") from None
         return value
 
-    @field_validator("device_hour_price", mode="before")
+    @field_validator("device_hour_price", "retention_files", "retention_outputs",
+                     "retention_results", "retention_webhooks", mode="before")
     @classmethod
-    def _unset_price(cls, value: Any) -> Any:
-        """An empty price is no price (compose passes ${SPECQ_DEVICE_HOUR_PRICE:-} on)."""
+    def _unset(cls, value: Any) -> Any:
+        """An empty value is no value (compose passes ${SPECQ_DEVICE_HOUR_PRICE:-} on)."""
         return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator(*_PATTERNS)

@@ -15,6 +15,7 @@ from typing import Any, cast
 from sqlalchemy import and_, func, select, update
 from sqlalchemy.orm import Session
 
+from specq.db import webhooks
 from specq.db.models import Batch, Chunk, File, FilePart, Item, Job, JobStatus, Tenant, utcnow
 from specq.db.session import changed
 
@@ -114,11 +115,15 @@ def list_batches(session: Session, *, tenant_id: int, after: str | None, limit: 
 def attach_job(session: Session, *, batch_id: int, job_id: int) -> None:
     session.execute(update(Batch).where(Batch.id == batch_id).values(
         job_id=job_id, status="submitted", in_progress_at=utcnow()))
+    # a job that ended before its batch knew it (a small job, quick workers): the batch's
+    # event now, since the job's end found no batch to announce
+    webhooks.job_ended(session, job_id=job_id, batch_only=True)
 
 
 def fail_batch(session: Session, *, batch_id: int, errors: list[dict[str, Any]]) -> None:
     session.execute(update(Batch).where(Batch.id == batch_id).values(
         status="failed", errors=errors, failed_at=utcnow()))
+    webhooks.batch_failed(session, batch_id=batch_id)  # its event, in this transaction
 
 
 def mark(session: Session, *, batch_id: int, column: str) -> bool:

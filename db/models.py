@@ -113,6 +113,8 @@ class Job(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # when the retention sweep emptied its results (db/retention.py); NULL: not swept
+    swept_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Item(Base):
@@ -282,6 +284,8 @@ class File(Base):
     stored_in: Mapped[str | None] = mapped_column(String(16))  # directory | database
     batch_id: Mapped[int | None] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # when the retention sweep deletes it (db/retention.py); NULL: kept
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)
 
 
 class FilePart(Base):
@@ -327,3 +331,75 @@ class Batch(Base):
     failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+# -- webhooks: who is told when a batch or a job ends (db/webhooks.py) --------------------
+
+
+class WebhookEndpoint(Base):
+    """A URL told of the events of one tenant's batches (``tenant_id``), or, with no tenant,
+    the operator's: told of every job's end. Its signing secret is kept as given out
+    (``whsec_`` and base64): signing needs the secret itself, so it cannot be hashed; it
+    is shown once, when made, and never logged."""
+
+    __tablename__ = "webhook_endpoints"
+    __table_args__ = (UniqueConstraint("openai_id", name="uq_webhook_endpoints_openai_id"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    openai_id: Mapped[str] = mapped_column(String(64))
+    tenant_id: Mapped[int | None] = mapped_column(
+        ForeignKey("tenants.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(200))
+    url: Mapped[str] = mapped_column(Text)
+    event_types: Mapped[list[str]] = mapped_column(JSON)
+    secret: Mapped[str] = mapped_column(String(100))
+    # the secret before a rotation that keeps it valid a while: posts are signed with both
+    # until ``previous_until`` (seconds since the epoch)
+    previous_secret: Mapped[str | None] = mapped_column(String(100))
+    previous_until: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class WebhookDelivery(Base):
+    """The outbox: one event for one endpoint, written in the transaction that ended the
+    batch or job. ``body`` is the exact JSON sent on every attempt; ``event_id`` is its
+    ``webhook-id``. pending until a 2xx (delivered) or until the retries run out (failed);
+    a sender holds it while it posts (``lease_until``, database clock)."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (
+        UniqueConstraint("event_id", "endpoint_id"),
+        Index("ix_webhook_deliveries_status_next_at", "status", "next_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    event_id: Mapped[str] = mapped_column(String(64))
+    endpoint_id: Mapped[int] = mapped_column(
+        ForeignKey("webhook_endpoints.id", ondelete="CASCADE"), index=True)
+    type: Mapped[str] = mapped_column(String(64))
+    body: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    created: Mapped[float] = mapped_column(Float)  # seconds since the epoch (database clock)
+    next_at: Mapped[float] = mapped_column(Float)  # not sent again before this
+    lease_owner: Mapped[str | None] = mapped_column(String(300))
+    lease_until: Mapped[float | None] = mapped_column(Float)
+    delivered_at: Mapped[float | None] = mapped_column(Float)
+    last_error: Mapped[str | None] = mapped_column(Text)
+
+
+class WebhookAttempt(Base):
+    """One post of a delivery: when, the answer's status code (NULL: none came), the error,
+    how long it took and which sender made it."""
+
+    __tablename__ = "webhook_attempts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    delivery_id: Mapped[int] = mapped_column(
+        ForeignKey("webhook_deliveries.id", ondelete="CASCADE"), index=True)
+    at: Mapped[float] = mapped_column(Float)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)
+    seconds: Mapped[float] = mapped_column(Float)
+    sender: Mapped[str] = mapped_column(String(300))

@@ -1,6 +1,7 @@
 -- A read-only PostgreSQL role for analysts and dashboards (docs/database.md): it can log in
--- and SELECT every table and view of the schema public (the metrics views included), and
--- nothing else: no INSERT, UPDATE, DELETE, TRUNCATE, no CREATE.
+-- and SELECT every table and view of the schema public (the metrics views included), but
+-- not the column of webhook signing secrets, and nothing else: no INSERT, UPDATE, DELETE,
+-- TRUNCATE, no CREATE.
 --
 -- Run it with psql, as the role that runs `specq migrate` (it owns the tables), in specq's
 -- database, the password in the environment (never on the command line):
@@ -48,3 +49,10 @@ REVOKE CREATE ON SCHEMA public FROM :"role";
 GRANT SELECT ON ALL TABLES IN SCHEMA public TO :"role";
 -- ... and those the migrations create later.
 ALTER DEFAULT PRIVILEGES FOR ROLE :"owner" IN SCHEMA public GRANT SELECT ON TABLES TO :"role";
+-- Except the webhook endpoints' signing secrets (db/webhooks.py): every other column of
+-- webhook_endpoints is readable (migration 0011 does the same for the roles it finds).
+SELECT format('REVOKE SELECT ON webhook_endpoints FROM %I', :'role')
+WHERE to_regclass('public.webhook_endpoints') IS NOT NULL \gexec
+SELECT format('GRANT SELECT (id, openai_id, tenant_id, name, url, event_types, created_at, '
+              'updated_at) ON webhook_endpoints TO %I', :'role')
+WHERE to_regclass('public.webhook_endpoints') IS NOT NULL \gexec

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 from sqlalchemy.sql.schema import ScalarElementColumnDefault
 from sqlalchemy.types import JSON
 
-from specq.db import chunks, views
+from specq.db import chunks, views, webhooks
 from specq.db.models import RUNNING, UNFINISHED, Chunk, Item, ItemStatus, Job, JobStatus, utcnow
 from specq.db.outcomes import COLUMNS as OUTCOME_COLUMNS
 from specq.db.outcomes import Outcome
@@ -151,6 +151,8 @@ def set_job_status(
     if status.finished:
         values["finished_at"] = utcnow()
     session.execute(update(Job).where(Job.id == job_id).values(**values))
+    if status.finished:
+        webhooks.job_ended(session, job_id=job_id)  # its events, in this transaction
 
 
 def note_job_error(session: Session, *, job_id: int, error: str) -> None:
@@ -405,12 +407,14 @@ def settle_job(session: Session, *, job_id: int) -> JobStatus:
     pending = select(Item.index).where(Item.job_id == job_id, Item.status == PENDING).exists()
     ends = case((Job.status == JobStatus.cancelling.value, JobStatus.cancelled.value),
                 else_=JobStatus.completed.value)
-    session.execute(
+    ended = changed(session.execute(
         update(Job)
         .where(Job.id == job_id, Job.status.in_(RUNNING), ~pending)
         .values(status=ends, finished_at=utcnow())
         .execution_options(synchronize_session=False)
-    )
+    ))
+    if ended:  # this call ended it: its events, in this transaction
+        webhooks.job_ended(session, job_id=job_id)
     return JobStatus(session.scalar(select(Job.status).where(Job.id == job_id)))
 
 

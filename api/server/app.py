@@ -8,6 +8,7 @@ number of servers can serve the same database. Each request names its tenant by 
     files.py     /v1/files: upload (streamed, checked line by line), list, get, content, delete
     batches.py   /v1/batches: create, get, list, cancel; the Batch object; expiry
     outputs.py   a batch's output and error files, made from its items as they are read
+    webhooks.py  /v1/webhook_endpoints: a tenant's endpoints, told when its batches end
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from fastapi import FastAPI
 from starlette.concurrency import run_in_threadpool
 
 from specq.api.client import Client
-from specq.api.server import batches, errors, files
+from specq.api.server import batches, errors, files, webhooks
 from specq.configs.presets import load_presets
 from specq.configs.settings import Settings, get_settings
 
@@ -57,6 +58,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     errors.install(app)
     app.include_router(files.router)
     app.include_router(batches.router)
+    app.include_router(webhooks.router)
     _mount_metrics(app, settings)
     app.add_middleware(errors.HeaderLimit, limit=settings.api_max_header_bytes)
     return app

@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from specq.api.inputs import MAX_PROBLEMS
+from specq.api.retention import upload_expiry
 from specq.api.server import outputs
 from specq.api.server.auth import caller
 from specq.api.server.errors import ApiError, not_found
@@ -28,7 +29,7 @@ from specq.api.server.uploads import (
 )
 from specq.configs.settings import Settings
 from specq.db import batches as store
-from specq.db.models import File
+from specq.db.models import File, utcnow
 from specq.db.tenants import Caller
 
 router = APIRouter()
@@ -52,7 +53,7 @@ def aware(when: datetime) -> datetime:
 def file_object(f: File) -> dict[str, Any]:
     return {"id": f.openai_id, "object": "file", "bytes": f.bytes or 0,
             "created_at": unix(f.created_at), "filename": f.filename,
-            "purpose": f.purpose, "status": "processed", "expires_at": None,
+            "purpose": f.purpose, "status": "processed", "expires_at": unix(f.expires_at),
             "status_details": None}
 
 
@@ -96,7 +97,14 @@ async def upload_file(request: Request, who: Who) -> dict[str, Any]:
             raise _too_large(limit)
         if scan.problems:
             raise refused(scan.problems)
-        row = await run_in_threadpool(_store, request.app.state.client, settings, who, up)
+        created = utcnow()
+        try:
+            expires = upload_expiry(up.fields, settings, created)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="expires_after",
+                           code="invalid_expires_after") from None
+        row = await run_in_threadpool(_store, request.app.state.client, settings, who, up,
+                                      created, expires)
         kept = True
         return file_object(row)
     except MultipartError as exc:
@@ -120,13 +128,15 @@ def refused(problems: list[Problem], what: str = "nothing was stored") -> ApiErr
                     param=first.param or "file", code=first.code)
 
 
-def _store(client: Any, settings: Settings, who: Caller, up: Upload) -> File:
+def _store(client: Any, settings: Settings, who: Caller, up: Upload,
+           created: datetime | None = None, expires: datetime | None = None) -> File:
     openai_id = "file-" + secrets.token_hex(12)
     with client.sessions.begin() as s:
         row = store.add_file(
             s, openai_id=openai_id, tenant_id=who.tenant_id, kind="input", purpose="batch",
             filename=up.filename, bytes=up.size, lines=up.scan.lines,
-            stored_in=settings.api_file_store)
+            stored_in=settings.api_file_store, created_at=created or utcnow(),
+            expires_at=expires)
         if settings.api_file_store == "database":
             with up.path.open("rb") as f:
                 for part, data in enumerate(iter(lambda: f.read(PART_BYTES), b"")):

@@ -96,3 +96,26 @@ def test_a_database_or_broker_away_is_a_gauge_not_an_error(client):
     got = scrape(no_db)
     assert got[("specq_database_up", ())] == 0 and got[("specq_broker_up", ())] == 1
     assert not any(k[0].startswith(("specq_unfinished", "specq_jobs")) for k in got)
+
+
+def test_webhook_backlog_and_retention_counts(client):
+    from specq.api.retention import SweepReport, count_swept, swept_key
+    from specq.db import webhooks
+
+    with client.sessions.begin() as s:
+        webhooks.add_endpoint(s, url="http://127.0.0.1:9/h", tenant_id=None,
+                              allow_private=True, allow_http=True)
+    for _ in range(3):  # each ends at once: three job.cancelled deliveries pending
+        client.submit(["x"], pair="tiny", enqueue=False).cancel()
+    count_swept(client.settings, SweepReport(files=2, file_bytes=300, items_emptied=7))
+    try:
+        got = scrape(client.settings)
+    finally:
+        redis.Redis(host="127.0.0.1", port=6379, db=15).delete(swept_key(client.settings))
+    assert got[("specq_webhook_deliveries", (("status", "pending"),))] == 3
+    assert got[("specq_webhook_deliveries", (("status", "failed"),))] == 0
+    assert 0 <= got[("specq_webhook_oldest_pending_seconds", ())] < 600
+    swept = {dict(k[1])["what"]: v for k, v in got.items()
+             if k[0] == "specq_retention_swept_total"}
+    assert swept["files"] == 2 and swept["file_bytes"] == 300 and swept["items_emptied"] == 7
+    assert swept["jobs_deleted"] == 0

@@ -95,7 +95,13 @@ def test_the_role_reads_everything_and_writes_nothing(pg_url, role):
     with reader.connect() as conn:
         assert conn.scalar(text("SHOW default_transaction_read_only")) == "on"
         for name in [*views.VIEWS.tables, *tables]:
-            conn.execute(text(f'SELECT * FROM "{name}" LIMIT 1')).all()
+            if name != "webhook_endpoints":
+                conn.execute(text(f'SELECT * FROM "{name}" LIMIT 1')).all()
+        # every column of the webhook endpoints but their signing secrets
+        conn.execute(text("SELECT id, url, event_types FROM webhook_endpoints")).all()
+        with pytest.raises(DBAPIError, match="permission denied"):
+            conn.execute(text("SELECT secret FROM webhook_endpoints")).all()
+        conn.rollback()
         # not only read-only by default: without the privileges, even in a writable
         # transaction
         conn.execute(text("SET default_transaction_read_only = off"))
@@ -138,3 +144,29 @@ def test_no_role_without_a_password(pg_url, role, password):
     assert done.returncode != 0 and "READONLY_PASSWORD is not set" in done.stderr
     with create_engine(pg_url).connect() as conn:
         assert conn.scalar(text("SELECT 1 FROM pg_roles WHERE rolname = :r"), {"r": role}) is None
+
+
+def test_a_role_made_before_the_webhook_tables_cannot_read_their_secrets():
+    """Migration 0011 creates webhook_endpoints after the role exists (default privileges
+    grant it the table): the migration takes the secret column back."""
+    from tests.conftest import fresh_pg_database
+
+    with fresh_pg_database() as url:
+        migrate(url, "0010")
+        role = f"specq_ro_{uuid.uuid4().hex[:8]}"
+        assert compose_readonly(url, role, "3333cccc").returncode == 0
+        migrate(url)
+        reader = as_role(url, role)
+        try:
+            with reader.connect() as conn:
+                conn.execute(text("SELECT id, url, event_types FROM webhook_endpoints")).all()
+                conn.execute(text("SELECT * FROM webhook_deliveries")).all()
+                with pytest.raises(DBAPIError, match="permission denied"):
+                    conn.execute(text("SELECT previous_secret FROM webhook_endpoints")).all()
+        finally:
+            reader.dispose()
+            owner = create_engine(url, isolation_level="AUTOCOMMIT")
+            with owner.connect() as conn:
+                conn.execute(text(f'DROP OWNED BY "{role}"'))
+                conn.execute(text(f'DROP ROLE "{role}"'))
+            owner.dispose()
