@@ -551,9 +551,11 @@ class Job:
         return state
 
     def wait(
-        self, progress: bool = True, poll: float = 0.5, timeout: float | None = None
+        self, progress: bool = False, poll: float = 0.5, timeout: float | None = None
     ) -> JobState:
-        """Block until the job is completed, failed or cancelled; returns its last state."""
+        """Block until the job is completed, failed or cancelled; returns its last state.
+        ``progress=True`` draws a progress bar on stderr (none by default: a library call
+        prints nothing unasked); ``timeout`` seconds, then TimeoutError."""
         deadline = None if timeout is None else time.monotonic() + timeout
         state = self.status()
         if state.note:
