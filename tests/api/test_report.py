@@ -86,3 +86,20 @@ def test_one_chunk_of_draft_lengths_is_a_bar_with_a_note():
     m = JobMetrics(**{**DRAFTED.__dict__, "draft_length_over_time": [1.5]})
     ax = drawn(m)["draft length over time"]
     assert not ax.lines and len(ax.patches) == 1 and "one chunk: mean g 1.50" in texts(ax)
+
+
+def test_grammar_forced_drafts_are_drafts_of_their_own_kind():
+    """A structured job whose drafts were all forced by its grammar, proposed at g = 0: the
+    table does not pair 'mean draft length 0' with a mean acceptance length of 5 and leave
+    the drafts unexplained; it counts draft tokens per draft step by kind."""
+    m = JobMetrics(
+        job_id=14, status="completed", total=2, completed=2, failed=0, cancelled=0, pending=0,
+        wall_time=1.0, draft_steps=10, proposed=40, accepted=40, forced_proposed=40,
+        forced_accepted=40, accepted_by_position=[10, 10, 10, 10], target_passes=30,
+        new_tokens=60, steps_by_draft_length=[30], verify_time=0.9, pair="tiny",
+        drafter="prompt_lookup")
+    text = format_metrics(m)
+    assert "mean acceptance length  5.00" in text
+    assert "draft tokens per step   4.00  (0 from the drafter, 40 forced by a grammar" in text
+    assert "grammar drafts          1.00" in text and "never drafted" not in text
+    assert "draft tokens per step   -" in format_metrics(NEVER)
