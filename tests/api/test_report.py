@@ -103,3 +103,25 @@ def test_grammar_forced_drafts_are_drafts_of_their_own_kind():
     assert "draft tokens per step   4.00  (0 from the drafter, 40 forced by a grammar" in text
     assert "grammar drafts          1.00" in text and "never drafted" not in text
     assert "draft tokens per step   -" in format_metrics(NEVER)
+
+
+def test_a_single_chunk_job_has_a_course_over_time(db_client, tmp_path):
+    """A job of one chunk is drawn at the grain of its items: draft length and throughput
+    over time have several points, not one bar with a note."""
+    from specq.configs.presets import get_preset
+    from specq.configs.settings import Settings
+    from specq.worker.pairs import load_pair
+    from specq.worker.tasks import run_inline
+
+    engine = load_pair(get_preset("tiny-fixed"),
+                       Settings(data_dir=db_client.settings.data_dir)).engine(max_batch_size=2)
+    lines = [{"prompt": f"Count to {i}:", "max_new_tokens": 3 + 3 * i} for i in range(6)]
+    job = db_client.submit(lines, pair="tiny-fixed", enqueue=False, chunk_size=100)
+    run_inline(sessions=db_client.sessions, engine=engine, pair="tiny-fixed", job_id=job.id,
+               progress=False)
+    m = job.metrics()
+    assert m.completed == 6
+    assert len(m.draft_length_over_time) == 6 and len(m.throughput_over_time) > 1
+    p = drawn(m)
+    for title in ("draft length over time", "throughput over time"):
+        assert "one chunk" not in texts(p[title]) and p[title].lines, title
