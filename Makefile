@@ -17,8 +17,9 @@ $(VENV)/.installed: pyproject.toml
 	-git config core.hooksPath .githooks 2>/dev/null  # commit subjects of 72 characters at most
 	touch $@
 
+# the metrics table at the end; `make demo DEMO_FLAGS=--json` prints them as JSON
 demo: venv
-	$(VENV)/bin/specq run examples/prompts.jsonl --pair smollm2-135m --output results.jsonl
+	$(VENV)/bin/specq run examples/prompts.jsonl --pair smollm2-135m --output results.jsonl $(DEMO_FLAGS)
 
 services:
 	bash .ci/services

@@ -247,6 +247,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("file", help="a JSONL file, or - for standard input")
     s.add_argument("--pair", default="smollm2-135m")
     s.add_argument("--output", "-o", default="results.jsonl", type=_output)
+    s.add_argument("--json", action="store_true",
+                   help="print the job's metrics as JSON (default: the table of specq metrics)")
     _job_flags(s)
     s.set_defaults(func=cmd_run)
 
@@ -485,7 +487,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     m = job.metrics()
     print(f"job {job.id}: {m.completed} completed, {m.failed} failed; {n} results in "
           f"{args.output}; {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    print(json.dumps(_summary(m.as_dict()), indent=2))
+    if args.json:
+        print(json.dumps(_summary(m.as_dict()), indent=2))
+    else:
+        from specq.api.report import format_metrics
+
+        print(format_metrics(m))
     return 0 if m.pending == 0 else 1
 
 

@@ -551,9 +551,11 @@ class Job:
         return state
 
     def wait(
-        self, progress: bool = True, poll: float = 0.5, timeout: float | None = None
+        self, progress: bool = False, poll: float = 0.5, timeout: float | None = None
     ) -> JobState:
-        """Block until the job is completed, failed or cancelled; returns its last state."""
+        """Block until the job is completed, failed or cancelled; returns its last state.
+        ``progress=True`` draws a progress bar on stderr (none by default: a library call
+        prints nothing unasked); ``timeout`` seconds, then TimeoutError."""
         deadline = None if timeout is None else time.monotonic() + timeout
         state = self.status()
         if state.note:
@@ -615,6 +617,9 @@ class Job:
                 "accepted_by_position": repo.accepted_by_position(s, job_id=self.id),
                 "steps_by_draft_length": repo.steps_by_draft_length(s, job_id=self.id)}
             timeline = repo.chunk_timeline(s, job_id=self.id)
+            if len(timeline) < 10 and rows[0]["total"] <= repo.ITEM_TIMELINE_MAX:
+                # too few chunks for a course over time: the items', as they finished
+                timeline = repo.item_timeline(s, job_id=self.id)
         row = rows[0]
         kind = counter_kinds()
         counts: dict[str, Any] = {s.value: row[s.value] for s in ItemStatus}
@@ -662,7 +667,8 @@ class Job:
 
 
 def _mean_g_by_tenths(timeline: list[tuple[Any, list[int]]]) -> list[float]:
-    """Mean draft length of the steps of each tenth of the job's chunks, in finishing order."""
+    """Mean draft length of the steps of each tenth of the timeline's rows (the job's chunks,
+    or its items: Job.metrics), in finishing order."""
     n = len(timeline)
     out = []
     for k in range(min(10, n)):

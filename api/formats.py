@@ -75,46 +75,66 @@ def check_output(path: str | os.PathLike, fmt: str = "jsonl") -> str:
 # -- sinks: where rows go, batch by batch ------------------------------------------------
 
 
+def part_path(path: str | os.PathLike) -> Path:
+    """Where a file is written before it is renamed to ``path``: beside it (the same file
+    system, so the rename is atomic), hidden, named for this process."""
+    target = Path(path)
+    return target.with_name(f".{target.name}.{os.getpid()}.part")
+
+
 class JsonlSink:
-    """One JSON object per line, to a file or to stdout (path "-")."""
+    """One JSON object per line, to a file or to stdout (path "-"). A file is written under
+    part_path and renamed at close(): a reader never sees half of it, and abort() leaves
+    nothing."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
-        self._out: IO[str] = (sys.stdout if self.path == "-"
-                              else open(self.path, "w", encoding="utf-8"))  # noqa: SIM115
+        self._part = None if self.path == "-" else part_path(self.path)
+        self._out: IO[str] = (sys.stdout if self._part is None
+                              else open(self._part, "w", encoding="utf-8"))  # noqa: SIM115
 
     def write(self, rows: list[dict[str, Any]]) -> None:
         self._out.writelines(_ENCODE(r) + "\n" for r in rows)
 
     def close(self) -> None:
-        if self._out is sys.stdout:
+        if self._part is None:
             self._out.flush()
         else:
             self._out.close()
+            os.replace(self._part, self.path)
+
+    def abort(self) -> None:
+        """Stop writing and remove what was written (stdout keeps what it printed)."""
+        if self._part is None:
+            self._out.flush()
+            return
+        self._out.close()
+        self._part.unlink(missing_ok=True)
 
 
 class ParquetSink:
-    """A Parquet file written one row group per write(); the schema is ``schema`` or the one
-    pyarrow infers from the first batch (a column that is all null there becomes string)."""
+    """A Parquet file written one row group per write(), under part_path and renamed at
+    close() (abort() leaves nothing). The schema is ``schema`` or one read from the first
+    batch by ``infer_schema``; a value that does not fit its column's type is written as
+    JSON text where the column is a string, refused (ValueError naming the column) where
+    it is not."""
 
     def __init__(self, path: str | os.PathLike, schema: pa.Schema | None = None) -> None:
         self.path = check_output(path, "parquet")
         self.schema = schema
+        self._part = part_path(self.path)
         self._writer: Any = None  # pyarrow.parquet.ParquetWriter, opened at the first rows
 
     def write(self, rows: list[dict[str, Any]]) -> None:
-        import pyarrow as pa
         import pyarrow.parquet as pq
 
         if not rows:
             return
         if self.schema is None:
-            inferred = pa.Table.from_pylist(rows).schema
-            self.schema = pa.schema([pa.field(f.name, pa.string()) if pa.types.is_null(f.type)
-                                     else f for f in inferred])
-        table = pa.Table.from_pylist(rows, schema=self.schema)
+            self.schema = infer_schema(rows)
+        table = arrow_table(rows, self.schema)
         if self._writer is None:
-            self._writer = pq.ParquetWriter(self.path, self.schema)
+            self._writer = pq.ParquetWriter(self._part, self.schema)
         self._writer.write_table(table, row_group_size=len(rows))
 
     def close(self) -> None:
@@ -123,9 +143,86 @@ class ParquetSink:
 
         if self._writer is None:  # no rows: still a valid, empty file
             pq.write_table(pa.Table.from_pylist([], schema=self.schema or pa.schema([])),
-                           self.path)
+                           self._part)
         else:
             self._writer.close()
+        os.replace(self._part, self.path)
+
+    def abort(self) -> None:
+        """Stop writing and remove what was written."""
+        try:
+            if self._writer is not None:
+                self._writer.close()
+        finally:
+            self._part.unlink(missing_ok=True)
+
+
+# -- Arrow types for rows whose values may not agree ---------------------------------------
+
+def _kind(value: Any) -> str:
+    """A value's column kind: null, bool, int, float, str or json (anything else, and an
+    integer Parquet's int64 cannot hold)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, int):
+        return "int" if -2**63 <= value < 2**63 else "json"
+    if isinstance(value, float):
+        return "float"
+    if isinstance(value, str):
+        return "str"
+    return "json"
+
+
+def column_type(kinds: set[str]) -> pa.DataType:
+    """The Arrow type of a column whose values have these kinds: the kind they agree on
+    (integers beside floats are floats), JSON text where they do not or are nested."""
+    import pyarrow as pa
+
+    kinds = kinds - {"null"}
+    if kinds == {"int", "float"}:
+        kinds = {"float"}
+    single = {"bool": pa.bool_(), "int": pa.int64(), "float": pa.float64(), "str": pa.string()}
+    if len(kinds) == 1 and next(iter(kinds)) in single:
+        return single[next(iter(kinds))]
+    return pa.string()  # JSON text, or all null
+
+
+def infer_schema(rows: Iterable[Mapping[str, Any]]) -> pa.Schema:
+    """A schema for rows of any shapes: every key seen (in first-seen order), typed by
+    column_type over its values."""
+    import pyarrow as pa
+
+    seen: dict[str, set[str]] = {}
+    for row in rows:
+        for key, value in row.items():
+            seen.setdefault(key, set()).add(_kind(value))
+    return pa.schema([(key, column_type(kinds)) for key, kinds in seen.items()])
+
+
+def _fit(value: Any, type_: pa.DataType) -> Any:
+    """``value`` as a column of ``type_`` holds it: JSON text in a string column."""
+    import pyarrow as pa
+
+    if value is None or isinstance(value, str) or not pa.types.is_string(type_):
+        return value
+    return _ENCODE(value)
+
+
+def arrow_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
+    """``rows`` as a table of ``schema``: values of string columns that are not text become
+    JSON text; a value that fits no typed column is a ValueError naming the column."""
+    import pyarrow as pa
+
+    columns = []
+    for field in schema:
+        values = [_fit(row.get(field.name), field.type) for row in rows]
+        try:
+            columns.append(pa.array(values, type=field.type))
+        except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:
+            raise ValueError(f"column {field.name}: {exc}") from None
+    return pa.Table.from_arrays(columns, schema=schema)
 
 
 Sink = JsonlSink | ParquetSink
@@ -139,7 +236,8 @@ def open_sink(path: str | os.PathLike, fmt: str, schema: pa.Schema | None = None
 
 
 def write_batches(sink: Sink, rows: Iterable[dict[str, Any]], batch: int = BATCH) -> int:
-    """Send ``rows`` to ``sink`` ``batch`` at a time and close it; returns the row count."""
+    """Send ``rows`` to ``sink`` ``batch`` at a time and close it; returns the row count. On
+    any failure the sink is aborted: no file, not half of one."""
     n = 0
     chunk: list[dict[str, Any]] = []
     try:
@@ -151,8 +249,10 @@ def write_batches(sink: Sink, rows: Iterable[dict[str, Any]], batch: int = BATCH
                 chunk = []
         sink.write(chunk)
         n += len(chunk)
-    finally:
-        sink.close()
+    except BaseException:
+        sink.abort()
+        raise
+    sink.close()
     return n
 
 
@@ -169,16 +269,30 @@ def counter_fields(names: tuple[str, ...] = SCALARS + ARRAYS) -> list[tuple[str,
 
 def params_type() -> pa.DataType:
     """The Parquet type of a line's sampling parameters: a struct of SamplingParams' fields
-    (null where the line did not give one)."""
+    (null where the line did not give one). Numbers and stop strings are typed as the model
+    validates them; anything else (response_format: an object of several shapes) is JSON
+    text."""
     import pyarrow as pa
 
     def arrow(annotation: Any) -> pa.DataType:
-        text = str(annotation)
-        return (pa.list_(pa.string()) if "list" in text else
-                pa.float64() if "float" in text else pa.int64())
+        if annotation in (int, int | None):
+            return pa.int64()
+        if annotation in (float, float | None):
+            return pa.float64()
+        if annotation == list[str]:
+            return pa.list_(pa.string())
+        return pa.string()  # JSON text
 
     return pa.struct([(name, arrow(f.annotation))
                       for name, f in SamplingParams.model_fields.items()])
+
+
+def _params_row(params: Mapping[str, Any] | None, type_: pa.DataType) -> dict[str, Any] | None:
+    """A line's parameters as params_type() holds them: its JSON-text fields encoded."""
+    if params is None:
+        return None
+    text = {f.name for f in type_ if f.type.equals("string")}
+    return {k: (_ENCODE(v) if k in text and v is not None else v) for k, v in params.items()}
 
 
 def result_schema(input: bool = True) -> pa.Schema:
@@ -212,6 +326,7 @@ def jsonl_rows(job: Job, input: bool = True) -> Iterator[dict[str, Any]]:
 def flat_rows(job: Job, input: bool = True) -> Iterator[dict[str, Any]]:
     """One flat row per item (result_schema(input)): counters as columns, acceptance rate
     derived."""
+    params = params_type() if input else None
     for item in job.results(batch=BATCH, input=input):
         c = item.counters
         proposed = c.get("proposed")
@@ -223,7 +338,8 @@ def flat_rows(job: Job, input: bool = True) -> Iterator[dict[str, Any]]:
             "acceptance_rate": acceptance_rate(c["accepted"], proposed) if proposed else None,
         }
         if input:
-            row["prompt"], row["params"] = item.prompt, item.params
+            row["prompt"] = item.prompt
+            row["params"] = _params_row(item.params, params)
             row["messages"] = None if item.messages is None else _ENCODE(item.messages)
         yield row
 

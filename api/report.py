@@ -24,6 +24,17 @@ NEVER_DRAFTED = "never drafted: no draft token was proposed, every step ran the 
 LABEL = 24  # width of format_metrics' labels
 
 
+def _drafts_per_step(m: JobMetrics) -> str:
+    """Draft tokens per draft step, the companion of mean acceptance length (1 + accepted
+    per draft step), split by kind: the drafter's and those a grammar forced (proposed at
+    any g, g = 0 included, so the g above does not show them)."""
+    if not m.draft_steps:
+        return "-"
+    own = m.proposed - m.forced_proposed
+    return (f"{m.proposed / m.draft_steps:.2f}  ({own} from the drafter, {m.forced_proposed} "
+            f"forced by a grammar, over {m.draft_steps} steps with drafts)")
+
+
 def format_metrics(m: JobMetrics) -> str:
     """The figures a user asks of a finished or running job, one per line (each written by
     api/figures.py, as every other command writes it)."""
@@ -40,7 +51,9 @@ def format_metrics(m: JobMetrics) -> str:
                           f"each)"),
         ("estimated speedup", f"{shown('estimated_speedup', m.estimated_speedup, drafted=drafted(m))}"  # noqa: E501
                               f"  (tokens per pass x verify share; flat verify cost)"),
-        ("mean draft length g", shown("mean_draft_length", m.mean_draft_length)),
+        ("mean draft length g", f"{shown('mean_draft_length', m.mean_draft_length)}"
+                                f"  (the drafter's, chosen per step)"),
+        ("draft tokens per step", _drafts_per_step(m)),
     ]
     if not drafted(m):
         rows.append(("drafting", NEVER_DRAFTED))

@@ -58,6 +58,7 @@ from specq.api.formats import (
     OutputError,
     check_output,
     counter_fields,
+    infer_schema,
     open_sink,
     write_batches,
 )
@@ -419,14 +420,9 @@ def write_output(client: Client, job_id: int) -> Path:
     path = output_path(spec, job_id)
     path.parent.mkdir(parents=True, exist_ok=True)
     fmt = spec.output.resolved_format()
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.part")
-    schema = None
-    if fmt == "parquet":
-        seed_fields = _seed_schema(spec)
-        schema = pa.schema(seed_fields + SAMPLE_SCHEMA) if seed_fields is not None else None
+    schema = pa.schema(_seed_schema(spec) + SAMPLE_SCHEMA) if fmt == "parquet" else None
     dropped: list[int] = []
-    n = write_batches(open_sink(tmp, fmt, schema), _output_rows(client, spec, job_id, dropped))
-    os.replace(tmp, path)
+    n = write_batches(open_sink(path, fmt, schema), _output_rows(client, spec, job_id, dropped))
     with client.sessions.begin() as s:
         repo.set_output_path(s, job_id=job_id, path=str(path))
     log.info("synthesis %s: job %d: %d rows written to %s%s", spec.name, job_id, n, path,
@@ -435,18 +431,17 @@ def write_output(client: Client, job_id: int) -> Path:
     return path
 
 
-def _seed_schema(spec: SynthSpec) -> list[pa.Field] | None:
-    """The seed columns' Arrow fields: the file's own for Parquet, strings for CSV, None
-    (inferred from the first batch) otherwise."""
+def _seed_schema(spec: SynthSpec) -> list[pa.Field]:
+    """The seed columns' Arrow fields: the file's own for Parquet, strings for CSV; for JSONL
+    and inline rows, read from all of them (formats.infer_schema: typed where the rows
+    agree, JSON text where they do not)."""
     fmt, seed = spec.resolved_seed_format(), spec.seed_data
-    if isinstance(seed, list):  # fmt "inline"
-        return None
+    if isinstance(seed, list) or fmt == "jsonl":
+        return list(infer_schema(seed_rows(spec)))
     if fmt == "parquet":
         return list(pq.read_schema(seed))
-    if fmt == "csv":
-        with open(seed, encoding="utf-8", newline="") as f:
-            return [pa.field(c, pa.string()) for c in next(csv.reader(f), [])]
-    return None
+    with open(seed, encoding="utf-8", newline="") as f:  # csv
+        return [pa.field(c, pa.string()) for c in next(csv.reader(f), [])]
 
 
 def _output_rows(client: Client, spec: SynthSpec, job_id: int,

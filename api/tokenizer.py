@@ -20,6 +20,8 @@ import json
 import logging
 import os
 import shutil
+import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from functools import lru_cache
@@ -195,8 +197,18 @@ def _local(source: ModelSource, data_dir: Path) -> tuple[Path, dict]:
         ["config.json", "tokenizer.json", "tokenizer_config.json"]
     snapshot = _hub_cache(where, needed, kwargs.get("revision"))
     if snapshot is None:
-        raise TokenizerUnavailable(f"no cached tokenizer for {where} (a hub model)")
+        raise TokenizerUnavailable(f"no cached tokenizer for {where} ({_what(source, where)})")
     return snapshot, kwargs
+
+
+def _what(source: ModelSource, where: str) -> str:
+    """What a model without files on this machine is, as a note says it."""
+    if source.tiny:
+        return "a tiny test model not built on this machine yet: a worker or `specq run` " \
+               "of the pair builds it"
+    if Path(where).is_absolute() or where.startswith((".", "~")):
+        return "a local path that does not exist on this machine"
+    return "a hub model not in this machine's hub cache"
 
 
 def _hub_cache(repo: str, names: list[str], revision: str | None) -> Path | None:
@@ -281,21 +293,71 @@ def _download(repo: str, name: str, kwargs: dict, required: bool = True) -> Path
 
 
 def _gguf_context(path: Path) -> int:
-    from gguf import GGUFReader
+    """The context length a GGUF file's metadata gives ({arch}.context_length), else 2**31.
 
-    reader = GGUFReader(str(path))
-    arch = _gguf_value(reader, "general.architecture")
-    value = _gguf_value(reader, f"{arch}.context_length")
-    return int(value) if value is not None else 2**31
+    Read from the header alone, stopping at the key: gguf's GGUFReader parses every field
+    first (a 49,152-token vocabulary: 1-8 s of a submit on a busy 2-core host)."""
+    found = _gguf_header(path, lambda key: key == "general.architecture"
+                         or key.endswith(".context_length"))
+    value = found.get(f"{found.get('general.architecture')}.context_length")
+    return int(value) if isinstance(value, int) else 2**31
 
 
-def _gguf_value(reader: Any, key: str) -> Any:
-    field = reader.fields.get(key)
-    if field is None:
-        return None
-    part = field.parts[field.data[0]]
-    return bytes(part).decode() if field.types and field.types[0].name == "STRING" \
-        else part[0]
+# GGUF metadata value types: their struct formats (8: string, 9: array)
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q",
+                 11: "q", 12: "d"}
+
+
+def _gguf_header(path: Path, wanted: Callable[[str], bool]) -> dict[str, Any]:
+    """The scalar and string values of the GGUF metadata keys ``wanted`` accepts, read in
+    order until the key that ends the search (its architecture's context_length) or the
+    end of the metadata; arrays (the vocabulary) are skipped without being decoded.
+    TokenizerUnavailable for a file that is not GGUF (v2 or later, little-endian)."""
+    def read(fmt: str) -> Any:
+        size = struct.calcsize("<" + fmt)
+        data = f.read(size)
+        if len(data) != size:
+            raise TokenizerUnavailable(f"{path}: GGUF metadata cut short")
+        return struct.unpack("<" + fmt, data)[0]
+
+    def text() -> str:
+        return f.read(read("Q")).decode("utf-8", "replace")
+
+    def skip(kind: int) -> None:
+        if kind == 8:
+            f.seek(read("Q"), 1)
+        elif kind == 9:
+            inner, count = read("I"), read("Q")
+            if inner in _GGUF_SCALARS:
+                f.seek(struct.calcsize("<" + _GGUF_SCALARS[inner]) * count, 1)
+            else:
+                for _ in range(count):
+                    skip(inner)
+        elif kind in _GGUF_SCALARS:
+            read(_GGUF_SCALARS[kind])
+        else:
+            raise TokenizerUnavailable(f"{path}: unknown GGUF value type {kind}")
+
+    found: dict[str, Any] = {}
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF" or read("I") not in (2, 3):
+            raise TokenizerUnavailable(f"{path}: not a GGUF file (v2 or v3, little-endian)")
+        read("Q")  # tensors
+        for _ in range(read("Q")):  # metadata keys
+            key, kind = text(), read("I")
+            if not wanted(key):
+                skip(kind)
+                continue
+            if kind == 8:
+                found[key] = text()
+            elif kind in _GGUF_SCALARS:
+                found[key] = read(_GGUF_SCALARS[kind])
+            else:
+                skip(kind)
+            arch = found.get("general.architecture")
+            if arch is not None and f"{arch}.context_length" in found:
+                break
+    return found
 
 
 def _export(where: str, kwargs: dict, folder: Path, trust_remote_code: bool,

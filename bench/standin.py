@@ -47,7 +47,7 @@ def standin_generate(self: SpeculativeEngine, requests: Iterable[Request],
 def install() -> None:
     SpeculativeEngine.generate = standin_generate  # type: ignore[method-assign]
     SpeculativeEngine.calibrate = (  # type: ignore[method-assign]
-        lambda self, *a, **k: None)  # nothing to calibrate
+        lambda self, *a, **k: [])  # nothing to calibrate
 
 
 def main(argv: list[str]) -> None:

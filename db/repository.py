@@ -513,6 +513,24 @@ def chunk_timeline(session: Session, *, job_id: int) -> list[tuple[Any, Any, int
             for t0, t1, tokens, steps in session.execute(stmt)]
 
 
+ITEM_TIMELINE_MAX = 10_000  # items a timeline is read at the grain of (a job this small)
+
+
+def item_timeline(session: Session, *, job_id: int) -> list[tuple[Any, Any, int, list[int]]]:
+    """chunk_timeline's rows at the grain of items (start, finish, new tokens,
+    steps_by_draft_length of each finished item, in finishing order), for a job of at most
+    ITEM_TIMELINE_MAX items: one of a single chunk or a few still has a course over time."""
+    c = Item.__table__.c
+    stmt = (
+        select(c.started_at, c.finished_at, c.new_tokens, c.steps_by_draft_length)
+        .where(c.job_id == job_id, c.finished_at.is_not(None))
+        .order_by(c.finished_at, c.index)
+        .limit(ITEM_TIMELINE_MAX)
+    )
+    return [(t0, t1, int(tokens or 0), list(steps or []))
+            for t0, t1, tokens, steps in session.execute(stmt)]
+
+
 def elapsed(first: datetime | None, last: datetime | None) -> float | None:
     """Seconds between two stored timestamps (SQLite hands them back without a zone)."""
     if first is None or last is None:

@@ -61,6 +61,12 @@ class WorkerMetrics:
                                     "Draft tokens proposed (proposed)")
         self.accepted_tokens = counter("specq_spec_decode_num_accepted_tokens",
                                        "Draft tokens accepted (accepted)")
+        self.forced_draft_tokens = counter(
+            "specq_spec_decode_num_forced_draft_tokens",
+            "Draft tokens a grammar forced, of those proposed (forced_proposed)")
+        self.forced_accepted_tokens = counter(
+            "specq_spec_decode_num_forced_accepted_tokens",
+            "Forced draft tokens accepted, of those accepted (forced_accepted)")
         self._accepted_per_pos = counter(
             "specq_spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position, 0 the first (accepted_by_position)",
@@ -122,6 +128,8 @@ class WorkerMetrics:
                 self.num_drafts.inc(c.draft_steps)
                 self.draft_tokens.inc(c.proposed)
                 self.accepted_tokens.inc(c.accepted)
+                self.forced_draft_tokens.inc(c.forced_proposed)
+                self.forced_accepted_tokens.inc(c.forced_accepted)
                 self.draft_seconds.inc(c.draft_time)
                 self.verify_seconds.inc(c.verify_time)
                 for i, n in enumerate(c.accepted_by_position):

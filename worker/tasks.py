@@ -35,6 +35,7 @@ from specq.schema.generation import Request
 from specq.worker import metrics, threads
 from specq.worker.attempts import ChunkItem, Stopped, generate_with_retries
 from specq.worker.backoff import Backoff, retry_db
+from specq.worker.costs import CostCache, start_costs
 from specq.worker.device import DeviceLost, is_device_lost
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.keeper import ChunkKeeper
@@ -180,9 +181,20 @@ def start_up(settings: Settings, name: str | None = None) -> dict[str, float]:
     engine = worker_engine(name)
     engine.generate([Request(prompt="Hello", max_new_tokens=2)])
     phase("warm_up")
-    engine.calibrate()
+    _costs[name] = start_costs(engine, worker_pair(name).preset, settings.data_dir,
+                               settings.calibration_budget)
     phase("calibrate")
     return phases
+
+
+_costs: dict[str, CostCache] = {}  # pair -> its cost cache, once start_up has made it
+
+
+def save_costs(name: str) -> None:
+    """Keep the pair's step costs as its steps have refined them (worker/costs.py); a
+    no-op for a pair this process did not start with start_up."""
+    if name in _costs:
+        _costs[name].save()
 
 
 def _exit_unstarted(settings: Settings, hostname: str, exc: BaseException) -> NoReturn:
@@ -235,6 +247,7 @@ def generate_chunk(self, job_id: int, start: int, end: int) -> dict[str, Any]:
             hostname=self.request.hostname or socket.gethostname(), settings=settings,
             send_next=True,
         )
+        save_costs(worker_pair().preset.name)
     except DeviceLost as exc:
         log.critical("the device is unusable (%s): this worker exits (status %d) for its "
                      "supervisor to restart it; chunk [%d, %d) of job %d goes to another",
@@ -438,3 +451,4 @@ def run_inline(
             run_chunk(sessions=sessions, engine=engine, pair=pair, job_id=job_id, start=start,
                       end=end, hostname=hostname, settings=settings,
                       on_item=lambda: bar.update(1))
+            save_costs(pair)

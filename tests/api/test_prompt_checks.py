@@ -148,3 +148,49 @@ def test_a_hub_error_says_gated_missing_or_unreachable(error, says, monkeypatch)
     problem = hub_problem(error, "org/model", "config.json")
     assert (problem is None) if says is None else (says in problem and
                                                    problem.startswith("org/model"))
+
+
+def test_a_note_says_what_kind_of_model_has_no_tokenizer_here(tmp_path):
+    """A tiny test model not built yet, a local path that is not there and a hub id not in
+    the hub's cache are each named as what they are (a tiny model is no 'hub model')."""
+    from specq.api.tokenizer import TokenizerUnavailable, target_context
+    from specq.configs.presets import ModelSource, PairPreset
+    from specq.configs.settings import Settings
+
+    settings = Settings(data_dir=tmp_path / "data")
+    cases = {"a tiny test model not built": ModelSource(tiny="target"),
+             "a local path that does not exist": ModelSource(path=str(tmp_path / "nowhere")),
+             "a hub model not in this machine's hub cache":
+                 ModelSource(path="someone/not-cached-anywhere")}
+    for want, source in cases.items():
+        preset = PairPreset(name="p", target=source, drafter="prompt_lookup")
+        with pytest.raises(TokenizerUnavailable, match=want) as got:
+            target_context(preset, settings)
+        assert ("hub model" in str(got.value)) is want.startswith("a hub")
+
+
+def test_a_gguf_context_is_read_from_the_header_alone(tmp_path):
+    """The context of a GGUF file, as gguf's own reader gives it, without parsing the
+    vocabulary: a file whose context key comes after a large token array, and one with
+    none (2**31); a file that is not GGUF is refused, naming it."""
+    import gguf
+
+    from specq.api.tokenizer import TokenizerUnavailable, _gguf_context
+
+    for context in (4096, None):
+        path = tmp_path / f"m{context}.gguf"
+        writer = gguf.GGUFWriter(str(path), "llama")
+        writer.add_token_list([f"tok{i}" for i in range(5000)])
+        writer.add_array("llama.some_numbers", list(range(100)))
+        if context:
+            writer.add_context_length(context)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.close()
+        reader = gguf.GGUFReader(str(path))
+        field = reader.fields.get("llama.context_length")
+        want = int(field.parts[field.data[0]][0]) if field else 2**31
+        assert _gguf_context(path) == want == (context or 2**31)
+    (tmp_path / "x.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(TokenizerUnavailable, match="x.gguf: not a GGUF file"):
+        _gguf_context(tmp_path / "x.gguf")

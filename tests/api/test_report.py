@@ -86,3 +86,42 @@ def test_one_chunk_of_draft_lengths_is_a_bar_with_a_note():
     m = JobMetrics(**{**DRAFTED.__dict__, "draft_length_over_time": [1.5]})
     ax = drawn(m)["draft length over time"]
     assert not ax.lines and len(ax.patches) == 1 and "one chunk: mean g 1.50" in texts(ax)
+
+
+def test_grammar_forced_drafts_are_drafts_of_their_own_kind():
+    """A structured job whose drafts were all forced by its grammar, proposed at g = 0: the
+    table does not pair 'mean draft length 0' with a mean acceptance length of 5 and leave
+    the drafts unexplained; it counts draft tokens per draft step by kind."""
+    m = JobMetrics(
+        job_id=14, status="completed", total=2, completed=2, failed=0, cancelled=0, pending=0,
+        wall_time=1.0, draft_steps=10, proposed=40, accepted=40, forced_proposed=40,
+        forced_accepted=40, accepted_by_position=[10, 10, 10, 10], target_passes=30,
+        new_tokens=60, steps_by_draft_length=[30], verify_time=0.9, pair="tiny",
+        drafter="prompt_lookup")
+    text = format_metrics(m)
+    assert "mean acceptance length  5.00" in text
+    assert "draft tokens per step   4.00  (0 from the drafter, 40 forced by a grammar" in text
+    assert "grammar drafts          1.00" in text and "never drafted" not in text
+    assert "draft tokens per step   -" in format_metrics(NEVER)
+
+
+def test_a_single_chunk_job_has_a_course_over_time(db_client, tmp_path):
+    """A job of one chunk is drawn at the grain of its items: draft length and throughput
+    over time have several points, not one bar with a note."""
+    from specq.configs.presets import get_preset
+    from specq.configs.settings import Settings
+    from specq.worker.pairs import load_pair
+    from specq.worker.tasks import run_inline
+
+    engine = load_pair(get_preset("tiny-fixed"),
+                       Settings(data_dir=db_client.settings.data_dir)).engine(max_batch_size=2)
+    lines = [{"prompt": f"Count to {i}:", "max_new_tokens": 3 + 3 * i} for i in range(6)]
+    job = db_client.submit(lines, pair="tiny-fixed", enqueue=False, chunk_size=100)
+    run_inline(sessions=db_client.sessions, engine=engine, pair="tiny-fixed", job_id=job.id,
+               progress=False)
+    m = job.metrics()
+    assert m.completed == 6
+    assert len(m.draft_length_over_time) == 6 and len(m.throughput_over_time) > 1
+    p = drawn(m)
+    for title in ("draft length over time", "throughput over time"):
+        assert "one chunk" not in texts(p[title]) and p[title].lines, title

@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from specq.api.inputs import InputError
+from specq.db import repository as repo
 from specq.db.models import Item, Job, JobStatus
 
 
@@ -98,3 +99,17 @@ def test_an_empty_file_is_refused(db_client, tmp_path):
     path = write_jsonl(tmp_path / "empty.jsonl", [""])
     with pytest.raises(InputError, match="no prompts"):
         db_client.submit(path, pair="tiny", enqueue=False)
+
+
+def test_wait_draws_a_bar_only_when_asked(db_client, capsys):
+    """Job.wait() prints nothing unasked (a library call in someone's program);
+    progress=True draws the bar on stderr."""
+    job = db_client.submit(["one", "two"], pair="tiny", enqueue=False)
+    with db_client.sessions.begin() as s:
+        s.execute(update(Item).where(Item.job_id == job.id)
+                  .values(status="completed", output="x", finish_reason="stop"))
+        repo.settle_job(s, job_id=job.id)
+    assert job.wait(timeout=60).finished
+    assert capsys.readouterr() == ("", "")
+    assert job.wait(progress=True, timeout=60).finished
+    assert f"job {job.id}" in capsys.readouterr().err

@@ -28,7 +28,13 @@ def test_specq_run_on_the_example_file(tmp_path):
     expected = [json.loads(x)["custom_id"] for x in example.read_text().splitlines()]
     assert [x["custom_id"] for x in lines] == expected
     assert all(x["status"] == "completed" and x["output"] is not None for x in lines)
-    metrics = json.loads(proc.stdout)
+    # the table of `specq metrics` at the end; its JSON on request
+    assert "acceptance" in proc.stdout and f"{len(expected)} completed" in " ".join(
+        proc.stdout.split()), proc.stdout
+    shown = subprocess.run([sys.executable, "-m", "specq.api.cli", "metrics", "1", "--json"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert shown.returncode == 0, shown.stderr[-3000:]
+    metrics = json.loads(shown.stdout)
     assert metrics["completed"] == len(expected)
     # the tiny draft is as large as its target (c ~ 1): the calibrated engine may rightly
     # never draft; whatever it chose, the counters add up

@@ -88,6 +88,8 @@ def test_every_worker_counter_equals_the_database(metered):
         "specq_spec_decode_num_drafts_total": m.draft_steps,
         "specq_spec_decode_num_draft_tokens_total": m.proposed,
         "specq_spec_decode_num_accepted_tokens_total": m.accepted,
+        "specq_spec_decode_num_forced_draft_tokens_total": m.forced_proposed,
+        "specq_spec_decode_num_forced_accepted_tokens_total": m.forced_accepted,
     }
     for name, want in exact.items():
         assert one(got, name, **labels) == want, name

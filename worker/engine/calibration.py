@@ -57,31 +57,49 @@ def forwards(num_batch_sizes: int, num_widths: int, repeats: int = REPEATS) -> i
 
 @torch.inference_mode()
 def calibrate(engine: SpeculativeEngine, sizes: Iterable[int] | None = None,
-              prompt_tokens: int = PROMPT_TOKENS, repeats: int = REPEATS) -> None:
+              prompt_tokens: int = PROMPT_TOKENS, repeats: int = REPEATS,
+              budget: float | None = None) -> list[int]:
     """Record the engine's step costs in its policy at each batch size (by default
-    ``batch_sizes(max_batch_size)``), then forget the data the runs showed. A no-op for an
-    engine that does not adapt g."""
+    ``batch_sizes(max_batch_size)``), then forget the data the runs showed. Returns the
+    batch sizes measured; none for an engine that does not adapt g.
+
+    ``budget`` (seconds): the smallest batch size is always measured; a larger one only
+    while the time it should take (the last one's, scaled by the batch size) fits in what
+    is left. The policy learns the costs of the others from the steps it runs."""
     policy = engine.policy
     if not policy.adapts:
-        return
+        return []
     t0 = time.perf_counter()
     sizes = batch_sizes(engine.max_batch_size) if sizes is None else sorted(set(sizes))
     widths = sorted({1, 2, policy.default + 1})
     L = min(prompt_tokens, engine.context - repeats * sum(widths) - 1)
     if L < widths[-1]:
         log.warning("context of %d tokens too short to calibrate in", engine.context)
-        return
+        return []
     text = engine.tokenizer(CALIBRATION_TEXT, add_special_tokens=False).input_ids or [1, 2, 3]
     prompt = (text * (L // len(text) + 1))[:L]
+    measured: list[int] = []
+    spent_last = 0.0
     for B in sizes:
+        spent = time.perf_counter() - t0
+        if measured and budget is not None:
+            last = measured[-1]
+            if spent + spent_last * B / last > budget:
+                log.info("calibration: batch size %d left to the steps (budget %.1f s)", B,
+                         budget)
+                continue
+        start = time.perf_counter()
         verify = _verify_times(engine, B, prompt, widths, repeats)
         drafts = _draft_step_times(engine, B, prompt, repeats)
         # the fastest run, weighted as all of them: a calibrated width is trusted at once
         policy.record_costs(B, {n: [min(t)] * repeats for n, t in verify.items()},
                             [min(drafts)] * repeats)
+        spent_last = time.perf_counter() - start
+        measured.append(B)
     policy.forget_data()
-    log.info("calibrated at batch sizes %s in %.1f s: %s", sizes, time.perf_counter() - t0,
-             policy.snapshot()["t_verify"])
+    log.info("calibrated at batch sizes %s in %.1f s: %s", measured,
+             time.perf_counter() - t0, policy.snapshot()["t_verify"])
+    return measured
 
 
 def _verify_times(engine: SpeculativeEngine, B: int, prompt: list[int], widths: list[int],

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
+from typing import Any
 
 # Each constant exists for one reason.
 COST_DECAY = 0.9  # weight of a cost sample against the next one: costs follow the machine's load
@@ -40,6 +41,8 @@ PROBE_BUDGET = 0.02  # while g = 0 wins, probes at g = default (the only way to 
 # again) may cost this share of the decoding time...
 PROBE_GAP = 32  # ...and come at least this many steps apart, however cheap: a draft that
 # became useful again is found within this many steps
+PROBE_HOPE = 1.1  # a scored drafter is probed only while its acceptance would give this
+# speedup were a wide pass as cheap as a plain one (Shadowed)
 PLAIN_REFRESH = 32  # while drafting, a plain step at least this often: every g is judged
 # against the plain pass's cost, and a stale one (a calibration on a busy machine) misjudges all
 HISTORY = 1024  # g of the latest steps kept, for benchmarks and logs (a worker runs for days)
@@ -104,6 +107,29 @@ class CostTable:
                     n, _Decayed(COST_DECAY, STALL_CLIP)).add(t)
         for t in t_draft:
             self.draft.setdefault(batch, _Decayed(COST_DECAY, STALL_CLIP)).add(t)
+
+    def state(self) -> dict[str, Any]:
+        """The table as JSON (a calibration cache keeps it between processes): per batch
+        size, per width, the decayed mean's [weight, total]; and the draft token's."""
+        return {"verify": {str(b): {str(n): [d.weight, d.total] for n, d in t.items()}
+                           for b, t in self.verify.items()},
+                "draft": {str(b): [d.weight, d.total] for b, d in self.draft.items()}}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any], max_weight: float) -> CostTable:
+        """A table from state(), each mean's weight capped at ``max_weight``: costs kept from
+        an earlier run are a start that the steps of this one soon outweigh."""
+        def decayed(weight: float, total: float) -> _Decayed:
+            d = _Decayed(COST_DECAY, STALL_CLIP)
+            w = min(float(weight), max_weight)
+            d.weight, d.total = w, float(total) * w / float(weight)
+            return d
+
+        table = cls()
+        for b, widths in state["verify"].items():
+            table.verify[int(b)] = {int(n): decayed(*wt) for n, wt in widths.items()}
+        table.draft = {int(b): decayed(*wt) for b, wt in state["draft"].items()}
+        return table
 
     def ready(self, batch: int) -> bool:
         """A plain pass, a wide pass and a draft step are measured at this batch size."""
@@ -406,8 +432,8 @@ class DraftLengthPolicy:
 
 class Shadowed(DraftLengthPolicy):
     """A free drafter's proposals are scored while g = 0 (shadow.py): acceptance is seen
-    without drafting, so no probe is needed, and no hope either: a generation starts from
-    acceptance 0 and drafts once the scored proposals show it pays. (From the plain
+    without drafting, and a generation starts from acceptance 0 and drafts once the scored
+    proposals show it pays; probes only re-measure costs (``_probe_due``). (From the plain
     regime's prior of 1/2 it drafted its first steps at g = 3-4 whatever the data: on
     SmolLM2 at batch 4, where a wide pass costs 1.7-2x a plain one, that was 7 % of a
     synthesis run whose drafts then never paid.)"""
@@ -415,7 +441,20 @@ class Shadowed(DraftLengthPolicy):
     prior_alpha = 0.0
 
     def _probe_due(self) -> bool:
-        return False
+        """Acceptance needs no probe here, costs do: while g = 0 wins no wide pass is
+        measured, so a wide pass's cost taken on a busy machine (a calibration during
+        another job) would keep drafting off for good. Probes then come as in the plain
+        regime, but only while the scored proposals show drafting could pay were a wide
+        pass as cheap as a plain one (PROBE_HOPE)."""
+        g, td, t1, tg = self.default, self.t_draft, self.t_verify(1), self.t_verify(
+            self.default + 1)
+        tokens = expected_tokens(self.alpha, g, self.propose_rate)
+        if td is None or not t1 or not tg or tokens * t1 / (g * td + t1) < PROBE_HOPE:
+            return False
+        # its extra cost net of the tokens the scored acceptance says it yields, in plain
+        # steps: a probe of good drafts is cheap even where a stale wide pass looks dear
+        extra = max(0.0, (g * td + tg) / t1 - tokens)
+        return self.steps - self._drafted_at >= max(PROBE_GAP, extra / PROBE_BUDGET)
 
 
 class Widths(DraftLengthPolicy):

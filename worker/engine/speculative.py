@@ -222,9 +222,11 @@ class SpeculativeEngine:
         free = self.max_batch_size - len(self.rows)
         return free >= min(self.admit_group, waiting) or not self.rows
 
-    def calibrate(self, batch_sizes: Iterable[int] | None = None) -> None:
-        """Measure step costs before the first request (calibration.py)."""
-        calibration.calibrate(self, batch_sizes)
+    def calibrate(self, batch_sizes: Iterable[int] | None = None,
+                  budget: float | None = None) -> list[int]:
+        """Measure step costs before the first request, within ``budget`` seconds
+        (calibration.py); returns the batch sizes measured."""
+        return calibration.calibrate(self, batch_sizes, budget=budget)
 
     def reset(self) -> None:
         """Drop every row and both caches' contents: the state a failed generation left

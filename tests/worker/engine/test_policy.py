@@ -356,3 +356,23 @@ def test_the_widths_verdicts_teach_the_calibration_even_at_g_0(tiny_models, tiny
     history = list(engine.policy.history)
     assert history.count(0) > 0.8 * len(history)
     assert engine.policy.calibration(0.99) < 0.2
+
+
+def test_costs_taken_on_a_busy_machine_do_not_keep_a_scored_drafter_off():
+    """Shadowed (prompt lookup) calibrated while another job held the CPU: a wide pass
+    measured at 5x a plain one, though it costs 1.2x once the machine is quiet. The
+    scored proposals are good, so probes re-measure the wide pass and drafting resumes
+    within a few hundred steps; with useless proposals it never probes."""
+    for hits, drafts in ((4, True), (0, False)):
+        policy = Shadowed(default=4)
+        _costs(policy, 4, t1=0.10, wide=0.50, t_draft=0.0)
+        history = []
+        for _ in range(300):
+            g = policy.choose(batch=4)
+            history.append(g)
+            n = min(g, 4)
+            policy.observe(g, [n] * 4, [min(hits, n)] * 4, 0.0, 0.10 + 0.005 * g, g + 1)
+            if g == 0:
+                policy.observe_acceptance([4] * 4, [hits] * 4)
+        assert (sum(1 for g in history[-100:] if g) > 50) is drafts, history
+        assert any(history) is drafts
