@@ -22,6 +22,8 @@ from starlette.concurrency import run_in_threadpool
 
 from specq.api.client import Client
 from specq.api.server import batches, errors, files
+from specq.api.server.limits import Gate
+from specq.api.server.uploads import sweep_staging
 from specq.configs.presets import load_presets
 from specq.configs.settings import Settings, get_settings
 
@@ -45,6 +47,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        swept = sweep_staging(settings.files_dir / ".incoming")
+        if swept:
+            log.info("%d staging files of dead uploads deleted", swept)
         task = asyncio.create_task(_expire_now_and_then(app))
         yield
         task.cancel()
@@ -58,6 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(files.router)
     app.include_router(batches.router)
     _mount_metrics(app, settings)
+    app.add_middleware(Gate, settings=settings, client=app.state.client)
     app.add_middleware(errors.HeaderLimit, limit=settings.api_max_header_bytes)
     return app
 

@@ -24,6 +24,7 @@ from specq.api.server.uploads import (
     Upload,
     boundary_of,
     keep,
+    staging_path,
     store_path,
 )
 from specq.configs.settings import Settings
@@ -59,11 +60,7 @@ def file_object(f: File) -> dict[str, Any]:
 @router.post("/v1/files")
 async def upload_file(request: Request, who: Who) -> dict[str, Any]:
     settings: Settings = request.app.state.settings
-    limit = settings.api_max_file_bytes
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > 2 * limit + 65536:
-        raise _too_large(limit)  # far too large to be worth reading (a smaller excess is
-        # read and dropped, so that the client sees this answer, not a reset connection)
+    limit = settings.api_max_file_bytes  # the gate caps the body at limit + its form
     try:
         boundary = boundary_of(request.headers.get("content-type"))
     except MultipartError as exc:
@@ -80,8 +77,6 @@ async def upload_file(request: Request, who: Who) -> dict[str, Any]:
             if size >= PART_BYTES:
                 await run_in_threadpool(up.write, b"".join(pieces))
                 pieces, size = [], 0
-                if up.size > 2 * limit:  # refused already: stop reading
-                    raise _too_large(limit)
         await run_in_threadpool(up.write, b"".join(pieces))
         await run_in_threadpool(up.finish)
         purpose = up.fields.get("purpose")
@@ -206,9 +201,7 @@ def upload_path(client: Any, row: File) -> tuple[Path, bool]:
     settings = client.settings
     if row.stored_in != "database":
         return store_path(settings.files_dir, row.openai_id), False
-    incoming = settings.files_dir / ".incoming"
-    incoming.mkdir(parents=True, exist_ok=True)
-    path = incoming / f"{row.openai_id}-{secrets.token_hex(4)}.jsonl"
+    path = staging_path(settings.files_dir / ".incoming", ".jsonl")
     with path.open("wb") as out, client.sessions() as s:
         for data in store.iter_parts(s, file_id=row.id):
             out.write(data)

@@ -1,0 +1,195 @@
+"""The HTTP door tried as an attacker and an operator would: floods before and after the
+key, forms that never end, kills in the middle of a create or an upload, ids no database
+stores. A real `specq serve` (uvicorn in a subprocess) on PostgreSQL and Redis."""
+
+from __future__ import annotations
+
+import json
+import select
+import socket
+import threading
+import time
+from pathlib import Path
+
+import httpx2 as httpx
+import pytest
+
+from tests.pipeline.conftest import own_deployment
+from tests.pipeline.test_http import Server, new_key
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def abuse_settings(settings, tmp_path_factory):
+    return own_deployment(settings, "abuse", api_files_dir=tmp_path_factory.mktemp("files"),
+                          api_max_file_bytes=4 * MiB, api_max_file_lines=30_000)
+
+
+@pytest.fixture(scope="module")
+def door(abuse_settings, tmp_path_factory):
+    s = Server(abuse_settings, tmp_path_factory.mktemp("door") / "serve.log")
+    s.start()
+    yield s
+    s.stop()
+
+
+def rss(pid: int) -> int:
+    """The process's resident memory, in bytes."""
+    for row in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if row.startswith("VmRSS:"):
+            return int(row.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+class Peak:
+    """The highest RSS of a process while the block runs (sampled every few ms)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid, self.peak, self._stop = pid, 0, threading.Event()
+
+    def __enter__(self) -> Peak:
+        self.base = rss(self.pid)
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss(self.pid))
+            time.sleep(0.005)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss(self.pid))
+
+    @property
+    def growth(self) -> int:
+        return self.peak - self.base
+
+
+def flood(port: int, path: str, total: int, *, key: str | None = None,
+          chunked: bool = False, content_type: str = "application/json",
+          block: bytes | None = None, listen: bool = True) -> tuple[int, int, bytes]:
+    """POST ``total`` bytes (a block repeated: made lazily, never whole) as fast as the
+    server takes them, by Content-Length or chunked; (bytes sent, status, response body).
+    It stops sending once the server closed, or answered if ``listen``."""
+    block = block or (b"[" + b"1," * (MiB // 2 - 1) + b"1")
+    head = [f"POST {path} HTTP/1.1", "Host: door", f"Content-Type: {content_type}"]
+    if key:
+        head.append(f"Authorization: Bearer {key}")
+    head.append("Transfer-Encoding: chunked" if chunked else f"Content-Length: {total}")
+    sent = 0
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+        try:
+            while sent < total:
+                piece = block[:total - sent]
+                s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
+                sent += len(piece)
+                if listen and select.select([s], [], [], 0)[0]:
+                    break  # answered (or closed)
+            else:
+                if chunked:
+                    s.sendall(b"0\r\n\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = b""
+        try:
+            while b"\r\n\r\n" not in answer or not _whole(answer):
+                got = s.recv(65536)
+                if not got:
+                    break
+                answer += got
+        except ConnectionResetError:
+            pass
+    head_, _, body = answer.partition(b"\r\n\r\n")
+    assert head_, f"no answer after {sent} bytes"
+    return sent, int(head_.split()[1]), body
+
+
+def _whole(answer: bytes) -> bool:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    for row in head.split(b"\r\n"):
+        if row.lower().startswith(b"content-length:"):
+            return len(body) >= int(row.split(b":")[1])
+    return False
+
+
+def error_of(body: bytes) -> dict:
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    return err
+
+
+# -- 1. limits before anything is parsed ---------------------------------------------------
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
+def test_a_300_mb_body_is_refused_with_bounded_memory_with_and_without_a_key(
+        door, abuse_settings, chunked):
+    key = new_key(abuse_settings)
+    pid = door.proc.pid
+    for who, status, code in ((None, 401, "missing_api_key"),
+                              ("sk-specq-unknown", 401, "invalid_api_key"),
+                              (key, 413, "request_too_large")):
+        with Peak(pid) as peak:
+            sent, got, body = flood(door.port, "/v1/batches", 300 * MiB, key=who,
+                                    chunked=chunked)
+        assert got == status and error_of(body)["code"] == code, (who, body[:300])
+        assert peak.growth < 64 * MiB, f"{who}: the server grew {peak.growth / MiB:.0f} MiB"
+    # an upload past its limit (4 MiB here, and its form) too, chunked or not
+    with Peak(pid) as peak:
+        sent, got, body = flood(door.port, "/v1/files", 300 * MiB, key=key, chunked=chunked,
+                                content_type="multipart/form-data; boundary=xyz",
+                                block=b"--xyz\r\nContent-Disposition: form-data; "
+                                b'name="file"; filename="a.jsonl"\r\n\r\n' + b"{}\n" * MiB)
+    assert got == 413 and error_of(body)["code"] in ("request_too_large", "file_too_large")
+    assert peak.growth < 64 * MiB
+    assert sent < 300 * MiB or not chunked  # answered before the end
+    # the server still serves
+    assert httpx.get(f"{door.url}/batches", headers={"Authorization": f"Bearer {key}"},
+                     timeout=30).status_code == 200
+    assert list((abuse_settings.files_dir / ".incoming").iterdir()) == []
+
+
+
+def form(*parts: tuple[str, str | None, bytes], boundary: str = "b0undary") -> bytes:
+    out = b""
+    for name, filename, data in parts:
+        disposition = f'form-data; name="{name}"' + (f'; filename="{filename}"' if filename
+                                                     else "")
+        out += f"--{boundary}\r\nContent-Disposition: {disposition}\r\n\r\n".encode()
+        out += data + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode()
+
+
+FILE = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": ' \
+    b'{"model": "tiny-fixed", "messages": [{"role": "user", "content": "hi"}]}}\n'
+
+
+def test_an_upload_form_is_bounded_as_a_whole(door, abuse_settings):
+    """Fields past the form's count, a field or part headers too long: 400 as they arrive,
+    with memory bounded; unknown fields are dropped, and a form with a few still uploads."""
+    key = new_key(abuse_settings)
+    headers = {"Authorization": f"Bearer {key}",
+               "Content-Type": "multipart/form-data; boundary=b0undary"}
+    one_field = form(("x", None, b"y"))[:-len("--b0undary--\r\n")]
+    many = one_field * 200_000  # 200,000 extra fields (about 12 MB, chunked: no length)
+    with Peak(door.proc.pid) as peak:
+        sent, status, body = flood(door.port, "/v1/files", len(many), key=key, chunked=True,
+                                   content_type=headers["Content-Type"], block=many)
+    assert status == 400 and "more than 16 parts" in error_of(body)["message"]
+    assert peak.growth < 64 * MiB
+    long_field = form(("purpose", None, b"b" * 10_000), ("file", "a.jsonl", FILE))
+    long_head = (b"--b0undary\r\nContent-Disposition: form-data; name=\"file\"; "
+                 b"filename=\"a.jsonl\"\r\n" + (b"X-Pad: " + b"p" * 3000 + b"\r\n") * 4
+                 + b"\r\n" + FILE + b"\r\n--b0undary--\r\n")
+    for data, says in ((long_field, "longer than 4096"), (long_head, "headers are longer")):
+        got = httpx.post(f"{door.url}/files", content=data, headers=headers, timeout=30)
+        assert got.status_code == 400 and says in error_of(got.content)["message"], got.text
+    extra = form(("purpose", None, b"batch"), ("note", None, b"n" * 4000),
+                 ("file", "a.jsonl", FILE), ("user", None, b"ignored"))
+    got = httpx.post(f"{door.url}/files", content=extra, headers=headers, timeout=30)
+    assert got.status_code == 200 and got.json()["bytes"] == len(FILE), got.text
+    assert list((abuse_settings.files_dir / ".incoming").iterdir()) == []
