@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import and_, func, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from specq.db.models import Batch, Chunk, File, FilePart, Item, Job, JobStatus, Tenant, utcnow
@@ -44,9 +44,19 @@ def iter_parts(session: Session, *, file_id: int) -> Iterator[bytes]:
                                                            FilePart.part == part)).one()
 
 
+def _shown() -> Any:
+    """The files a tenant sees: all but the error file of a batch with no failed or
+    cancelled request yet (an empty error file is none; OpenAI's error_file_id is null
+    then). Read from the job's chunk counts, a few rows per thousand requests."""
+    has_errors = (select(Chunk.job_id).join(Batch, Batch.job_id == Chunk.job_id)
+                  .where(Batch.id == File.batch_id, Chunk.failed + Chunk.cancelled > 0)
+                  .exists())
+    return or_(File.kind != "error", has_errors)
+
+
 def get_file(session: Session, *, tenant_id: int, openai_id: str) -> File | None:
     return session.scalar(select(File).where(File.openai_id == openai_id,
-                                             File.tenant_id == tenant_id))
+                                             File.tenant_id == tenant_id, _shown()))
 
 
 def batch_files(session: Session, *, batch_id: int) -> dict[str, File]:
@@ -72,7 +82,7 @@ def _page(session: Session, model: Any, *, tenant_id: int, after: str | None, li
 
 def list_files(session: Session, *, tenant_id: int, after: str | None, limit: int,
                ascending: bool = False, purpose: str | None = None) -> tuple[list[File], bool]:
-    where = [] if purpose is None else [File.purpose == purpose]
+    where = [_shown()] + ([] if purpose is None else [File.purpose == purpose])
     return _page(session, File, tenant_id=tenant_id, after=after, limit=limit,
                  ascending=ascending, where=where)
 
@@ -111,14 +121,41 @@ def list_batches(session: Session, *, tenant_id: int, after: str | None, limit: 
     return _page(session, Batch, tenant_id=tenant_id, after=after, limit=limit)
 
 
-def attach_job(session: Session, *, batch_id: int, job_id: int) -> None:
-    session.execute(update(Batch).where(Batch.id == batch_id).values(
-        job_id=job_id, status="submitted", in_progress_at=utcnow()))
+def attach_job(session: Session, *, batch_id: int, job_id: int) -> bool:
+    """Give a validating batch its job; False if the batch is no longer validating (failed
+    by `fail_stale` meanwhile): the caller rolls the job back."""
+    return bool(changed(session.execute(
+        update(Batch).where(Batch.id == batch_id, Batch.status == "validating",
+                            Batch.job_id.is_(None))
+        .values(job_id=job_id, status="submitted", in_progress_at=utcnow()))))
 
 
-def fail_batch(session: Session, *, batch_id: int, errors: list[dict[str, Any]]) -> None:
-    session.execute(update(Batch).where(Batch.id == batch_id).values(
-        status="failed", errors=errors, failed_at=utcnow()))
+def fail_batch(session: Session, *, batch_id: int, errors: list[dict[str, Any]],
+               release_key: bool = False) -> None:
+    """The batch failed; ``release_key``: its Idempotency-Key is freed, so that a retry
+    with it makes a new batch (a failure of the server's, not of the request)."""
+    values: dict[str, Any] = {"status": "failed", "errors": errors, "failed_at": utcnow()}
+    if release_key:
+        values["idempotency_key"] = None
+    session.execute(update(Batch).where(Batch.id == batch_id, Batch.job_id.is_(None))
+                    .values(values))
+
+
+STUCK = [{"code": "batch_not_created", "line": None, "param": None,
+          "message": "the server stopped before this batch's job was stored; nothing of it "
+                     "runs. Create it again (the same Idempotency-Key makes a new batch)."}]
+
+
+def fail_stale(session: Session, *, before: datetime, batch_id: int | None = None) -> int:
+    """Fail the batches still validating, with no job, made before ``before`` (a create
+    whose server died before its job was committed: the job and the batch's link are one
+    transaction, so none was). Their Idempotency-Keys are freed. How many."""
+    stmt = update(Batch).where(Batch.status == "validating", Batch.job_id.is_(None),
+                               Batch.created_at < before)
+    if batch_id is not None:
+        stmt = stmt.where(Batch.id == batch_id)
+    return changed(session.execute(stmt.values(status="failed", errors=STUCK,
+                                               failed_at=utcnow(), idempotency_key=None)))
 
 
 def mark(session: Session, *, batch_id: int, column: str) -> bool:

@@ -6,7 +6,8 @@ window ends.
 Its status comes from its job (db/models.py: JobStatus), which the workers drive:
 
     validating   the batch row exists, its job not yet (a create still checking the file)
-    failed       the file failed the full check (``errors`` names each line), or the job failed
+    failed       the file failed the full check (``errors`` names each line), the create
+                 died before its job was stored (failed by the expiry pass), or the job failed
     in_progress  the job is queued or running
     finalizing   the window ended and the requests still running finish (then: expired)
     completed / cancelling / cancelled / expired   as the job ends
@@ -20,8 +21,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import secrets
+import signal
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
@@ -175,11 +178,22 @@ def expire(client: Client, batch_id: int, job_id: int) -> None:
 
 
 def expire_overdue(client: Client) -> int:
+    """One expiry pass: the batches past their window, and the creates that died (a batch
+    validating past api_validating_timeout with no job) failed."""
+    with client.sessions.begin() as s:
+        stuck = store.fail_stale(s, before=_stale_before(client))
+    if stuck:
+        log.warning("%d batches whose create died before their job was stored: failed",
+                    stuck)
     with client.sessions() as s:
         due = store.overdue(s)
     for batch_id, job_id in due:
         expire(client, batch_id, job_id)
-    return len(due)
+    return len(due) + stuck
+
+
+def _stale_before(client: Client) -> datetime:
+    return utcnow() - timedelta(seconds=client.settings.api_validating_timeout)
 
 
 def _fresh(client: Client, who: Caller, batch_id: str) -> dict[str, Any]:
@@ -327,6 +341,10 @@ def _replay(client: Client, who: Caller, key: str, digest: str) -> dict[str, Any
         batch = store.by_idempotency_key(s, tenant_id=who.tenant_id, key=key)
     if batch is None:
         return None
+    if batch.job_id is None and batch.status == "validating":
+        with client.sessions.begin() as s:  # a create that died: failed now, key freed
+            if store.fail_stale(s, before=_stale_before(client), batch_id=batch.id):
+                return None
     if batch.request_hash != digest:
         raise ApiError(409, "This Idempotency-Key was used with another request body; use a "
                        "new key for a new batch", code="idempotency_key_reused")
@@ -346,31 +364,56 @@ def _check_quota(client: Client, who: Caller, lines: int) -> None:
                        f"finish, or cancel some.", code="quota_exceeded")
 
 
+class _Gone(Exception):
+    """The batch stopped validating while its job was being stored (failed as stale)."""
+
+
+def fault(point: str) -> None:
+    """Tests only: SPECQ_API_FAULT=POINT kills this server (SIGKILL) at that point of a
+    create, as a crash would (tests/pipeline/test_http_abuse.py)."""
+    if os.environ.get("SPECQ_API_FAULT") == point:
+        log.warning("SPECQ_API_FAULT=%s: killing the server", point)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _submit(client: Client, batch: Batch, f: Any, pair: str, priority: str) -> None:
-    """The job of the batch: every line checked (Client.submit), stored and sent; a line
-    that fails the check fails the batch, naming it, and nothing else is stored."""
+    """The job of the batch: every line checked (Client.submit), then the job, its items,
+    the batch's link to it and its output and error files stored in one transaction; the
+    job is sent only after it commits. A line that fails the check fails the batch, naming
+    it, and nothing else is stored. A crash before the commit leaves the batch validating
+    with no job, which the expiry pass fails (`fail_stale`); after it, the whole batch."""
+    fault("batch")
+
+    def attach(s: Any, job_id: int) -> None:
+        if not store.attach_job(s, batch_id=batch.id, job_id=job_id):
+            raise _Gone
+        for kind in ("output", "error"):
+            store.add_file(s, openai_id="file-" + secrets.token_hex(12),
+                           tenant_id=batch.tenant_id, kind=kind, purpose="batch_output",
+                           filename=f"{batch.openai_id}_{kind}.jsonl", batch_id=batch.id)
+        fault("job")
+
     path, temporary = upload_path(client, f)
     try:
-        job = client.submit(path, pair=pair, priority=priority)
+        job = client.submit(path, pair=pair, priority=priority, within=attach)
     except InputError as exc:
         with client.sessions.begin() as s:
             store.fail_batch(s, batch_id=batch.id, errors=batch_errors(exc))
         return
+    except _Gone:
+        log.warning("batch %s: failed as stale while its job was stored; job rolled back",
+                    batch.openai_id)
+        return
     except Exception as exc:
         with client.sessions.begin() as s:
-            store.fail_batch(s, batch_id=batch.id, errors=[{
+            store.fail_batch(s, batch_id=batch.id, release_key=True, errors=[{
                 "code": "server_error", "line": None, "param": None,
                 "message": f"the batch could not be stored ({type(exc).__name__})"}])
         raise
     finally:
         if temporary:
             path.unlink(missing_ok=True)
-    with client.sessions.begin() as s:
-        store.attach_job(s, batch_id=batch.id, job_id=job.id)
-        for kind in ("output", "error"):
-            store.add_file(s, openai_id="file-" + secrets.token_hex(12),
-                           tenant_id=batch.tenant_id, kind=kind, purpose="batch_output",
-                           filename=f"{batch.openai_id}_{kind}.jsonl", batch_id=batch.id)
+    fault("sent")
     log.info("batch %s: job %d, %d requests on pair %s", batch.openai_id, job.id,
              f.lines or 0, pair)
 

@@ -49,11 +49,13 @@ class Server:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}  # more environment (SPECQ_API_FAULT)
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specq.api.cli", "serve", "--port", str(self.port)],
-            cwd=ROOT, env=subprocess_env(self.settings), stdout=self.log.open("a"),
+            cwd=ROOT, env={**subprocess_env(self.settings), **self.env},
+            stdout=self.log.open("a"),
             stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -339,9 +341,11 @@ def test_lists_page_newest_first(sdk):
     assert [b.id for b in sdk.batches.list(limit=2)] == made[::-1]  # the SDK pages by after
     files = sdk.files.list(limit=1)
     assert len(files.data) == 1 and files.has_more
-    assert len(list(sdk.files.list(limit=3))) == 1 + 2 * 5  # the input, 5 outputs, 5 errors
+    # the input and 5 outputs; no error file while no request failed or was cancelled
+    assert len(list(sdk.files.list(limit=3))) == 1 + 5
     for b in made:
         sdk.batches.cancel(b)
+    assert len(list(sdk.files.list(limit=3))) == 1 + 2 * 5  # now 5 error files too
 
 
 def test_the_same_idempotency_key_gives_the_same_batch(sdk):

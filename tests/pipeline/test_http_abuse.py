@@ -5,17 +5,23 @@ stores. A real `specq serve` (uvicorn in a subprocess) on PostgreSQL and Redis."
 from __future__ import annotations
 
 import json
-import select
+import select as io
 import socket
 import threading
 import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx2 as httpx
 import pytest
+from sqlalchemy import func, select
 
+from specq.api.client import Client
+from specq.db.models import Batch, File, Job
+from tests.conftest import wait_until
 from tests.pipeline.conftest import own_deployment
-from tests.pipeline.test_http import Server, new_key
+from tests.pipeline.test_http import CHAT, Server, jsonl, line, new_key
 
 MiB = 1 << 20
 
@@ -88,7 +94,7 @@ def flood(port: int, path: str, total: int, *, key: str | None = None,
                 piece = block[:total - sent]
                 s.sendall(b"%x\r\n%s\r\n" % (len(piece), piece) if chunked else piece)
                 sent += len(piece)
-                if listen and select.select([s], [], [], 0)[0]:
+                if listen and io.select([s], [], [], 0)[0]:
                     break  # answered (or closed)
             else:
                 if chunked:
@@ -193,3 +199,94 @@ def test_an_upload_form_is_bounded_as_a_whole(door, abuse_settings):
     got = httpx.post(f"{door.url}/files", content=extra, headers=headers, timeout=30)
     assert got.status_code == 200 and got.json()["bytes"] == len(FILE), got.text
     assert list((abuse_settings.files_dir / ".incoming").iterdir()) == []
+
+
+# -- 2, 3. a create or an upload killed at any point ----------------------------------------
+
+def batches_and_orphans(settings, tenant_key_batches: list[str]) -> tuple[dict, int]:
+    """{batch id: (status, job id, its files)} of these batches, and the jobs of this
+    deployment (its queue prefix) that no batch points at."""
+    with Client(settings).sessions() as s:
+        rows = {b.openai_id: (b.status, b.job_id, s.scalar(
+                    select(func.count()).select_from(File).where(File.batch_id == b.id)))
+                for b in s.scalars(select(Batch).where(Batch.openai_id.in_(tenant_key_batches)))}
+        linked = select(Batch.job_id).where(Batch.job_id.is_not(None))
+        orphans = s.scalar(select(func.count()).select_from(Job).where(
+            Job.queue.like(f"{settings.queue_prefix}.%"), Job.id.not_in(linked)))
+    return rows, orphans
+
+
+def test_kill_9_during_a_create_or_an_upload_leaves_nothing_stuck(abuse_settings, tmp_path):
+    """The server is killed (SIGKILL) after the batch row is stored, inside the job's
+    transaction, and after the job is sent; and in the middle of an upload. After a restart:
+    no batch stays validating, no job without its batch, no staging file left; a retry with
+    the same Idempotency-Key makes a new batch where the first had no job."""
+    settings = abuse_settings.model_copy(update={
+        "queue_prefix": f"{abuse_settings.queue_prefix}-kill", "api_validating_timeout": 2.0,
+        "api_expire_every": 0.5})
+    key = new_key(settings)
+    auth = {"Authorization": f"Bearer {key}"}
+    incoming = settings.files_dir / ".incoming"
+    server = Server(settings, tmp_path / "serve.log")
+    server.start()
+    f = httpx.post(f"{server.url}/files", headers=auth, data={"purpose": "batch"}, timeout=60,
+                   files={"file": ("in.jsonl", jsonl([line(f"r{i}", "hello") for i in range(
+                       200)]))}).json()
+    # an upload killed half way: its staging file is left behind by the dead server
+    big = 4 * MiB  # the upload limit here (50 MB is past it: refused unread)
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(f"POST /v1/files HTTP/1.1\r\nHost: d\r\nAuthorization: Bearer {key}\r\n"
+                  f"Content-Type: multipart/form-data; boundary=xyz\r\n"
+                  f"Content-Length: {big}\r\n\r\n".encode())
+        s.sendall(b'--xyz\r\nContent-Disposition: form-data; name="file"; '
+                  b'filename="a.jsonl"\r\n\r\n' + FILE * 15_000)
+        wait_until(lambda: any(p.stat().st_size for p in incoming.glob("*.part")), 60,
+                   "the upload staged")
+        server.proc.kill()
+        server.proc.wait(30)
+    assert list(incoming.iterdir())
+
+    made = {point: uuid.uuid4().hex for point in ("batch", "job", "sent")}  # -> its key
+    dying = {point: Server(settings, tmp_path / f"serve-{point}.log") for point in made}
+    for point, d in dying.items():
+        d.env = {"SPECQ_API_FAULT": point}
+    with ThreadPoolExecutor(len(dying)) as pool:  # (started side by side: faster)
+        list(pool.map(Server.start, dying.values()))
+    for point, d in dying.items():
+        with pytest.raises(httpx.TransportError):
+            httpx.post(f"{d.url}/batches", timeout=120, json={
+                "input_file_id": f["id"], "endpoint": CHAT, "completion_window": "24h"},
+                headers={**auth, "Idempotency-Key": made[point]})
+        assert d.proc.wait(30) == -9
+
+    server.start()  # a restart: the staging directory swept, the dead creates failed
+    try:
+        assert list(incoming.iterdir()) == []
+        listed = httpx.get(f"{server.url}/batches", headers=auth, timeout=30).json()["data"]
+        assert len(listed) == 3  # "job" made a batch row, then died before its job
+        ids = [b["id"] for b in listed]
+
+        def settled():
+            rows, orphans = batches_and_orphans(settings, ids)
+            return (rows, orphans) if all(r[0] != "validating" for r in rows.values()) else None
+
+        rows, orphans = wait_until(settled, 60, "the dead creates failed")
+        assert orphans == 0
+        assert sorted((status, job is not None, files) for status, job, files in rows.values()
+                      ) == [("failed", False, 0), ("failed", False, 0), ("submitted", True, 2)]
+        for point, idem in made.items():
+            again = httpx.post(f"{server.url}/batches", timeout=120, json={
+                "input_file_id": f["id"], "endpoint": CHAT, "completion_window": "24h"},
+                headers={**auth, "Idempotency-Key": idem})
+            assert again.status_code == 200 and again.json()["status"] == "in_progress"
+            first = [b for b in listed if rows[b["id"]][1] is not None]
+            if point == "sent":  # it was whole: the same batch
+                assert again.json()["id"] == first[0]["id"]
+            else:
+                assert again.json()["id"] not in ids
+        stuck = [b for b in httpx.get(f"{server.url}/batches", headers=auth,
+                                      timeout=30).json()["data"] if b["status"] == "failed"]
+        assert {b["errors"]["data"][0]["code"] for b in stuck} == {"batch_not_created"}
+        assert batches_and_orphans(settings, [])[1] == 0
+    finally:
+        server.stop()
