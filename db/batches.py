@@ -8,6 +8,7 @@ and paged by an object's id (``after``), as OpenAI pages them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, cast
@@ -19,6 +20,26 @@ from specq.db.models import Batch, Chunk, File, FilePart, Item, Job, JobStatus, 
 from specq.db.session import changed
 
 UNFINISHED = tuple(s.value for s in JobStatus if not s.finished)
+OPENAI_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the ids made here: file-HEX, batch_HEX
+
+
+def could_be_id(text: str) -> bool:
+    """Whether ``text`` has the shape of an id made here. Anything else (a NUL, a lone
+    surrogate, a quote) is no file's or batch's, and is never sent to the database, which
+    may refuse to even compare it (PostgreSQL and NUL)."""
+    return OPENAI_ID.fullmatch(text) is not None
+
+
+def storable(text: str) -> bool:
+    """Whether every database stores ``text`` as it is: no NUL (PostgreSQL refuses it in
+    text) and no lone surrogate (not UTF-8)."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # -- files --------------------------------------------------------------------------------
@@ -55,6 +76,8 @@ def _shown() -> Any:
 
 
 def get_file(session: Session, *, tenant_id: int, openai_id: str) -> File | None:
+    if not could_be_id(openai_id):
+        return None
     return session.scalar(select(File).where(File.openai_id == openai_id,
                                              File.tenant_id == tenant_id, _shown()))
 
@@ -70,6 +93,8 @@ def _page(session: Session, model: Any, *, tenant_id: int, after: str | None, li
     first (oldest first if ``ascending``), and whether more follow."""
     stmt = select(model).where(model.tenant_id == tenant_id, *where)
     if after is not None:
+        if not could_be_id(after):
+            raise KeyError(after)
         seq = session.scalar(select(model.id).where(model.openai_id == after,
                                                     model.tenant_id == tenant_id))
         if seq is None:
@@ -106,6 +131,8 @@ def add_batch(session: Session, **columns: Any) -> Batch:
 
 
 def get_batch(session: Session, *, tenant_id: int, openai_id: str) -> Batch | None:
+    if not could_be_id(openai_id):
+        return None
     return session.execute(
         select(Batch).where(Batch.openai_id == openai_id, Batch.tenant_id == tenant_id)
         .execution_options(populate_existing=True)).scalar_one_or_none()

@@ -73,6 +73,8 @@ class BatchCreate(BaseModel):
                 raise ValueError("at most 16 keys")
             if any(len(k) > 64 or len(v) > 512 for k, v in value.items()):
                 raise ValueError("keys of at most 64 characters, values of at most 512")
+            if not all(store.storable(k) and store.storable(v) for k, v in value.items()):
+                raise ValueError("keys and values without NUL characters or lone surrogates")
         return value
 
 
@@ -265,6 +267,9 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
     settings = client.settings
     digest = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True)
                             .encode()).hexdigest()
+    if idempotency_key is not None and not store.storable(idempotency_key):
+        raise ApiError(400, "Idempotency-Key: must not hold NUL characters", code="invalid_value",
+                       param="Idempotency-Key")
     if idempotency_key is not None:
         seen = _replay(client, who, idempotency_key, digest)
         if seen is not None:

@@ -137,6 +137,9 @@ def list_files(request: Request, who: Who,
                limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
                order: Literal["asc", "desc"] = "desc",
                purpose: Annotated[str | None, Query(max_length=32)] = None) -> dict[str, Any]:
+    if purpose is not None and not store.storable(purpose):
+        raise ApiError(400, "purpose: must not hold NUL characters or lone surrogates",
+                       param="purpose", code="invalid_value")
     with request.app.state.client.sessions() as s:
         try:
             rows, more = store.list_files(s, tenant_id=who.tenant_id, after=after, limit=limit,

@@ -25,6 +25,8 @@ from typing import Any
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from specq.api.inputs import MAX_CUSTOM_ID, MAX_PROBLEMS, OPENAI_URLS, show
+from specq.api.server.errors import shown
+from specq.db.batches import storable
 
 MAX_LINE_BYTES = 64 * 1024 * 1024  # one request line
 # the form around the file, bounded as a whole (OpenAI's upload has two parts)
@@ -133,6 +135,11 @@ class LineScan(_Lines):
             self._fail(f"expected a request object, got {type(value).__name__}", n,
                        code="invalid_json_line")
             return
+        where = unstorable(value) if b"\\u" in raw else None  # (only escapes make them)
+        if where is not None:
+            self._fail(f"{where}: holds a NUL character or a lone surrogate (\\u0000, "
+                       "\\ud800...), which cannot be stored", n, where, "invalid_value")
+            return
         self._request(value, n)
 
     def _request(self, value: dict[str, Any], n: int) -> None:
@@ -204,6 +211,26 @@ class FileCheck(_Lines):
         if text[:1] != b"{" or text[-1:] != b"}":
             self._fail("not a JSON object: a batch file is JSONL, one request object per "
                        "line", n, code="invalid_json_line")
+
+
+def unstorable(value: Any) -> str | None:
+    """The path (body.messages[0].content) of the first string in a parsed JSON value,
+    key or value, holding a NUL or a lone surrogate; None if there is none."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not storable(v):
+                return path or "line"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                key = f"{path}.{k}" if path else k
+                if not storable(k):
+                    return shown(key)
+                stack.append((key, item))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+    return None
 
 
 class MultipartError(ValueError):
@@ -302,7 +329,8 @@ class Upload:
         if name == "file" and filename is not None:
             if self.filename is not None:
                 raise MultipartError("file: give one file per upload")
-            self.filename = filename.decode("utf-8", "replace")[:512] or "upload.jsonl"
+            name = "".join(c for c in filename.decode("utf-8", "replace") if c.isprintable())
+            self.filename = name[:512] or "upload.jsonl"  # (no NUL nor control character)
             self._part = ""
             self._out = self.path.open("wb")
         else:

@@ -12,12 +12,16 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import quote
 
 import httpx2 as httpx
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from sqlalchemy import func, select
 
 from specq.api.client import Client
+from specq.db.batches import storable
 from specq.db.models import Batch, File, Job
 from tests.conftest import wait_until
 from tests.pipeline.conftest import own_deployment
@@ -290,3 +294,102 @@ def test_kill_9_during_a_create_or_an_upload_leaves_nothing_stuck(abuse_settings
         assert batches_and_orphans(settings, [])[1] == 0
     finally:
         server.stop()
+
+
+# -- 4. ids and bodies no database stores --------------------------------------------------
+
+NASTY = st.sampled_from(["\x00", "\ud800", "\udfff", "a\x00b", "\ufffd", "%00", "'", "\"",
+                         "\\", "../", "file-\x00", "batch_\ud83d", "\u202e", " ", "é" * 70])
+TEXT = st.one_of(NASTY, st.text(max_size=80), st.builds(lambda a, b: a + b, st.text(max_size=20),
+                                                        NASTY))
+
+
+def in_path(text: str) -> str:
+    """``text`` percent-encoded as a path segment (a lone surrogate as its 3 bytes)."""
+    return quote(text.encode("utf-8", "surrogatepass"), safe="")
+
+
+def refused_well(got: httpx.Response) -> None:
+    assert got.status_code < 500, got.text
+    if got.status_code >= 400:
+        error_of(got.content)
+
+
+@pytest.fixture(scope="module")
+def fuzzed(door, abuse_settings):
+    """An HTTP client of a new tenant, with one batch file of its own."""
+    key = new_key(abuse_settings)
+    with httpx.Client(base_url=door.url, timeout=60,
+                      headers={"Authorization": f"Bearer {key}"}) as http:
+        f = http.post("/files", data={"purpose": "batch"},
+                      files={"file": ("in.jsonl", jsonl([line("a", "hi")]))}).json()
+        yield http, f["id"]
+
+
+FUZZ = settings(max_examples=15, deadline=None, derandomize=True,
+                suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@FUZZ
+@given(ident=TEXT, query=TEXT)
+def test_fuzzed_ids_are_a_404_or_a_400_never_a_500(fuzzed, ident, query):
+    http, _ = fuzzed
+    segment = in_path(ident) or "x"
+    for method, path in (("GET", f"/files/{segment}"), ("GET", f"/files/{segment}/content"),
+                         ("DELETE", f"/files/{segment}"), ("GET", f"/batches/{segment}"),
+                         ("POST", f"/batches/{segment}/cancel")):
+        got = http.request(method, path)
+        assert got.status_code in (400, 404), (method, ident, got.text)
+        error_of(got.content)
+    q = in_path(query)
+    for path in (f"/files?after={q}", f"/files?purpose={q}", f"/batches?after={q}",
+                 f"/files?order={q}", f"/batches?limit={q}"):
+        refused_well(http.get(path))
+
+
+@FUZZ
+@given(input_file_id=TEXT, endpoint=st.one_of(st.just(CHAT), TEXT),
+       window=st.one_of(st.just("24h"), TEXT),
+       metadata=st.dictionaries(TEXT, TEXT, max_size=3), key=st.text(
+           st.characters(min_codepoint=0x20, max_codepoint=0xFF), max_size=40))
+def test_fuzzed_create_bodies_are_refused_cleanly(fuzzed, input_file_id, endpoint, window,
+                                                  metadata, key):
+    http, file_id = fuzzed
+    for fid in (input_file_id, file_id):
+        body = json.dumps({"input_file_id": fid, "endpoint": endpoint,
+                           "completion_window": window, "metadata": metadata})  # \u escapes
+        got = http.post("/batches", content=body, headers={
+            "Content-Type": "application/json",
+            **({"Idempotency-Key": key.encode("latin-1")} if key.strip() else {})})
+        refused_well(got)
+        if got.status_code == 200:
+            assert http.post(f"/batches/{got.json()['id']}/cancel").status_code == 200
+
+
+@FUZZ
+@given(custom_id=TEXT, content=TEXT, extra=st.dictionaries(TEXT, TEXT, max_size=2),
+       filename=TEXT)
+def test_fuzzed_request_lines_are_refused_naming_the_line(fuzzed, custom_id, content, extra,
+                                                          filename):
+    http, _ = fuzzed
+    request = {**line("ok", "fine"), "custom_id": custom_id}
+    request["body"]["messages"][0]["content"] = content
+    request["body"].update({f"x_{k}": v for k, v in extra.items()})
+    data = (json.dumps(line("first", "hello")) + "\n" + json.dumps(request) + "\n").encode()
+    up = http.post("/files", data={"purpose": "batch"}, files={
+        "file": (filename.encode("utf-8", "surrogatepass").decode("latin-1"), data)})
+    refused_well(up)
+    if up.status_code != 200:
+        return
+    before = len(http.get("/batches", params={"limit": 100}).json()["data"])
+    got = http.post("/batches", json={"input_file_id": up.json()["id"], "endpoint": CHAT,
+                                      "completion_window": "24h"})
+    refused_well(got)
+    texts = [custom_id, content, *extra, *extra.values()]
+    if not all(storable(t) for t in texts):  # refused at create, naming the line
+        assert got.status_code == 400, got.text
+        err = error_of(got.content)
+        assert err["code"] == "invalid_value" and "line 2" in err["message"], err
+        assert len(http.get("/batches", params={"limit": 100}).json()["data"]) == before
+    elif got.status_code == 200:
+        http.post(f"/batches/{got.json()['id']}/cancel")
