@@ -25,6 +25,7 @@ import os
 import re
 import secrets
 import signal
+import time
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
@@ -36,9 +37,9 @@ from specq.api.client import Client
 from specq.api.inputs import OPENAI_URLS, InputError
 from specq.api.server.auth import caller
 from specq.api.server.errors import ApiError, not_found
-from specq.api.server.files import aware, input_bytes, refused, unix, upload_path
+from specq.api.server.files import aware, input_bytes, unix, upload_path
 from specq.api.server.models import UnknownModel, resolve
-from specq.api.server.uploads import LineScan
+from specq.api.server.uploads import LineScan, Problem
 from specq.broker.names import PRIORITIES
 from specq.db import batches as store
 from specq.db import repository as repo
@@ -110,10 +111,11 @@ FIGURES = ("acceptance_rate", "mean_acceptance_length", "tokens_per_second",
            "engine_tokens_per_second", "estimated_speedup")
 
 
-def batch_object(batch: Batch, row: Any, files: dict[str, Any], lines: int | None
-                 ) -> dict[str, Any]:
+def batch_object(batch: Batch, row: Any, files: dict[str, Any], lines: int | None,
+                 note: str | None = None) -> dict[str, Any]:
     """OpenAI's Batch object; ``row``: its job's job_metrics row (None before the job),
-    ``files``: its output and error files, ``lines``: requests in its input file."""
+    ``files``: its output and error files, ``lines``: requests in its input file,
+    ``note``: why its requests wait (no live worker serves its pair)."""
     now = utcnow()
     status = status_of(batch, row["status"] if row else None, now)
     finished = unix(row["finished_at"]) if row else None
@@ -146,8 +148,28 @@ def batch_object(batch: Batch, row: Any, files: dict[str, Any], lines: int | Non
             "cancelled": row["cancelled"], "pending": row["pending"],
             "new_tokens": int(row["new_tokens"] or 0),
             **{k: None if row[k] is None else float(row[k]) for k in FIGURES},
+            "waiting": note if status == "in_progress" and row["pending"] else None,
         }
     return out
+
+
+NOTE_TTL = 5.0  # seconds a server keeps what it learnt of a pair's workers
+_notes: dict[str, tuple[float, str | None]] = {}
+
+
+def waiting_note(client: Client, row: Any) -> str | None:
+    """Why the requests of a job still running wait (no live worker serves its pair, the
+    broker cannot be reached), or None; asked of the broker at most every NOTE_TTL
+    seconds per pair by this server, so polls stay cheap."""
+    if row is None or JobStatus(row["status"]).finished or not row["pending"]:
+        return None
+    pair = row["pair"]
+    now = time.monotonic()
+    seen = _notes.get(pair)
+    if seen is None or now - seen[0] > NOTE_TTL:
+        seen = (now, client.serving_note(pair))
+        _notes[pair] = seen
+    return seen[1]
 
 
 def read_objects(client: Client, batches: list[Batch]) -> list[dict[str, Any]]:
@@ -159,7 +181,8 @@ def read_objects(client: Client, batches: list[Batch]) -> list[dict[str, Any]]:
         for b in batches:
             files = store.batch_files(s, batch_id=b.id) if b.job_id else {}
             lines = None if b.job_id else _lines_of(s, b)
-            out.append(batch_object(b, rows.get(b.job_id), files, lines))
+            row = rows.get(b.job_id)
+            out.append(batch_object(b, row, files, lines, waiting_note(client, row)))
     return out
 
 
@@ -216,7 +239,7 @@ def _fresh(client: Client, who: Caller, batch_id: str) -> dict[str, Any]:
         assert batch.job_id is not None  # due: its job's figures were read
         expire(client, batch.id, batch.job_id)
         return _fresh(client, who, batch_id)
-    return batch_object(batch, row, files, lines)
+    return batch_object(batch, row, files, lines, waiting_note(client, row))
 
 
 # -- routes -------------------------------------------------------------------------------
@@ -288,19 +311,23 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
     if f is None or f.kind != "input":
         raise not_found("File", body.input_file_id, param="input_file_id")
     scan = read_requests(client, f, request.app.state.presets)
-    if scan.url != body.endpoint:
+    # the request's own problems are a 400 (above); the lines' fail the batch, each named
+    failed = [line_error(p) for p in scan.problems]
+    if not failed and scan.url != body.endpoint:
         raise ApiError(400, f"endpoint: the file's requests are for {scan.url}, not "
                        f"{body.endpoint} (one endpoint per batch)", param="endpoint",
                        code="endpoint_mismatch")
-    preset = resolve(scan.model or "", request.app.state.presets)
-    _check_quota(client, who, scan.lines)
+    if not failed:
+        preset = resolve(scan.model or "", request.app.state.presets)
+        _check_quota(client, who, scan.lines)
     now = utcnow()  # one instant for both: expires_at - created_at is the window exactly
     try:
         with client.sessions.begin() as s:
             batch = store.add_batch(
                 s, openai_id="batch_" + secrets.token_hex(12), tenant_id=who.tenant_id,
-                key_id=who.key_id, status="validating", input_file_id=f.openai_id,
-                endpoint=body.endpoint, model=scan.model,
+                key_id=who.key_id, status="failed" if failed else "validating",
+                errors=failed or None, failed_at=now if failed else None,
+                input_file_id=f.openai_id, endpoint=body.endpoint, model=scan.model,
                 completion_window=body.completion_window,
                 metadata_=body.metadata, idempotency_key=idempotency_key, request_hash=digest,
                 created_at=now, expires_at=now + timedelta(seconds=seconds))
@@ -309,7 +336,8 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
         if seen is None:
             raise
         return seen
-    _submit(client, batch, f, preset.name, priority)
+    if not failed:
+        _submit(client, batch, f, preset.name, priority)
     with client.sessions() as s:
         stored = store.get_batch(s, tenant_id=who.tenant_id, openai_id=batch.openai_id)
     assert stored is not None  # made above
@@ -317,8 +345,8 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
 
 
 def read_requests(client: Client, f: Any, presets: dict[str, Any]) -> LineScan:
-    """The file's lines read as requests (uploads.LineScan); 400 naming every line that is
-    not one (nothing is stored)."""
+    """The file's lines read as requests (uploads.LineScan): its ``problems`` name every
+    line that is not one (up to MAX_PROBLEMS)."""
 
     def check_model(model: str) -> str | None:
         try:
@@ -334,9 +362,13 @@ def read_requests(client: Client, f: Any, presets: dict[str, Any]) -> LineScan:
             break
     else:
         scan.finish()
-    if scan.problems:
-        raise refused(scan.problems, "no batch was made")
     return scan
+
+
+def line_error(problem: Problem) -> dict[str, Any]:
+    """A problem of the file's as one of OpenAI's batch errors."""
+    return {"code": problem.code, "line": problem.line, "message": problem.message,
+            "param": problem.param}
 
 
 def _replay(client: Client, who: Caller, key: str, digest: str) -> dict[str, Any] | None:
@@ -403,7 +435,7 @@ def _submit(client: Client, batch: Batch, f: Any, pair: str, priority: str) -> N
         job = client.submit(path, pair=pair, priority=priority, within=attach)
     except InputError as exc:
         with client.sessions.begin() as s:
-            store.fail_batch(s, batch_id=batch.id, errors=batch_errors(exc))
+            store.fail_batch(s, batch_id=batch.id, errors=batch_errors(exc, batch.endpoint))
         return
     except _Gone:
         log.warning("batch %s: failed as stale while its job was stored; job rolled back",
@@ -423,13 +455,36 @@ def _submit(client: Client, batch: Batch, f: Any, pair: str, priority: str) -> N
              f.lines or 0, pair)
 
 
-def batch_errors(exc: InputError) -> list[dict[str, Any]]:
-    """InputError's problems ('line 7: body.temperature: ...') as OpenAI's batch errors."""
+def batch_errors(exc: InputError, endpoint: str) -> list[dict[str, Any]]:
+    """InputError's problems ('line 7: body.temperature: ...') as OpenAI's batch errors,
+    each ``param`` the line's own OpenAI field (``body.max_tokens``, never specq's
+    ``max_new_tokens``), and the message led by it."""
     out = []
     for problem in exc.problems:
         found = LINE.fullmatch(problem)
         line, text = (int(found.group(1)), found.group(2)) if found else (None, problem)
         field = FIELD.match(text)
-        out.append({"code": "invalid_request", "line": line, "message": text,
-                    "param": field.group(1) if field else None})
+        param = None
+        if field:
+            rest = text[field.end():]
+            param, rest = openai_field(field.group(1), rest, endpoint)
+            text = f"{param}: {rest}"
+        out.append({"code": "invalid_request", "line": line, "message": text, "param": param})
     return out
+
+
+SPECQ_FIELDS = {"max_new_tokens": "max_tokens"}  # specq's names of OpenAI's fields
+PROMPT_AT = re.compile(r"(.*) at (body\.[\w.\[\]]+)(.*)", re.S)
+
+
+def openai_field(field: str, rest: str, endpoint: str) -> tuple[str, str]:
+    """The OpenAI field of a line that specq's check named ``field`` (prompt, temperature,
+    max_new_tokens, body.n, custom_id), and the message's rest."""
+    if field == "prompt":
+        at = PROMPT_AT.fullmatch(rest)  # 'contains a NUL ... at body.messages[0].content'
+        if at:
+            return at.group(2), at.group(1) + at.group(3)
+        return ("body.messages" if endpoint == "/v1/chat/completions" else "body.prompt"), rest
+    if field.startswith("body.") or field in ("custom_id", "method", "url", "body"):
+        return field, rest
+    return f"body.{SPECQ_FIELDS.get(field, field)}", rest

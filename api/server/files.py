@@ -146,7 +146,8 @@ def list_files(request: Request, who: Who,
                                           ascending=order == "asc", purpose=purpose)
         except KeyError:
             raise not_found("File", after or "", param="after") from None
-    data = [file_object(f) for f in rows]
+    client = request.app.state.client
+    data = [file_object(outputs.settle_size(client, f)) for f in rows]
     return {"object": "list", "data": data, "has_more": more,
             "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None}
@@ -162,7 +163,8 @@ def _file(request: Request, who: Caller, file_id: str) -> File:
 
 @router.get("/v1/files/{file_id}")
 def get_file(request: Request, file_id: str, who: Who) -> dict[str, Any]:
-    return file_object(_file(request, who, file_id))
+    return file_object(outputs.settle_size(request.app.state.client,
+                                           _file(request, who, file_id)))
 
 
 @router.delete("/v1/files/{file_id}")

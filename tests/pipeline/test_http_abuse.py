@@ -381,15 +381,34 @@ def test_fuzzed_request_lines_are_refused_naming_the_line(fuzzed, custom_id, con
     refused_well(up)
     if up.status_code != 200:
         return
-    before = len(http.get("/batches", params={"limit": 100}).json()["data"])
     got = http.post("/batches", json={"input_file_id": up.json()["id"], "endpoint": CHAT,
                                       "completion_window": "24h"})
     refused_well(got)
     texts = [custom_id, content, *extra, *extra.values()]
-    if not all(storable(t) for t in texts):  # refused at create, naming the line
-        assert got.status_code == 400, got.text
-        err = error_of(got.content)
-        assert err["code"] == "invalid_value" and "line 2" in err["message"], err
-        assert len(http.get("/batches", params={"limit": 100}).json()["data"]) == before
+    if not all(storable(t) for t in texts):  # the batch fails, naming the line
+        assert got.status_code == 200 and got.json()["status"] == "failed", got.text
+        error = got.json()["errors"]["data"][0]
+        assert (error["line"], error["code"]) == (2, "invalid_value"), error
+        assert error["param"] and error["message"].startswith(error["param"]), error
+        assert "specq" not in got.json()  # no job was stored
     elif got.status_code == 200:
         http.post(f"/batches/{got.json()['id']}/cancel")
+
+
+# -- 5. a batch that waits says why ---------------------------------------------------------
+
+def test_a_batch_whose_pair_no_worker_serves_says_so_while_it_waits(fuzzed):
+    """No worker serves this deployment's queues: the batch stays in progress (a worker may
+    still come up) and its `specq.waiting` says why."""
+    http, file_id = fuzzed
+    made = http.post("/batches", json={"input_file_id": file_id, "endpoint": CHAT,
+                                       "completion_window": "24h"}).json()
+    got = http.get(f"/batches/{made['id']}").json()
+    assert got["status"] == "in_progress" and got["errors"] is None
+    assert "no worker is consuming" in got["specq"]["waiting"]
+    assert "specq worker --pair tiny-fixed" in got["specq"]["waiting"]
+    listed = http.get("/batches").json()["data"]
+    assert [b["specq"]["waiting"] for b in listed if b["id"] == made["id"]] == [
+        got["specq"]["waiting"]]
+    cancelled = http.post(f"/batches/{made['id']}/cancel").json()
+    assert cancelled["status"] == "cancelled" and cancelled["specq"]["waiting"] is None
