@@ -5,9 +5,11 @@ database), batches and their jobs in the database, so a restart loses nothing an
 number of servers can serve the same database. Each request names its tenant by its key
 (`Authorization: Bearer KEY`, db/tenants.py); every read is the tenant's own.
 
+    limits.py    the gate: the key checked and the body capped before a route reads it
     files.py     /v1/files: upload (streamed, checked line by line), list, get, content, delete
     batches.py   /v1/batches: create, get, list, cancel; the Batch object; expiry
     outputs.py   a batch's output and error files, made from its items as they are read
+    objects.py   the answers' shapes (pydantic models of OpenAI's), and the OpenAPI schema
 """
 
 from __future__ import annotations

@@ -39,6 +39,7 @@ from specq.api.server.auth import caller
 from specq.api.server.errors import ApiError, not_found
 from specq.api.server.files import aware, input_bytes, unix, upload_path
 from specq.api.server.models import UnknownModel, resolve
+from specq.api.server.objects import ERRORS, BatchList, BatchObject
 from specq.api.server.uploads import LineScan, Problem
 from specq.broker.names import PRIORITIES
 from specq.db import batches as store
@@ -47,7 +48,7 @@ from specq.db.models import Batch, JobStatus, utcnow
 from specq.db.tenants import Caller
 
 log = logging.getLogger(__name__)
-router = APIRouter()
+router = APIRouter(responses=ERRORS)
 Who = Annotated[Caller, Depends(caller)]
 WINDOW = re.compile(r"(\d{1,8})([smhd])")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -244,12 +245,14 @@ def _fresh(client: Client, who: Caller, batch_id: str) -> dict[str, Any]:
 
 # -- routes -------------------------------------------------------------------------------
 
-@router.get("/v1/batches/{batch_id}")
+@router.get("/v1/batches/{batch_id}", response_model=BatchObject,
+            response_model_exclude_unset=True)
 def get_batch(request: Request, batch_id: str, who: Who) -> dict[str, Any]:
     return _fresh(request.app.state.client, who, batch_id)
 
 
-@router.get("/v1/batches")
+@router.get("/v1/batches", response_model=BatchList,
+            response_model_exclude_unset=True)
 def list_batches(request: Request, who: Who,
                  after: Annotated[str | None, Query(max_length=64)] = None,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20) -> dict[str, Any]:
@@ -266,7 +269,8 @@ def list_batches(request: Request, who: Who,
             "last_id": data[-1]["id"] if data else None}
 
 
-@router.post("/v1/batches/{batch_id}/cancel")
+@router.post("/v1/batches/{batch_id}/cancel", response_model=BatchObject,
+             response_model_exclude_unset=True)
 def cancel_batch(request: Request, batch_id: str, who: Who) -> dict[str, Any]:
     client = request.app.state.client
     current = _fresh(client, who, batch_id)
@@ -282,7 +286,8 @@ def cancel_batch(request: Request, batch_id: str, who: Who) -> dict[str, Any]:
     return _fresh(client, who, batch_id)
 
 
-@router.post("/v1/batches")
+@router.post("/v1/batches", response_model=BatchObject,
+             response_model_exclude_unset=True)
 def create_batch(request: Request, body: BatchCreate, who: Who,
                  idempotency_key: Annotated[str | None, Header(max_length=255)] = None
                  ) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from specq.api.inputs import MAX_PROBLEMS
 from specq.api.server import outputs
 from specq.api.server.auth import caller
 from specq.api.server.errors import ApiError, not_found
+from specq.api.server.objects import ERRORS, FileDeleted, FileList, FileObject
 from specq.api.server.uploads import (
     FileCheck,
     MultipartError,
@@ -32,7 +33,7 @@ from specq.db import batches as store
 from specq.db.models import File
 from specq.db.tenants import Caller
 
-router = APIRouter()
+router = APIRouter(responses=ERRORS)
 PART_BYTES = 1 << 20  # pieces of an upload handed to the scan, and parts kept in the database
 
 
@@ -57,7 +58,8 @@ def file_object(f: File) -> dict[str, Any]:
             "status_details": None}
 
 
-@router.post("/v1/files")
+@router.post("/v1/files", response_model=FileObject,
+             response_model_exclude_unset=True)
 async def upload_file(request: Request, who: Who) -> dict[str, Any]:
     settings: Settings = request.app.state.settings
     limit = settings.api_max_file_bytes  # the gate caps the body at limit + its form
@@ -131,7 +133,8 @@ def _store(client: Any, settings: Settings, who: Caller, up: Upload) -> File:
     return row
 
 
-@router.get("/v1/files")
+@router.get("/v1/files", response_model=FileList,
+            response_model_exclude_unset=True)
 def list_files(request: Request, who: Who,
                after: Annotated[str | None, Query(max_length=64)] = None,
                limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
@@ -161,13 +164,15 @@ def _file(request: Request, who: Caller, file_id: str) -> File:
     return row
 
 
-@router.get("/v1/files/{file_id}")
+@router.get("/v1/files/{file_id}", response_model=FileObject,
+            response_model_exclude_unset=True)
 def get_file(request: Request, file_id: str, who: Who) -> dict[str, Any]:
     return file_object(outputs.settle_size(request.app.state.client,
                                            _file(request, who, file_id)))
 
 
-@router.delete("/v1/files/{file_id}")
+@router.delete("/v1/files/{file_id}", response_model=FileDeleted,
+               response_model_exclude_unset=True)
 def delete_file(request: Request, file_id: str, who: Who) -> dict[str, Any]:
     row = _file(request, who, file_id)
     with request.app.state.client.sessions.begin() as s:
