@@ -15,6 +15,7 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import re
 import secrets
 import time
 from collections.abc import Callable
@@ -34,6 +35,9 @@ MAX_PARTS = 16  # parts of the form, the file's included
 MAX_FIELD_BYTES = 4096  # one form field's value
 MAX_HEADER_BYTES = 8192  # one part's headers
 KNOWN_FIELDS = ("purpose",)  # fields an upload keeps; others are read and dropped
+# a NUL or a surrogate only gets into a parsed line by an escape: \u0000, \ud800-\udfff
+SUSPECT = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
+PAIR = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 FATAL = ("too_many_lines", "line_too_long")  # problems after which the rest is not read
 
 
@@ -135,7 +139,7 @@ class LineScan(_Lines):
             self._fail(f"expected a request object, got {type(value).__name__}", n,
                        code="invalid_json_line")
             return
-        where = unstorable(value) if b"\\u" in raw else None  # (only escapes make them)
+        where = unstorable(value) if suspect(raw) else None
         if where is not None:
             self._fail(f"{where}: holds a NUL character or a lone surrogate (\\u0000, "
                        "\\ud800...), which cannot be stored", n, where, "invalid_value")
@@ -211,6 +215,17 @@ class FileCheck(_Lines):
         if text[:1] != b"{" or text[-1:] != b"}":
             self._fail("not a JSON object: a batch file is JSONL, one request object per "
                        "line", n, code="invalid_json_line")
+
+
+def suspect(raw: bytes) -> bool:
+    """Whether a line's bytes may hold a NUL or a lone surrogate once parsed (then its
+    strings are read one by one: `unstorable`). Surrogate pairs (an emoji written as
+    escapes) are not suspect, unless escaped backslashes make the escapes ambiguous."""
+    if not SUSPECT.search(raw):
+        return False
+    if b"\\\\" in raw:
+        return True
+    return SUSPECT.search(PAIR.sub(b"", raw)) is not None
 
 
 def unstorable(value: Any) -> str | None:
