@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime
 from functools import cached_property
@@ -303,6 +303,7 @@ class Client:
         enqueue: bool = True,
         origin: dict[str, Any] | None = None,
         priority: str = "normal",
+        within: Callable[[Session, int], None] | None = None,
         **sampling: Any,
     ) -> Job:
         """Validate the whole spec, store the job and its items, then send its chunks.
@@ -316,6 +317,9 @@ class Client:
         found (up to MAX_PROBLEMS) before anything is stored. ``enqueue=False``: the
         caller runs the job in-process (`specq run`: worker/tasks.py run_inline); it has
         no queue, so no worker or reconciler of a fleet on the same database touches it.
+        ``within(session, job_id)``: more rows that belong with the job (the HTTP door's
+        batch and files), written in the job's own transaction before it commits; what it
+        raises rolls the job back. The chunks are sent only after that commit.
         """
         t0 = time.perf_counter()
         if priority not in PRIORITIES:
@@ -351,6 +355,8 @@ class Client:
             # chunks waiting and sends them first
             turn = (chunks.take_unsent(s, job_id=job.id, n=self.settings.dispatch_window)
                     if enqueue else [])
+            if within is not None:
+                within(s, job.id)
         log.info("job %d: %d items checked and stored in %.2f s", job.id, stored,
                  time.perf_counter() - t0)
         handle = Job(self, job.id)

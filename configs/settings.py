@@ -143,6 +143,10 @@ class Settings(BaseSettings):
     api_expire_every: float = Field(
         5.0, gt=0, le=3600, description="seconds between a server's passes that expire "
         "batches past their completion_window")
+    api_validating_timeout: float = Field(
+        600.0, gt=0, le=86400, description="seconds after which a batch still validating "
+        "with no job (its server died while creating it) is failed by the expiry pass, and "
+        "its Idempotency-Key freed")
     api_max_header_bytes: int = Field(
         16384, ge=1024, le=1024 * 1024, description="request headers larger than this are "
         "refused (431)")

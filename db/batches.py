@@ -8,11 +8,12 @@ and paged by an object's id (``after``), as OpenAI pages them.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import and_, func, select, update
+from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from specq.db import webhooks
@@ -20,6 +21,26 @@ from specq.db.models import Batch, Chunk, File, FilePart, Item, Job, JobStatus, 
 from specq.db.session import changed
 
 UNFINISHED = tuple(s.value for s in JobStatus if not s.finished)
+OPENAI_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the ids made here: file-HEX, batch_HEX
+
+
+def could_be_id(text: str) -> bool:
+    """Whether ``text`` has the shape of an id made here. Anything else (a NUL, a lone
+    surrogate, a quote) is no file's or batch's, and is never sent to the database, which
+    may refuse to even compare it (PostgreSQL and NUL)."""
+    return OPENAI_ID.fullmatch(text) is not None
+
+
+def storable(text: str) -> bool:
+    """Whether every database stores ``text`` as it is: no NUL (PostgreSQL refuses it in
+    text) and no lone surrogate (not UTF-8)."""
+    if "\x00" in text:
+        return False
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 # -- files --------------------------------------------------------------------------------
@@ -45,9 +66,21 @@ def iter_parts(session: Session, *, file_id: int) -> Iterator[bytes]:
                                                            FilePart.part == part)).one()
 
 
+def _shown() -> Any:
+    """The files a tenant sees: all but the error file of a batch with no failed or
+    cancelled request yet (an empty error file is none; OpenAI's error_file_id is null
+    then). Read from the job's chunk counts, a few rows per thousand requests."""
+    has_errors = (select(Chunk.job_id).join(Batch, Batch.job_id == Chunk.job_id)
+                  .where(Batch.id == File.batch_id, Chunk.failed + Chunk.cancelled > 0)
+                  .exists())
+    return or_(File.kind != "error", has_errors)
+
+
 def get_file(session: Session, *, tenant_id: int, openai_id: str) -> File | None:
+    if not could_be_id(openai_id):
+        return None
     return session.scalar(select(File).where(File.openai_id == openai_id,
-                                             File.tenant_id == tenant_id))
+                                             File.tenant_id == tenant_id, _shown()))
 
 
 def batch_files(session: Session, *, batch_id: int) -> dict[str, File]:
@@ -61,6 +94,8 @@ def _page(session: Session, model: Any, *, tenant_id: int, after: str | None, li
     first (oldest first if ``ascending``), and whether more follow."""
     stmt = select(model).where(model.tenant_id == tenant_id, *where)
     if after is not None:
+        if not could_be_id(after):
+            raise KeyError(after)
         seq = session.scalar(select(model.id).where(model.openai_id == after,
                                                     model.tenant_id == tenant_id))
         if seq is None:
@@ -73,7 +108,7 @@ def _page(session: Session, model: Any, *, tenant_id: int, after: str | None, li
 
 def list_files(session: Session, *, tenant_id: int, after: str | None, limit: int,
                ascending: bool = False, purpose: str | None = None) -> tuple[list[File], bool]:
-    where = [] if purpose is None else [File.purpose == purpose]
+    where = [_shown()] + ([] if purpose is None else [File.purpose == purpose])
     return _page(session, File, tenant_id=tenant_id, after=after, limit=limit,
                  ascending=ascending, where=where)
 
@@ -97,6 +132,8 @@ def add_batch(session: Session, **columns: Any) -> Batch:
 
 
 def get_batch(session: Session, *, tenant_id: int, openai_id: str) -> Batch | None:
+    if not could_be_id(openai_id):
+        return None
     return session.execute(
         select(Batch).where(Batch.openai_id == openai_id, Batch.tenant_id == tenant_id)
         .execution_options(populate_existing=True)).scalar_one_or_none()
@@ -112,18 +149,52 @@ def list_batches(session: Session, *, tenant_id: int, after: str | None, limit: 
     return _page(session, Batch, tenant_id=tenant_id, after=after, limit=limit)
 
 
-def attach_job(session: Session, *, batch_id: int, job_id: int) -> None:
-    session.execute(update(Batch).where(Batch.id == batch_id).values(
-        job_id=job_id, status="submitted", in_progress_at=utcnow()))
+def attach_job(session: Session, *, batch_id: int, job_id: int) -> bool:
+    """Give a validating batch its job; False if the batch is no longer validating (failed
+    by `fail_stale` meanwhile): the caller rolls the job back."""
+    if not changed(session.execute(
+            update(Batch).where(Batch.id == batch_id, Batch.status == "validating",
+                                Batch.job_id.is_(None))
+            .values(job_id=job_id, status="submitted", in_progress_at=utcnow()))):
+        return False
     # a job that ended before its batch knew it (a small job, quick workers): the batch's
     # event now, since the job's end found no batch to announce
     webhooks.job_ended(session, job_id=job_id, batch_only=True)
+    return True
 
 
-def fail_batch(session: Session, *, batch_id: int, errors: list[dict[str, Any]]) -> None:
-    session.execute(update(Batch).where(Batch.id == batch_id).values(
-        status="failed", errors=errors, failed_at=utcnow()))
-    webhooks.batch_failed(session, batch_id=batch_id)  # its event, in this transaction
+def fail_batch(session: Session, *, batch_id: int, errors: list[dict[str, Any]],
+               release_key: bool = False) -> None:
+    """The batch failed; ``release_key``: its Idempotency-Key is freed, so that a retry
+    with it makes a new batch (a failure of the server's, not of the request)."""
+    values: dict[str, Any] = {"status": "failed", "errors": errors, "failed_at": utcnow()}
+    if release_key:
+        values["idempotency_key"] = None
+    if changed(session.execute(update(Batch).where(Batch.id == batch_id,
+                                                   Batch.job_id.is_(None)).values(values))):
+        webhooks.batch_failed(session, batch_id=batch_id)  # its event, in this transaction
+
+
+STUCK = [{"code": "batch_not_created", "line": None, "param": None,
+          "message": "the server stopped before this batch's job was stored; nothing of it "
+                     "runs. Create it again (the same Idempotency-Key makes a new batch)."}]
+
+
+def fail_stale(session: Session, *, before: datetime, batch_id: int | None = None) -> int:
+    """Fail the batches still validating, with no job, made before ``before`` (a create
+    whose server died before its job was committed: the job and the batch's link are one
+    transaction, so none was). Their Idempotency-Keys are freed, and each one's
+    batch.failed event is written. How many."""
+    stmt = update(Batch).where(Batch.status == "validating", Batch.job_id.is_(None),
+                               Batch.created_at < before)
+    if batch_id is not None:
+        stmt = stmt.where(Batch.id == batch_id)
+    failed = session.scalars(stmt.values(status="failed", errors=STUCK, failed_at=utcnow(),
+                                         idempotency_key=None)
+                             .returning(Batch.id)).all()
+    for failed_id in failed:
+        webhooks.batch_failed(session, batch_id=failed_id)
+    return len(failed)
 
 
 def mark(session: Session, *, batch_id: int, column: str) -> bool:

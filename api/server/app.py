@@ -5,10 +5,12 @@ database), batches and their jobs in the database, so a restart loses nothing an
 number of servers can serve the same database. Each request names its tenant by its key
 (`Authorization: Bearer KEY`, db/tenants.py); every read is the tenant's own.
 
+    limits.py    the gate: the key checked and the body capped before a route reads it
     files.py     /v1/files: upload (streamed, checked line by line), list, get, content, delete
     batches.py   /v1/batches: create, get, list, cancel; the Batch object; expiry
     outputs.py   a batch's output and error files, made from its items as they are read
     webhooks.py  /v1/webhook_endpoints: a tenant's endpoints, told when its batches end
+    objects.py   the answers' shapes (pydantic models of OpenAI's), and the OpenAPI schema
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from starlette.concurrency import run_in_threadpool
 
 from specq.api.client import Client
 from specq.api.server import batches, errors, files, webhooks
+from specq.api.server.limits import Gate
+from specq.api.server.uploads import sweep_staging
 from specq.configs.presets import load_presets
 from specq.configs.settings import Settings, get_settings
 
@@ -46,6 +50,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        swept = sweep_staging(settings.files_dir / ".incoming")
+        if swept:
+            log.info("%d staging files of dead uploads deleted", swept)
         task = asyncio.create_task(_expire_now_and_then(app))
         yield
         task.cancel()
@@ -60,6 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(batches.router)
     app.include_router(webhooks.router)
     _mount_metrics(app, settings)
+    app.add_middleware(Gate, settings=settings, client=app.state.client)
     app.add_middleware(errors.HeaderLimit, limit=settings.api_max_header_bytes)
     return app
 

@@ -6,7 +6,8 @@ window ends.
 Its status comes from its job (db/models.py: JobStatus), which the workers drive:
 
     validating   the batch row exists, its job not yet (a create still checking the file)
-    failed       the file failed the full check (``errors`` names each line), or the job failed
+    failed       the file failed the full check (``errors`` names each line), the create
+                 died before its job was stored (failed by the expiry pass), or the job failed
     in_progress  the job is queued or running
     finalizing   the window ended and the requests still running finish (then: expired)
     completed / cancelling / cancelled / expired   as the job ends
@@ -20,8 +21,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import re
 import secrets
+import signal
+import time
 from datetime import datetime, timedelta
 from typing import Annotated, Any
 
@@ -33,9 +37,10 @@ from specq.api.client import Client
 from specq.api.inputs import OPENAI_URLS, InputError
 from specq.api.server.auth import caller
 from specq.api.server.errors import ApiError, not_found
-from specq.api.server.files import aware, input_bytes, refused, unix, upload_path
+from specq.api.server.files import aware, input_bytes, unix, upload_path
 from specq.api.server.models import UnknownModel, resolve
-from specq.api.server.uploads import LineScan
+from specq.api.server.objects import ERRORS, BatchList, BatchObject
+from specq.api.server.uploads import LineScan, Problem
 from specq.broker.names import PRIORITIES
 from specq.db import batches as store
 from specq.db import repository as repo
@@ -43,7 +48,7 @@ from specq.db.models import Batch, JobStatus, utcnow
 from specq.db.tenants import Caller
 
 log = logging.getLogger(__name__)
-router = APIRouter()
+router = APIRouter(responses=ERRORS)
 Who = Annotated[Caller, Depends(caller)]
 WINDOW = re.compile(r"(\d{1,8})([smhd])")
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
@@ -70,6 +75,8 @@ class BatchCreate(BaseModel):
                 raise ValueError("at most 16 keys")
             if any(len(k) > 64 or len(v) > 512 for k, v in value.items()):
                 raise ValueError("keys of at most 64 characters, values of at most 512")
+            if not all(store.storable(k) and store.storable(v) for k, v in value.items()):
+                raise ValueError("keys and values without NUL characters or lone surrogates")
         return value
 
 
@@ -105,10 +112,11 @@ FIGURES = ("acceptance_rate", "mean_acceptance_length", "tokens_per_second",
            "engine_tokens_per_second", "estimated_speedup")
 
 
-def batch_object(batch: Batch, row: Any, files: dict[str, Any], lines: int | None
-                 ) -> dict[str, Any]:
+def batch_object(batch: Batch, row: Any, files: dict[str, Any], lines: int | None,
+                 note: str | None = None) -> dict[str, Any]:
     """OpenAI's Batch object; ``row``: its job's job_metrics row (None before the job),
-    ``files``: its output and error files, ``lines``: requests in its input file."""
+    ``files``: its output and error files, ``lines``: requests in its input file,
+    ``note``: why its requests wait (no live worker serves its pair)."""
     now = utcnow()
     status = status_of(batch, row["status"] if row else None, now)
     finished = unix(row["finished_at"]) if row else None
@@ -141,8 +149,28 @@ def batch_object(batch: Batch, row: Any, files: dict[str, Any], lines: int | Non
             "cancelled": row["cancelled"], "pending": row["pending"],
             "new_tokens": int(row["new_tokens"] or 0),
             **{k: None if row[k] is None else float(row[k]) for k in FIGURES},
+            "waiting": note if status == "in_progress" and row["pending"] else None,
         }
     return out
+
+
+NOTE_TTL = 5.0  # seconds a server keeps what it learnt of a pair's workers
+_notes: dict[str, tuple[float, str | None]] = {}
+
+
+def waiting_note(client: Client, row: Any) -> str | None:
+    """Why the requests of a job still running wait (no live worker serves its pair, the
+    broker cannot be reached), or None; asked of the broker at most every NOTE_TTL
+    seconds per pair by this server, so polls stay cheap."""
+    if row is None or JobStatus(row["status"]).finished or not row["pending"]:
+        return None
+    pair = row["pair"]
+    now = time.monotonic()
+    seen = _notes.get(pair)
+    if seen is None or now - seen[0] > NOTE_TTL:
+        seen = (now, client.serving_note(pair))
+        _notes[pair] = seen
+    return seen[1]
 
 
 def read_objects(client: Client, batches: list[Batch]) -> list[dict[str, Any]]:
@@ -154,7 +182,8 @@ def read_objects(client: Client, batches: list[Batch]) -> list[dict[str, Any]]:
         for b in batches:
             files = store.batch_files(s, batch_id=b.id) if b.job_id else {}
             lines = None if b.job_id else _lines_of(s, b)
-            out.append(batch_object(b, rows.get(b.job_id), files, lines))
+            row = rows.get(b.job_id)
+            out.append(batch_object(b, row, files, lines, waiting_note(client, row)))
     return out
 
 
@@ -175,11 +204,22 @@ def expire(client: Client, batch_id: int, job_id: int) -> None:
 
 
 def expire_overdue(client: Client) -> int:
+    """One expiry pass: the batches past their window, and the creates that died (a batch
+    validating past api_validating_timeout with no job) failed."""
+    with client.sessions.begin() as s:
+        stuck = store.fail_stale(s, before=_stale_before(client))
+    if stuck:
+        log.warning("%d batches whose create died before their job was stored: failed",
+                    stuck)
     with client.sessions() as s:
         due = store.overdue(s)
     for batch_id, job_id in due:
         expire(client, batch_id, job_id)
-    return len(due)
+    return len(due) + stuck
+
+
+def _stale_before(client: Client) -> datetime:
+    return utcnow() - timedelta(seconds=client.settings.api_validating_timeout)
 
 
 def _fresh(client: Client, who: Caller, batch_id: str) -> dict[str, Any]:
@@ -200,17 +240,19 @@ def _fresh(client: Client, who: Caller, batch_id: str) -> dict[str, Any]:
         assert batch.job_id is not None  # due: its job's figures were read
         expire(client, batch.id, batch.job_id)
         return _fresh(client, who, batch_id)
-    return batch_object(batch, row, files, lines)
+    return batch_object(batch, row, files, lines, waiting_note(client, row))
 
 
 # -- routes -------------------------------------------------------------------------------
 
-@router.get("/v1/batches/{batch_id}")
+@router.get("/v1/batches/{batch_id}", response_model=BatchObject,
+            response_model_exclude_unset=True)
 def get_batch(request: Request, batch_id: str, who: Who) -> dict[str, Any]:
     return _fresh(request.app.state.client, who, batch_id)
 
 
-@router.get("/v1/batches")
+@router.get("/v1/batches", response_model=BatchList,
+            response_model_exclude_unset=True)
 def list_batches(request: Request, who: Who,
                  after: Annotated[str | None, Query(max_length=64)] = None,
                  limit: Annotated[int, Query(ge=1, le=100)] = 20) -> dict[str, Any]:
@@ -227,7 +269,8 @@ def list_batches(request: Request, who: Who,
             "last_id": data[-1]["id"] if data else None}
 
 
-@router.post("/v1/batches/{batch_id}/cancel")
+@router.post("/v1/batches/{batch_id}/cancel", response_model=BatchObject,
+             response_model_exclude_unset=True)
 def cancel_batch(request: Request, batch_id: str, who: Who) -> dict[str, Any]:
     client = request.app.state.client
     current = _fresh(client, who, batch_id)
@@ -243,7 +286,8 @@ def cancel_batch(request: Request, batch_id: str, who: Who) -> dict[str, Any]:
     return _fresh(client, who, batch_id)
 
 
-@router.post("/v1/batches")
+@router.post("/v1/batches", response_model=BatchObject,
+             response_model_exclude_unset=True)
 def create_batch(request: Request, body: BatchCreate, who: Who,
                  idempotency_key: Annotated[str | None, Header(max_length=255)] = None
                  ) -> dict[str, Any]:
@@ -251,6 +295,9 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
     settings = client.settings
     digest = hashlib.sha256(json.dumps(body.model_dump(mode="json"), sort_keys=True)
                             .encode()).hexdigest()
+    if idempotency_key is not None and not store.storable(idempotency_key):
+        raise ApiError(400, "Idempotency-Key: must not hold NUL characters", code="invalid_value",
+                       param="Idempotency-Key")
     if idempotency_key is not None:
         seen = _replay(client, who, idempotency_key, digest)
         if seen is not None:
@@ -269,19 +316,23 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
     if f is None or f.kind != "input":
         raise not_found("File", body.input_file_id, param="input_file_id")
     scan = read_requests(client, f, request.app.state.presets)
-    if scan.url != body.endpoint:
+    # the request's own problems are a 400 (above); the lines' fail the batch, each named
+    failed = [line_error(p) for p in scan.problems]
+    if not failed and scan.url != body.endpoint:
         raise ApiError(400, f"endpoint: the file's requests are for {scan.url}, not "
                        f"{body.endpoint} (one endpoint per batch)", param="endpoint",
                        code="endpoint_mismatch")
-    preset = resolve(scan.model or "", request.app.state.presets)
-    _check_quota(client, who, scan.lines)
+    if not failed:
+        preset = resolve(scan.model or "", request.app.state.presets)
+        _check_quota(client, who, scan.lines)
     now = utcnow()  # one instant for both: expires_at - created_at is the window exactly
     try:
         with client.sessions.begin() as s:
             batch = store.add_batch(
                 s, openai_id="batch_" + secrets.token_hex(12), tenant_id=who.tenant_id,
-                key_id=who.key_id, status="validating", input_file_id=f.openai_id,
-                endpoint=body.endpoint, model=scan.model,
+                key_id=who.key_id, status="failed" if failed else "validating",
+                errors=failed or None, failed_at=now if failed else None,
+                input_file_id=f.openai_id, endpoint=body.endpoint, model=scan.model,
                 completion_window=body.completion_window,
                 metadata_=body.metadata, idempotency_key=idempotency_key, request_hash=digest,
                 created_at=now, expires_at=now + timedelta(seconds=seconds))
@@ -290,7 +341,8 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
         if seen is None:
             raise
         return seen
-    _submit(client, batch, f, preset.name, priority)
+    if not failed:
+        _submit(client, batch, f, preset.name, priority)
     with client.sessions() as s:
         stored = store.get_batch(s, tenant_id=who.tenant_id, openai_id=batch.openai_id)
     assert stored is not None  # made above
@@ -298,8 +350,8 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
 
 
 def read_requests(client: Client, f: Any, presets: dict[str, Any]) -> LineScan:
-    """The file's lines read as requests (uploads.LineScan); 400 naming every line that is
-    not one (nothing is stored)."""
+    """The file's lines read as requests (uploads.LineScan): its ``problems`` name every
+    line that is not one (up to MAX_PROBLEMS)."""
 
     def check_model(model: str) -> str | None:
         try:
@@ -315,9 +367,13 @@ def read_requests(client: Client, f: Any, presets: dict[str, Any]) -> LineScan:
             break
     else:
         scan.finish()
-    if scan.problems:
-        raise refused(scan.problems, "no batch was made")
     return scan
+
+
+def line_error(problem: Problem) -> dict[str, Any]:
+    """A problem of the file's as one of OpenAI's batch errors."""
+    return {"code": problem.code, "line": problem.line, "message": problem.message,
+            "param": problem.param}
 
 
 def _replay(client: Client, who: Caller, key: str, digest: str) -> dict[str, Any] | None:
@@ -327,6 +383,10 @@ def _replay(client: Client, who: Caller, key: str, digest: str) -> dict[str, Any
         batch = store.by_idempotency_key(s, tenant_id=who.tenant_id, key=key)
     if batch is None:
         return None
+    if batch.job_id is None and batch.status == "validating":
+        with client.sessions.begin() as s:  # a create that died: failed now, key freed
+            if store.fail_stale(s, before=_stale_before(client), batch_id=batch.id):
+                return None
     if batch.request_hash != digest:
         raise ApiError(409, "This Idempotency-Key was used with another request body; use a "
                        "new key for a new batch", code="idempotency_key_reused")
@@ -346,42 +406,90 @@ def _check_quota(client: Client, who: Caller, lines: int) -> None:
                        f"finish, or cancel some.", code="quota_exceeded")
 
 
+class _Gone(Exception):
+    """The batch stopped validating while its job was being stored (failed as stale)."""
+
+
+def fault(point: str) -> None:
+    """Tests only: SPECQ_API_FAULT=POINT kills this server (SIGKILL) at that point of a
+    create, as a crash would (tests/pipeline/test_http_abuse.py)."""
+    if os.environ.get("SPECQ_API_FAULT") == point:
+        log.warning("SPECQ_API_FAULT=%s: killing the server", point)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _submit(client: Client, batch: Batch, f: Any, pair: str, priority: str) -> None:
-    """The job of the batch: every line checked (Client.submit), stored and sent; a line
-    that fails the check fails the batch, naming it, and nothing else is stored."""
+    """The job of the batch: every line checked (Client.submit), then the job, its items,
+    the batch's link to it and its output and error files stored in one transaction; the
+    job is sent only after it commits. A line that fails the check fails the batch, naming
+    it, and nothing else is stored. A crash before the commit leaves the batch validating
+    with no job, which the expiry pass fails (`fail_stale`); after it, the whole batch."""
+    fault("batch")
+
+    def attach(s: Any, job_id: int) -> None:
+        if not store.attach_job(s, batch_id=batch.id, job_id=job_id):
+            raise _Gone
+        for kind in ("output", "error"):
+            store.add_file(s, openai_id="file-" + secrets.token_hex(12),
+                           tenant_id=batch.tenant_id, kind=kind, purpose="batch_output",
+                           filename=f"{batch.openai_id}_{kind}.jsonl", batch_id=batch.id)
+        fault("job")
+
     path, temporary = upload_path(client, f)
     try:
-        job = client.submit(path, pair=pair, priority=priority)
+        job = client.submit(path, pair=pair, priority=priority, within=attach)
     except InputError as exc:
         with client.sessions.begin() as s:
-            store.fail_batch(s, batch_id=batch.id, errors=batch_errors(exc))
+            store.fail_batch(s, batch_id=batch.id, errors=batch_errors(exc, batch.endpoint))
+        return
+    except _Gone:
+        log.warning("batch %s: failed as stale while its job was stored; job rolled back",
+                    batch.openai_id)
         return
     except Exception as exc:
         with client.sessions.begin() as s:
-            store.fail_batch(s, batch_id=batch.id, errors=[{
+            store.fail_batch(s, batch_id=batch.id, release_key=True, errors=[{
                 "code": "server_error", "line": None, "param": None,
                 "message": f"the batch could not be stored ({type(exc).__name__})"}])
         raise
     finally:
         if temporary:
             path.unlink(missing_ok=True)
-    with client.sessions.begin() as s:
-        store.attach_job(s, batch_id=batch.id, job_id=job.id)
-        for kind in ("output", "error"):
-            store.add_file(s, openai_id="file-" + secrets.token_hex(12),
-                           tenant_id=batch.tenant_id, kind=kind, purpose="batch_output",
-                           filename=f"{batch.openai_id}_{kind}.jsonl", batch_id=batch.id)
+    fault("sent")
     log.info("batch %s: job %d, %d requests on pair %s", batch.openai_id, job.id,
              f.lines or 0, pair)
 
 
-def batch_errors(exc: InputError) -> list[dict[str, Any]]:
-    """InputError's problems ('line 7: body.temperature: ...') as OpenAI's batch errors."""
+def batch_errors(exc: InputError, endpoint: str) -> list[dict[str, Any]]:
+    """InputError's problems ('line 7: body.temperature: ...') as OpenAI's batch errors,
+    each ``param`` the line's own OpenAI field (``body.max_tokens``, never specq's
+    ``max_new_tokens``), and the message led by it."""
     out = []
     for problem in exc.problems:
         found = LINE.fullmatch(problem)
         line, text = (int(found.group(1)), found.group(2)) if found else (None, problem)
         field = FIELD.match(text)
-        out.append({"code": "invalid_request", "line": line, "message": text,
-                    "param": field.group(1) if field else None})
+        param = None
+        if field:
+            rest = text[field.end():]
+            param, rest = openai_field(field.group(1), rest, endpoint)
+            text = f"{param}: {rest}"
+        out.append({"code": "invalid_request", "line": line, "message": text, "param": param})
     return out
+
+
+SPECQ_FIELDS = {"max_new_tokens": "max_tokens"}  # specq's names of OpenAI's fields
+PROMPT_AT = re.compile(r"(.*) at (body\.[\w.\[\]]+)(.*)", re.S)
+
+
+def openai_field(field: str, rest: str, endpoint: str) -> tuple[str, str]:
+    """The OpenAI field of a line that specq's check named ``field`` (prompt, temperature,
+    max_new_tokens, body.n, custom_id), and the message's rest."""
+    if field == "prompt":
+        at = PROMPT_AT.fullmatch(rest)  # 'contains a NUL ... at body.messages[0].content'
+        if at:
+            return at.group(2), at.group(1) + at.group(3)
+        return ("body.messages" if endpoint == "/v1/chat/completions" else "body.prompt"), rest
+    if field.startswith("body.") or field in ("custom_id", "method", "url", "body"):
+        return field, rest
+    return f"body.{SPECQ_FIELDS.get(field, field)}", rest

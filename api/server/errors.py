@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
@@ -33,7 +34,14 @@ class ApiError(Exception):
 def error_body(status: int, message: str, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     kind = TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return {"error": {"message": shown(message), "type": kind,
+                      "param": None if param is None else shown(param), "code": code}}
+
+
+def shown(text: str) -> str:
+    """``text`` as UTF-8 can carry it: a lone surrogate (from a JSON escape or a path)
+    written as its escape, never an error while answering."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def respond(exc: ApiError) -> JSONResponse:
@@ -78,6 +86,15 @@ def install(app: FastAPI) -> None:
             message = f"Method not allowed ({request.method} {request.url.path[:200]})"
             return respond(ApiError(405, message, code="method_not_allowed"))
         return respond(ApiError(exc.status_code, str(exc.detail)))
+
+    @app.exception_handler(DataError)
+    async def _unstorable(request: Request, exc: DataError) -> JSONResponse:
+        # a value the database refuses (the checks before it should have caught it)
+        log.warning("%s %s: the database refused a value (%s)", request.method,
+                    request.url.path, type(exc.orig).__name__)
+        return respond(ApiError(400, "The request holds a value that cannot be stored (a NUL "
+                                "character, or text that is not UTF-8)",
+                                code="invalid_value"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

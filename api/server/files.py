@@ -18,6 +18,7 @@ from specq.api.retention import upload_expiry
 from specq.api.server import outputs
 from specq.api.server.auth import caller
 from specq.api.server.errors import ApiError, not_found
+from specq.api.server.objects import ERRORS, FileDeleted, FileList, FileObject
 from specq.api.server.uploads import (
     FileCheck,
     MultipartError,
@@ -25,6 +26,7 @@ from specq.api.server.uploads import (
     Upload,
     boundary_of,
     keep,
+    staging_path,
     store_path,
 )
 from specq.configs.settings import Settings
@@ -32,7 +34,7 @@ from specq.db import batches as store
 from specq.db.models import File, utcnow
 from specq.db.tenants import Caller
 
-router = APIRouter()
+router = APIRouter(responses=ERRORS)
 PART_BYTES = 1 << 20  # pieces of an upload handed to the scan, and parts kept in the database
 
 
@@ -57,14 +59,11 @@ def file_object(f: File) -> dict[str, Any]:
             "status_details": None}
 
 
-@router.post("/v1/files")
+@router.post("/v1/files", response_model=FileObject,
+             response_model_exclude_unset=True)
 async def upload_file(request: Request, who: Who) -> dict[str, Any]:
     settings: Settings = request.app.state.settings
-    limit = settings.api_max_file_bytes
-    length = request.headers.get("content-length")
-    if length and length.isdigit() and int(length) > 2 * limit + 65536:
-        raise _too_large(limit)  # far too large to be worth reading (a smaller excess is
-        # read and dropped, so that the client sees this answer, not a reset connection)
+    limit = settings.api_max_file_bytes  # the gate caps the body at limit + its form
     try:
         boundary = boundary_of(request.headers.get("content-type"))
     except MultipartError as exc:
@@ -81,8 +80,6 @@ async def upload_file(request: Request, who: Who) -> dict[str, Any]:
             if size >= PART_BYTES:
                 await run_in_threadpool(up.write, b"".join(pieces))
                 pieces, size = [], 0
-                if up.size > 2 * limit:  # refused already: stop reading
-                    raise _too_large(limit)
         await run_in_threadpool(up.write, b"".join(pieces))
         await run_in_threadpool(up.finish)
         purpose = up.fields.get("purpose")
@@ -146,19 +143,24 @@ def _store(client: Any, settings: Settings, who: Caller, up: Upload,
     return row
 
 
-@router.get("/v1/files")
+@router.get("/v1/files", response_model=FileList,
+            response_model_exclude_unset=True)
 def list_files(request: Request, who: Who,
                after: Annotated[str | None, Query(max_length=64)] = None,
                limit: Annotated[int, Query(ge=1, le=10000)] = 10000,
                order: Literal["asc", "desc"] = "desc",
                purpose: Annotated[str | None, Query(max_length=32)] = None) -> dict[str, Any]:
+    if purpose is not None and not store.storable(purpose):
+        raise ApiError(400, "purpose: must not hold NUL characters or lone surrogates",
+                       param="purpose", code="invalid_value")
     with request.app.state.client.sessions() as s:
         try:
             rows, more = store.list_files(s, tenant_id=who.tenant_id, after=after, limit=limit,
                                           ascending=order == "asc", purpose=purpose)
         except KeyError:
             raise not_found("File", after or "", param="after") from None
-    data = [file_object(f) for f in rows]
+    client = request.app.state.client
+    data = [file_object(outputs.settle_size(client, f)) for f in rows]
     return {"object": "list", "data": data, "has_more": more,
             "first_id": data[0]["id"] if data else None,
             "last_id": data[-1]["id"] if data else None}
@@ -172,12 +174,15 @@ def _file(request: Request, who: Caller, file_id: str) -> File:
     return row
 
 
-@router.get("/v1/files/{file_id}")
+@router.get("/v1/files/{file_id}", response_model=FileObject,
+            response_model_exclude_unset=True)
 def get_file(request: Request, file_id: str, who: Who) -> dict[str, Any]:
-    return file_object(_file(request, who, file_id))
+    return file_object(outputs.settle_size(request.app.state.client,
+                                           _file(request, who, file_id)))
 
 
-@router.delete("/v1/files/{file_id}")
+@router.delete("/v1/files/{file_id}", response_model=FileDeleted,
+               response_model_exclude_unset=True)
 def delete_file(request: Request, file_id: str, who: Who) -> dict[str, Any]:
     row = _file(request, who, file_id)
     with request.app.state.client.sessions.begin() as s:
@@ -216,9 +221,7 @@ def upload_path(client: Any, row: File) -> tuple[Path, bool]:
     settings = client.settings
     if row.stored_in != "database":
         return store_path(settings.files_dir, row.openai_id), False
-    incoming = settings.files_dir / ".incoming"
-    incoming.mkdir(parents=True, exist_ok=True)
-    path = incoming / f"{row.openai_id}-{secrets.token_hex(4)}.jsonl"
+    path = staging_path(settings.files_dir / ".incoming", ".jsonl")
     with path.open("wb") as out, client.sessions() as s:
         for data in store.iter_parts(s, file_id=row.id):
             out.write(data)

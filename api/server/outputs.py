@@ -37,6 +37,23 @@ def response(client: Any, row: File) -> StreamingResponse:
                              headers={"specq-partial": "false" if finished else "true"})
 
 
+def settle_size(client: Any, row: File) -> File:
+    """An output or error file whose batch finished, with its size known: made once from
+    the items (the file is rendered and counted, not kept) the first time it is asked
+    for after the batch finished, then read from its row."""
+    if row.kind == "input" or row.bytes is not None or row.batch_id is None:
+        return row
+    with client.sessions() as s:
+        batch = s.get(Batch, row.batch_id)
+        job = repo.get_job(s, job_id=batch.job_id) if batch and batch.job_id else None
+    if job is None or not JobStatus(job.status).finished:
+        return row  # still growing: its size is not known yet
+    for _ in _lines(client, row, batch, job):
+        pass  # (which stores the size once the whole file was made)
+    with client.sessions() as s:
+        return s.get(File, row.id) or row
+
+
 def _lines(client: Any, row: File, batch: Batch, job: Any) -> Iterator[bytes]:
     chat = () if batch.endpoint == "/v1/chat/completions" else None  # openai_line: chat?
     expired = batch.expired_at is not None

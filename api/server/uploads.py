@@ -15,7 +15,9 @@ from __future__ import annotations
 import codecs
 import json
 import os
+import re
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,8 +26,18 @@ from typing import Any
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from specq.api.inputs import MAX_CUSTOM_ID, MAX_PROBLEMS, OPENAI_URLS, show
+from specq.api.server.errors import shown
+from specq.db.batches import storable
 
 MAX_LINE_BYTES = 64 * 1024 * 1024  # one request line
+# the form around the file, bounded as a whole (OpenAI's upload has two parts)
+MAX_PARTS = 16  # parts of the form, the file's included
+MAX_FIELD_BYTES = 4096  # one form field's value
+MAX_HEADER_BYTES = 8192  # one part's headers
+KNOWN_FIELDS = ("purpose",)  # fields an upload keeps; others are read and dropped
+# a NUL or a surrogate only gets into a parsed line by an escape: \u0000, \ud800-\udfff
+SUSPECT = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
+PAIR = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 FATAL = ("too_many_lines", "line_too_long")  # problems after which the rest is not read
 
 
@@ -127,6 +139,11 @@ class LineScan(_Lines):
             self._fail(f"expected a request object, got {type(value).__name__}", n,
                        code="invalid_json_line")
             return
+        where = unstorable(value) if suspect(raw) else None
+        if where is not None:
+            self._fail(f"{where}: holds a NUL character or a lone surrogate (\\u0000, "
+                       "\\ud800...), which cannot be stored", n, where, "invalid_value")
+            return
         self._request(value, n)
 
     def _request(self, value: dict[str, Any], n: int) -> None:
@@ -200,27 +217,62 @@ class FileCheck(_Lines):
                        "line", n, code="invalid_json_line")
 
 
+def suspect(raw: bytes) -> bool:
+    """Whether a line's bytes may hold a NUL or a lone surrogate once parsed (then its
+    strings are read one by one: `unstorable`). Surrogate pairs (an emoji written as
+    escapes) are not suspect, unless escaped backslashes make the escapes ambiguous."""
+    if not SUSPECT.search(raw):
+        return False
+    if b"\\\\" in raw:
+        return True
+    return SUSPECT.search(PAIR.sub(b"", raw)) is not None
+
+
+def unstorable(value: Any) -> str | None:
+    """The path (body.messages[0].content) of the first string in a parsed JSON value,
+    key or value, holding a NUL or a lone surrogate; None if there is none."""
+    stack: list[tuple[str, Any]] = [("", value)]
+    while stack:
+        path, v = stack.pop()
+        if isinstance(v, str):
+            if not storable(v):
+                return path or "line"
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                key = f"{path}.{k}" if path else k
+                if not storable(k):
+                    return shown(key)
+                stack.append((key, item))
+        elif isinstance(v, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+    return None
+
+
 class MultipartError(ValueError):
     """A body that is not the multipart form an upload is."""
 
 
 class Upload:
-    """One multipart upload (`write` each piece of the body, then `finish`): its form
-    fields, and its file part written to ``incoming``/NAME.part and checked."""
+    """One multipart upload (`write` each piece of the body, then `finish`): its known form
+    fields, and its file part written to ``incoming``/NAME.part and checked. The form
+    around the file is bounded as a whole: at most MAX_PARTS parts, MAX_HEADER_BYTES of
+    headers each, MAX_FIELD_BYTES in a field; a form past them is refused as it arrives."""
 
     def __init__(self, boundary: bytes, incoming: Path, scan: FileCheck, max_bytes: int) -> None:
         self.scan, self.max_bytes = scan, max_bytes
         self.fields: dict[str, str] = {}
         self.filename: str | None = None
         self.size = 0  # bytes of the file part
-        incoming.mkdir(parents=True, exist_ok=True)
-        self.path = incoming / f"{secrets.token_hex(12)}.part"
+        self.path = staging_path(incoming, ".part")
         self._out: Any = None
         self._headers: dict[bytes, bytes] = {}
         self._name: list[bytes] = []
         self._value: list[bytes] = []
         self._part: str | None = None  # the form field being read; "" for the file
         self._field: list[bytes] = []
+        self._field_bytes = 0
+        self._header_bytes = 0
+        self._parts = 0
         self._parser = MultipartParser(boundary, {
             "on_part_begin": self._begin, "on_header_field": self._header_name,
             "on_header_value": self._header_value, "on_header_end": self._header_end,
@@ -260,12 +312,25 @@ class Upload:
             self._out = None
 
     def _begin(self) -> None:
+        self._parts += 1
+        if self._parts > MAX_PARTS:
+            raise MultipartError(f"the form has more than {MAX_PARTS} parts (an upload is "
+                                 "a file and its purpose)")
         self._headers = {}
+        self._header_bytes = 0
+
+    def _header_bytes_add(self, n: int) -> None:
+        self._header_bytes += n
+        if self._header_bytes > MAX_HEADER_BYTES:
+            raise MultipartError(f"a form part's headers are longer than {MAX_HEADER_BYTES} "
+                                 "bytes")
 
     def _header_name(self, data: bytes, start: int, end: int) -> None:
+        self._header_bytes_add(end - start)
         self._name.append(data[start:end])
 
     def _header_value(self, data: bytes, start: int, end: int) -> None:
+        self._header_bytes_add(end - start)
         self._value.append(data[start:end])
 
     def _header_end(self) -> None:
@@ -279,12 +344,14 @@ class Upload:
         if name == "file" and filename is not None:
             if self.filename is not None:
                 raise MultipartError("file: give one file per upload")
-            self.filename = filename.decode("utf-8", "replace")[:512] or "upload.jsonl"
+            name = "".join(c for c in filename.decode("utf-8", "replace") if c.isprintable())
+            self.filename = name[:512] or "upload.jsonl"  # (no NUL nor control character)
             self._part = ""
             self._out = self.path.open("wb")
         else:
             self._part = name
             self._field = []
+            self._field_bytes = 0
 
     def _data(self, data: bytes, start: int, end: int) -> None:
         piece = data[start:end]
@@ -295,16 +362,57 @@ class Upload:
             self._out.write(piece)
             self.scan.feed(piece)
         elif self._part is not None:
-            self._field.append(piece)
-            if sum(map(len, self._field)) > 4096:
-                raise MultipartError(f"{show(self._part)}: a form field longer than 4096 bytes")
+            self._field_bytes += len(piece)
+            if self._field_bytes > MAX_FIELD_BYTES:
+                raise MultipartError(f"{show(self._part[:64])}: a form field longer than "
+                                     f"{MAX_FIELD_BYTES} bytes")
+            if self._part in KNOWN_FIELDS:
+                self._field.append(piece)
 
     def _end(self) -> None:
         if self._part == "":
             self._close()
-        elif self._part is not None:
+        elif self._part in KNOWN_FIELDS:
             self.fields[self._part] = b"".join(self._field).decode("utf-8", "replace")
         self._part = None
+
+
+def staging_path(incoming: Path, suffix: str) -> Path:
+    """A new file name under the staging directory, led by this process's id, so that a
+    server starting up can tell what dead processes left (`sweep_staging`)."""
+    incoming.mkdir(parents=True, exist_ok=True)
+    return incoming / f"{os.getpid()}-{secrets.token_hex(12)}{suffix}"
+
+
+def sweep_staging(incoming: Path) -> int:
+    """Delete what processes that died left in the staging directory (a server killed in
+    the middle of an upload): the files of processes no longer running, and any older than
+    a day. Files of live servers sharing the directory are kept. How many were deleted."""
+    incoming.mkdir(parents=True, exist_ok=True)
+    gone = 0
+    day_ago = time.time() - 86400
+    for path in incoming.iterdir():
+        pid = path.name.partition("-")[0]
+        try:
+            alive = pid.isdigit() and _running(int(pid)) and path.stat().st_mtime > day_ago
+            if not alive:
+                path.unlink()
+                gone += 1
+        except FileNotFoundError:
+            pass  # (its owner finished with it meanwhile)
+    return gone
+
+
+def _running(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # a file of this name from an earlier process with this pid
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def boundary_of(content_type: str | None) -> bytes:

@@ -49,11 +49,13 @@ class Server:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.proc: subprocess.Popen | None = None
+        self.env: dict[str, str] = {}  # more environment (SPECQ_API_FAULT)
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "specq.api.cli", "serve", "--port", str(self.port)],
-            cwd=ROOT, env=subprocess_env(self.settings), stdout=self.log.open("a"),
+            cwd=ROOT, env={**subprocess_env(self.settings), **self.env},
+            stdout=self.log.open("a"),
             stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -149,6 +151,9 @@ def test_upload_create_poll_download_and_a_restart_loses_nothing(
     assert (done.request_counts.completed, done.request_counts.failed) == (40, 0)
     assert done.completed_at and done.in_progress_at and done.finalizing_at
     assert done.error_file_id is None and done.output_file_id
+    assert [x.filename for x in sdk.files.list()] == [f"{batch.id}_output.jsonl", "in.jsonl"]
+    size = sdk.files.retrieve(done.output_file_id).bytes  # known before any download
+    assert size > 0 and size == len(sdk.files.content(done.output_file_id).content)
 
     got = outputs(sdk, done.output_file_id)
     assert [x["custom_id"] for x in got] == [f"req-{i}" for i in range(40)]  # input order
@@ -327,6 +332,20 @@ def test_a_quota_on_unfinished_requests_answers_429(sdk):
     assert sdk.batches.list().data == []
 
 
+def test_the_quota_is_the_tenants_whatever_key_it_uses(server, http_settings):
+    """Two keys of one tenant share its quota: 1500 requests through each is past 2500."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    first, second = (openai.OpenAI(base_url=server.url, api_key=new_key(http_settings, tenant),
+                                   max_retries=0) for _ in range(2))
+    lines = [line(f"k{i}", "x", model="tiny-lookup") for i in range(1500)]
+    made = create(first, upload(first, lines).id)
+    with pytest.raises(openai.RateLimitError) as err:
+        create(second, upload(second, lines).id)
+    assert "1500 unfinished" in err.value.message
+    assert [b.id for b in second.batches.list()] == [made.id]  # one tenant: one list
+    first.batches.cancel(made.id)
+
+
 # -- paging and idempotency -----------------------------------------------------------------
 
 def test_lists_page_newest_first(sdk):
@@ -339,9 +358,11 @@ def test_lists_page_newest_first(sdk):
     assert [b.id for b in sdk.batches.list(limit=2)] == made[::-1]  # the SDK pages by after
     files = sdk.files.list(limit=1)
     assert len(files.data) == 1 and files.has_more
-    assert len(list(sdk.files.list(limit=3))) == 1 + 2 * 5  # the input, 5 outputs, 5 errors
+    # the input and 5 outputs; no error file while no request failed or was cancelled
+    assert len(list(sdk.files.list(limit=3))) == 1 + 5
     for b in made:
         sdk.batches.cancel(b)
+    assert len(list(sdk.files.list(limit=3))) == 1 + 2 * 5  # now 5 error files too
 
 
 def test_the_same_idempotency_key_gives_the_same_batch(sdk):
@@ -403,14 +424,19 @@ def test_a_bad_file_is_refused_whole(sdk, http_settings, case):
 
 
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
-def test_a_file_of_bad_requests_makes_no_batch(sdk, http_settings, case):
+def test_a_file_of_bad_requests_makes_a_failed_batch_naming_the_line(sdk, http_settings,
+                                                                      case):
+    """OpenAI's split: a problem of the request is a 400 at create; a problem of a line
+    fails the batch, its `errors` naming the line, and no job is stored."""
     data, code, says = BAD_REQUESTS[case]
     f = upload(sdk, data)
     before = counts(http_settings)
-    with pytest.raises(openai.BadRequestError) as err:
-        create(sdk, f.id)
-    assert err.value.code == code and says in err.value.message, err.value.message
-    assert counts(http_settings) == before and sdk.batches.list().data == []
+    failed = create(sdk, f.id)
+    assert failed.status == "failed" and failed.failed_at and failed.output_file_id is None
+    error = failed.errors.data[0]
+    assert error.code == code and says in f"line {error.line}: {error.message}", error
+    assert counts(http_settings) == (before[0], before[1] + 1, before[2])  # no job
+    assert sdk.batches.retrieve(failed.id).errors == failed.errors
 
 
 def test_refusals_of_uploads_and_creates(sdk, server, http_settings):
@@ -441,7 +467,11 @@ def test_refusals_of_uploads_and_creates(sdk, server, http_settings):
     failed = create(sdk, f.id)
     assert failed.status == "failed" and failed.failed_at
     (error,) = failed.errors.data
-    assert error.line == 2 and "temperature" in error.message
+    assert error.line == 2 and error.param == "body.temperature"
+    assert error.message.startswith("body.temperature: ")
+    f = upload(sdk, [line("a", "x"), line("b", "y", max_tokens=10**8)])
+    (error,) = create(sdk, f.id).errors.data  # specq's max_new_tokens is OpenAI's max_tokens
+    assert (error.line, error.param) == (2, "body.max_tokens"), error
     assert counts(http_settings)[2] == before[2]
 
     headers = {"Authorization": f"Bearer {sdk.api_key}", "Content-Type": "application/json"}
@@ -454,7 +484,7 @@ def test_refusals_of_uploads_and_creates(sdk, server, http_settings):
     nowhere = httpx.get(f"{server.url}/nothing", headers=headers)
     assert nowhere.status_code == 404 and set(nowhere.json()["error"]) == {
         "message", "type", "param", "code"}
-    assert counts(http_settings)[1:] == (before[1] + 1, before[2])  # the failed batch alone
+    assert counts(http_settings)[1:] == (before[1] + 2, before[2])  # the failed batches alone
     assert os.listdir(http_settings.files_dir / ".incoming") == []
 
 
