@@ -34,7 +34,8 @@ MAX_LINE_BYTES = 64 * 1024 * 1024  # one request line
 MAX_PARTS = 16  # parts of the form, the file's included
 MAX_FIELD_BYTES = 4096  # one form field's value
 MAX_HEADER_BYTES = 8192  # one part's headers
-KNOWN_FIELDS = ("purpose",)  # fields an upload keeps; others are read and dropped
+KNOWN_FIELDS = ("purpose", "expires_after[anchor]", "expires_after[seconds]")  # kept;
+# any other field is read (within the limits) and dropped
 # a NUL or a surrogate only gets into a parsed line by an escape: \u0000, \ud800-\udfff
 SUSPECT = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
 PAIR = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}")
