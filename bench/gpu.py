@@ -31,6 +31,7 @@ import logging
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 from typing import cast
@@ -67,6 +68,8 @@ log = logging.getLogger(__name__)
 # may flip: float32's from bench/greedy.py; bfloat16 keeps 8 bits of mantissa and a
 # pass sums thousands of rounded products, so a few of its last bits
 NEAR_TIE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+PARTS = {"lossless": "lossless", "throughput": "throughput", "passes": "passes",
+         "device": "device_paths"}  # --parts names -> the report's keys
 SHAPED_EVERY = 4  # one row in four carries a JSON schema
 PASS_ROUNDS = 5
 
@@ -78,7 +81,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, default=Path("bench-gpu"), help="output folder")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default on a CPU: 1, steady on a shared machine)")
-    p.add_argument("--parts", default="lossless,throughput,passes,device",
+    p.add_argument("--parts", default=",".join(PARTS),
                    help="comma-separated parts to run (default all)")
 
 
@@ -239,9 +242,16 @@ def throughput(target: PreTrainedModel, tokenizer, size: Size) -> list[dict]:
                 "tokens_per_s": run.new_tokens / run.seconds,
                 "tokens_per_pass": run.new_tokens / passes if passes else None,
                 "steps": len(run.steps) or None, "syncs_per_step": syncs,
+                # the device's own time per step (CUDA events on a GPU: StepClock)
+                "verify_ms_per_step": _mean_ms([x.t_verify for x in run.steps]),
+                "draft_ms_per_step": _mean_ms([x.t_draft for x in run.steps]),
                 "peak_memory_mib": peak})
             log.info("throughput B=%d %s: %.1f tok/s", B, method, rows[-1]["tokens_per_s"])
     return rows
+
+
+def _mean_ms(seconds: list[float]) -> float | None:
+    return 1e3 * statistics.fmean(seconds) if seconds else None
 
 
 # -- pass costs ------------------------------------------------------------------------
@@ -315,7 +325,7 @@ def pass_costs(target: PreTrainedModel, size: Size) -> list[dict]:
 
 def markdown(report: dict) -> str:
     env, cfg = report["environment"], report["config"]
-    out = [f"# specq bench gpu: {cfg['size']} ({cfg['parameters'] / 1e6:.0f} M parameters), "
+    out = [f"# specq bench gpu: {cfg['size']} ({cfg['parameters'] / 1e6:.2f} M parameters), "
            f"{env['device']} {env['gpu'] or ''}".rstrip(),
            "",
            f"{env['time']}, torch {env['torch']}, transformers {env['transformers']}; "
@@ -344,14 +354,16 @@ def markdown(report: dict) -> str:
         out.append("")
     if "throughput" in report:
         out += [f"## Throughput ({report['throughput_dtype']})", "",
-                "| batch | method | tokens/s | x none | tokens/pass | syncs/step | "
-                "peak MiB |", "|---:|---|---:|---:|---:|---:|---:|"]
+                "| batch | method | tokens/s | x none | tokens/pass | draft ms/step | "
+                "verify ms/step | syncs/step | peak MiB |",
+                "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
         none = {r["batch"]: r for r in report["throughput"] if r["method"] == "none"}
         for r in report["throughput"]:
             base = none[r["batch"]]
             out.append(f"| {r['batch']} | {_method(r)} | {r['tokens_per_s']:.1f} | "
                        f"{r['tokens_per_s'] / base['tokens_per_s']:.2f} | "
-                       f"{_num(r['tokens_per_pass'])} | {_num(r['syncs_per_step'])} | "
+                       f"{_num(r['tokens_per_pass'])} | {_num(r['draft_ms_per_step'])} | "
+                       f"{_num(r['verify_ms_per_step'])} | {_num(r['syncs_per_step'])} | "
                        f"{_num(r['peak_memory_mib'], '.0f')} |")
         out.append("")
     if "passes" in report:
@@ -364,6 +376,8 @@ def markdown(report: dict) -> str:
                        f"{r[f'specq_{W}_ms']:.2f} | {r['specq_ratio']:.2f} | "
                        f"{r['hf_1_ms']:.2f} | {r[f'hf_{W}_ms']:.2f} | {r['hf_ratio']:.2f} |")
         out.append("")
+    for name, error in report.get("errors", {}).items():
+        out += [f"## {name}: ERROR", "", f"    {error}", ""]
     if "device_paths" in report:
         out += ["## Device paths", ""]
         for name, r in report["device_paths"].items():
@@ -381,12 +395,12 @@ def _num(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
-def bench(args: argparse.Namespace) -> dict:
+def bench(args: argparse.Namespace, save: Callable[[dict], None] = lambda r: None) -> dict:
     t0 = time.perf_counter()
     size, dev = SIZES[args.size], torch.device(args.device)
     if args.threads or dev.type == "cpu":
         torch.set_num_threads(args.threads or 1)
-    parts = {p.strip() for p in args.parts.split(",") if p.strip()}
+    parts = {PARTS.get(p.strip(), p.strip()) for p in args.parts.split(",") if p.strip()}
     cfg = llama_config(size)
     tokenizer = build_tokenizer(cfg.vocab_size, size.specials)
     target = build_target(size, dev)
@@ -396,23 +410,42 @@ def bench(args: argparse.Namespace) -> dict:
         "draft_layers": size.draft_layers, "late_scale": size.late_scale,
         **{k: v for k, v in dataclasses.asdict(size).items() if k not in ("config", "extra")},
         "command": " ".join(sys.argv)}}
-    if "lossless" in parts:
-        report["lossless"] = []
+    report["seconds"], report["part_seconds"], report["errors"] = 0.0, {}, {}
+    report["environment"] = environment(cast(Pair, _Built(target)))
+
+    def part(name: str, go: Callable[[], object]) -> None:
+        """Run one part; an exception is recorded (and the next part runs), and the report
+        is saved after each, so that a run cut short keeps what it measured."""
+        if name not in parts:
+            return
+        t = time.perf_counter()
+        try:
+            report[name] = go()
+        except Exception as exc:  # noqa: BLE001 (reported, and the exit status says so)
+            log.exception("part %s failed", name)
+            report["errors"][name] = f"{type(exc).__name__}: {exc}"[:2000]
+        report["part_seconds"][name] = time.perf_counter() - t
+        if name == "lossless" and name in report:
+            report["lossless_passed"] = all(p["passed"] for p in report["lossless"])
+        report["seconds"] = time.perf_counter() - t0
+        log.warning("%s: %.0f s", name, report["part_seconds"][name])
+        save(report)
+
+    def proofs() -> list[dict]:
+        out = []
         for name in size.dtypes:  # float32 first: converted in place after
             to_dtype(target, getattr(torch, name))
-            report["lossless"].append(lossless(target, tokenizer, size))
-        report["lossless_passed"] = all(p["passed"] for p in report["lossless"])
+            out.append(lossless(target, tokenizer, size))
+        return out
+
+    part("lossless", proofs)
     # throughput as users run it: bfloat16 on a GPU; float32 on a CPU (no bf16 kernels pay)
     to_dtype(target, torch.bfloat16 if dev.type == "cuda" else torch.float32)
     report["throughput_dtype"] = str(target.dtype).removeprefix("torch.")
     report["environment"] = environment(cast(Pair, _Built(target)))
-    if "throughput" in parts:
-        report["throughput"] = throughput(target, tokenizer, size)
-    if "passes" in parts:
-        report["passes"] = pass_costs(target, size)
-    if "device" in parts:
-        report["device_paths"] = device_paths(target, tokenizer, size, requests)
-    report["seconds"] = time.perf_counter() - t0
+    part("throughput", lambda: throughput(target, tokenizer, size))
+    part("passes", lambda: pass_costs(target, size))
+    part("device_paths", lambda: device_paths(target, tokenizer, size, requests))
     return report
 
 
@@ -424,18 +457,21 @@ class _Built:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run, write gpu.json and gpu.md under --out, print the Markdown. 1 when a lossless
-    check failed, else 0."""
-    logging.basicConfig(level=logging.WARNING)
-    report = bench(args)
+    """Run, write gpu.json and gpu.md under --out (after each part too), print the Markdown.
+    1 when a lossless check failed or a part raised, else 0."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_json(out / "gpu.json", report)
-    text = markdown(report)
-    (out / "gpu.md").write_text(text + "\n")
-    print(text)
+
+    def save(report: dict) -> None:
+        write_json(out / "gpu.json", report)
+        (out / "gpu.md").write_text(markdown(report) + "\n")
+
+    report = bench(args, save)
+    save(report)
+    print(markdown(report))
     print(f"wrote {out / 'gpu.json'} and {out / 'gpu.md'}")
-    return 0 if report.get("lossless_passed", True) else 1
+    return 0 if report.get("lossless_passed", True) and not report["errors"] else 1
 
 
 def main(argv: list[str] | None = None) -> int:

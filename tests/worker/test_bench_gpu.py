@@ -64,6 +64,7 @@ def test_the_tiny_run_proves_and_measures(tmp_path, capsys):
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["new_tokens"] > 0
         assert r["peak_memory_mib"] is None and r["syncs_per_step"] is None  # CUDA only
+        assert (r["verify_ms_per_step"] is None) == (r["method"] == "hf")
         if r["method"] == "none":
             assert r["tokens_per_pass"] == pytest.approx(1.0)
         if r["method"] == "fixed":
