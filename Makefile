@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: venv demo test test-fast typecheck services lint fuzz
+.PHONY: venv demo test test-fast typecheck services lint fuzz gpu-check
 
 venv: $(VENV)/.installed
 
@@ -39,3 +39,10 @@ lint: venv
 # the engine's differential fuzz at length: 3,000 fresh mixes (the suite runs 300 fixed ones)
 fuzz: venv
 	HYPOTHESIS_PROFILE=long $(PY) -m pytest -q -s tests/worker/engine/test_fuzz.py
+
+# the GPU check (docs/benchmarks.md): lossless, throughput, pass costs and device paths on
+# one GPU from models built there; needs a Python with a CUDA torch and the worker's
+# packages, not this venv (the GPU machine gets a copy of the tree and no index)
+GPU_PY ?= python3
+gpu-check:
+	PYTHONPATH=src $(GPU_PY) -m specq.bench.gpu --device cuda --out bench-gpu

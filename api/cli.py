@@ -43,6 +43,8 @@ HEAVY = {
                     "workers, a stand-in engine; rates, waits, memory, a small job behind it"),
     "bench-metrics": ("specq.bench.scrape", "what a Prometheus scrape costs: a worker's "
                       "against its step, the exporter's with a million-item job stored"),
+    "bench-gpu": ("specq.bench.gpu", "the engine proved and measured on one device from "
+                  "models built here: lossless, throughput, pass costs, device paths"),
     "bench-serve": ("specq.bench.serve", "the HTTP door: upload and create rates, polling "
                     "latency, download rate, a restart, memory during a big upload"),
 }
@@ -415,7 +417,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def cmd_heavy(args: argparse.Namespace) -> int:
-    """A HEAVY command: its module's own parser reads the rest of the command line."""
+    """A HEAVY command: its module's own parser reads the rest of the command line.
+    `specq bench gpu ...` is `specq bench-gpu ...` (and so for every bench-NAME)."""
+    if args.rest[:1] and f"{args.heavy}-{args.rest[0]}" in HEAVY:
+        args.heavy, args.rest = f"{args.heavy}-{args.rest[0]}", args.rest[1:]
     module = import_module(HEAVY[args.heavy][0])
     p = _Parser(prog=f"specq {args.heavy}", description=module.__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)

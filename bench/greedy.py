@@ -11,21 +11,27 @@ NEAR_TIE = 1e-4  # relative gap between the two diverging tokens' logits
 
 
 class NearTieCheck:
-    """Decides, with one target pass, whether a divergence is a near-tie."""
+    """Decides, with one target pass, whether a divergence is a near-tie: the two tokens'
+    logits within ``tolerance`` of each other, relative to the largest logit (at least 1)."""
 
-    def __init__(self, model: PreTrainedModel, prompts: list[list[int]]) -> None:
-        self.model, self.prompts = model, prompts
-        self._memo: dict[tuple[int, int, int, int], bool] = {}
+    def __init__(self, model: PreTrainedModel, prompts: list[list[int]],
+                 tolerance: float = NEAR_TIE) -> None:
+        self.model, self.prompts, self.tolerance = model, prompts, tolerance
+        self._memo: dict[tuple[int, int, int, int], float] = {}
 
     @torch.inference_mode()
-    def __call__(self, i: int, prefix: list[int], a: int, b: int) -> bool:
+    def gap(self, i: int, prefix: list[int], a: int, b: int) -> float:
+        """The relative logit gap between tokens a and b after prompt i and ``prefix``."""
         key = (i, len(prefix), min(a, b), max(a, b))
         if key not in self._memo:
             ids = torch.tensor([self.prompts[i] + prefix], device=self.model.device)
             logits = self.model(input_ids=ids).logits[0, -1].float()  # [V]
-            gap = (logits[a] - logits[b]).abs()
-            self._memo[key] = bool(gap <= NEAR_TIE * logits.abs().max().clamp_min(1.0))
+            scale = logits.abs().max().clamp_min(1.0)
+            self._memo[key] = float((logits[a] - logits[b]).abs() / scale)
         return self._memo[key]
+
+    def __call__(self, i: int, prefix: list[int], a: int, b: int) -> bool:
+        return self.gap(i, prefix, a, b) <= self.tolerance
 
 
 def compare(reference: list[list[int]], outputs: list[list[int]],

@@ -119,6 +119,8 @@ def subparser(argv: list[str]) -> tuple[argparse.ArgumentParser, list[str]]:
                               f"known: {', '.join(known)}"
         parser, chosen = known[word], chosen + [word]
         argv = argv[argv.index(word) + 1:]
+    if argv and f"{chosen[0]}-{argv[0]}" in cli.HEAVY:  # `specq bench gpu`: bench-gpu
+        chosen, argv = [f"{chosen[0]}-{argv[0]}"], argv[1:]
     if chosen[0] in cli.HEAVY:
         parser = argparse.ArgumentParser(prog=f"specq {chosen[0]}")
         importlib.import_module(cli.HEAVY[chosen[0]][0]).add_arguments(parser)

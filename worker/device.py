@@ -9,7 +9,11 @@
 
 from __future__ import annotations
 
+import logging
+
 import torch
+
+log = logging.getLogger(__name__)
 
 _DEVICE_MARKERS = (
     "cuda error", "cublas_status", "cudnn_status", "cudnn error", "nccl error",
@@ -38,6 +42,11 @@ def is_device_lost(exc: BaseException) -> bool:
 
 
 def free_memory(device: torch.device) -> None:
-    """Hand cached blocks back after an out-of-memory error (a no-op off CUDA)."""
-    if device.type == "cuda":
+    """Hand cached blocks back after an engine exception (a no-op off CUDA). A lost device
+    refuses this too: that error is logged, and the caller's own (is_device_lost) decides."""
+    if device.type != "cuda":
+        return
+    try:
         torch.cuda.empty_cache()
+    except RuntimeError as exc:  # torch.AcceleratorError is one
+        log.warning("could not free the device's cached memory: %s", exc)

@@ -227,7 +227,7 @@ class KVRows:
             return
         assert self.mask is not None  # set with the cache
         rows = torch.as_tensor(rows, dtype=torch.long).cpu()
-        self.mask = self.mask.index_select(0, rows.to(self.device))
+        self.mask = self.mask.index_select(0, upload(rows, self.device))
         if rows.numel() == 0:
             self.mask = self.mask[:, :0]
         moved = (rows != torch.arange(rows.numel())).nonzero()[:, 0]
@@ -406,6 +406,16 @@ class Row:
         return res
 
 
+def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``t`` on ``device``. A host tensor bound for CUDA goes through pinned memory,
+    asynchronously: a copy from pageable memory makes the host wait for every kernel queued
+    before it, a sync in the middle of the step (DESIGN.md: at most one per step)."""
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Ragged token lists -> ids [B, T] and valid [B, T], padded on the left."""
     T = max(len(s) for s in seqs)
@@ -415,4 +425,4 @@ def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
         if s:
             ids[i, T - len(s) :] = torch.tensor(s)
             valid[i, T - len(s) :] = True
-    return ids.to(device), valid.to(device)
+    return upload(ids, device), upload(valid, device)

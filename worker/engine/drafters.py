@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from transformers import PreTrainedModel
 
-from specq.worker.engine.batch import KVRows, left_pad
+from specq.worker.engine.batch import KVRows, left_pad, upload
 from specq.worker.engine.prefix import PrefixStore, prefill
 from specq.worker.engine.sampling import keyed_race, logits_to_probs
 
@@ -272,7 +272,7 @@ class DraftModel(_JobBlind):
         # are the tokens emitted (the accepted drafts, unless the grammar drafted the row
         # instead: grammar.py), and one emitted token at least waits for the next pass
         keep = [min(_agree(d, toks), g - 1, len(toks) - 1) for d, toks in zip(drafts, tokens)]
-        self.kv.keep(start + P, torch.tensor(keep, device=self.kv.device))
+        self.kv.keep(start + P, upload(torch.tensor(keep), self.kv.device))
         # all g accepted: x_g was never fed, so it waits with the bonus token
         self.pending = [toks[k:] for k, toks in zip(keep, tokens)]
         self._last = None

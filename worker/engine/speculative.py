@@ -13,7 +13,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specq.schema.generation import Request, RequestError, check_length, context_length
 from specq.worker.engine import calibration
-from specq.worker.engine.batch import KVRows, Row, fill_holes
+from specq.worker.engine.batch import KVRows, Row, fill_holes, upload
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft, Proposal
 from specq.worker.engine.drafting import drafting_for
 from specq.worker.engine.grammar import (
@@ -213,6 +213,7 @@ class SpeculativeEngine:
                     lap("upkeep")
         finally:
             self.profile.stop()
+        self.reset()  # both caches' buffers go back now, not when the next job starts
         return [results[i] for i in sorted(results)]
 
     def _room_for(self, waiting: int) -> bool:
@@ -272,8 +273,8 @@ class SpeculativeEngine:
         seeds, *params = self._params(rows)
         matchers = [r.matcher for r in rows]
         dead = self._shape(logits, matchers, [[] for _ in rows], 1, rows)
-        pos = torch.tensor([[len(p)] for p in prompts], device=logits.device)
-        first = self._sample(logits_to_probs(logits, *params), seeds.to(logits.device),
+        pos = upload(torch.tensor([[len(p)] for p in prompts]), logits.device)
+        first = self._sample(logits_to_probs(logits, *params), upload(seeds, logits.device),
                              pos)[:, 0]
         first_list = first.tolist()
         self._advance(rows, matchers, [[t] for t in first_list], dead)
@@ -352,9 +353,9 @@ class SpeculativeEngine:
             lap("mask")
         # prompt lookup may find less than g anywhere, a grammar's forced tokens be more
         n = int(prop.num_draft.max()) if prop.token_ids.shape[1] else 0
-        draft_ids = prop.token_ids[:, :n].to(dev)  # [B, n]
+        draft_ids = upload(prop.token_ids[:, :n], dev)  # [B, n]
         draft_probs = None if prop.probs is None else prop.probs[:, :n]  # [B, n, V]
-        num_draft = prop.num_draft.to(dev)  # [B]
+        num_draft = upload(prop.num_draft, dev)  # [B]
         clock.mark()
         lap("propose")
 
@@ -446,9 +447,9 @@ class SpeculativeEngine:
         seeds, temperature, top_k, top_p = params
         dev = logits.device
         target_probs = logits_to_probs(logits, temperature, top_k, top_p)  # [B, n + 1, V]
-        pos = torch.tensor([len(r.tokens) for r in self.rows], device=dev)[:, None]
+        pos = upload(torch.tensor([len(r.tokens) for r in self.rows]), dev)[:, None]
         pos = pos + torch.arange(logits.shape[1], device=dev)  # [B, n + 1] each slot's position
-        seeds = seeds.to(dev)
+        seeds = upload(seeds, dev)
         seeded = any(r.request.seed is not None and r.request.temperature > 0
                      for r in self.rows)
         if draft_probs is not None and not seeded:  # Algorithm 1: the best acceptance
