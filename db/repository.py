@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import RowMapping, bindparam, case, func, insert, select, update
+from sqlalchemy import RowMapping, bindparam, case, func, insert, select, text, update
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.schema import ScalarElementColumnDefault
@@ -242,16 +242,30 @@ def record_failures(session: Session, *, job_id: int, start: int, indices: list[
     ))
 
 
-def mark_launch(session: Session, *, job_id: int, indices: list[int], launch: str) -> None:
+def mark_launch(session: Session, *, job_id: int, indices: list[int], launch: str,
+                finished: Collection[int] = ()) -> None:
     """These pending items join a batch of the engine run ``launch`` (a worker's run of a
     chunk, and its generation within it). Committed before the batch's work starts: the
-    mark outlives the worker, so the run after a death knows who was in flight."""
-    if indices:
-        session.execute(
-            update(Item).where(Item.job_id == job_id, *_among(indices), Item.status == PENDING)
-            .values(launch=launch),
-            execution_options={"synchronize_session": False},
-        )
+    mark outlives the worker, so the run after a death knows who was in flight.
+
+    ``finished``: items of the run that finished but whose outcomes are not written yet;
+    their marks are cleared in the same statement, so a death in the batch that starts
+    blames none of them (they are generated again, uncharged). On PostgreSQL the mark is
+    committed without waiting for its WAL flush (synchronous_commit off, this transaction
+    only): it must outlive the worker, which a commit does at once, not the database
+    server; the outcomes' commits keep waiting for theirs."""
+    if not indices and not finished:
+        return
+    if session.get_bind().dialect.name == "postgresql":
+        session.execute(text("SET LOCAL synchronous_commit TO OFF"))
+    marked = set(indices)
+    touched = sorted(marked.union(finished))
+    session.execute(
+        update(Item).where(Item.job_id == job_id, *_among(touched), Item.status == PENDING)
+        .values(launch=case((Item.index.in_(sorted(marked)), launch), else_=None)
+                if marked else None),
+        execution_options={"synchronize_session": False},
+    )
 
 
 def record_crash(session: Session, *, job_id: int, start: int, indices: list[int],

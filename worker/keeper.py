@@ -7,7 +7,9 @@ While the engine generates, the keeper
   ``flush_items`` items), so a killed worker loses only the items still in flight;
 - records faults (an item's attempts, the chunk's fault count) in the same ordered stream;
 - marks the items of each batch the engine starts (``launch``), at once, so that the run
-  after a worker's death knows which items were in flight;
+  after a worker's death knows which items were in flight: one short statement on the
+  engine's thread, which also clears the marks of the items whose outcomes wait in the
+  queue (the outcomes themselves are written here, off the engine's path);
 - notices a lease taken over by another worker (after an outage longer than the lease)
   and a job being cancelled, so the engine can stop early.
 
@@ -72,7 +74,9 @@ class ChunkKeeper:
         self.job_id, self.start_index, self.end = job_id, start, end
         self.report = KeeperReport()
         self._queue: list[Outcome | _Fault] = []
+        self._queued: set[int] = set()  # the items of the outcomes in _queue
         self._cond = threading.Condition()
+        self._marking = threading.Lock()  # held by a launch: the queue is not taken meanwhile
         self._stop = False
         self._thread: threading.Thread | None = None
         self.lost = threading.Event()  # another worker holds the lease now
@@ -92,6 +96,7 @@ class ChunkKeeper:
         """A finished item's outcome, to be written in the next batch."""
         with self._cond:
             self._queue.append(outcome)
+            self._queued.add(outcome.index)
             if len(self._queue) >= self.settings.flush_items:
                 self._cond.notify()
 
@@ -121,16 +126,20 @@ class ChunkKeeper:
     def launch(self, indices: list[int], generation: int) -> None:
         """These items join a batch of the run's engine ``generation``: mark them, committed
         before the batch runs, so that the next run of the chunk knows them if this worker
-        dies (worker/attempts.py). The outcomes waiting are written first: an item that
-        finished carries no mark into the batch that follows (else a worker dying in a
-        later batch would blame it too). Written from the caller's thread, now; with the
-        database away the mark is skipped (the chunk's run limit still bounds a poison
-        batch)."""
+        dies (worker/attempts.py). An item that finished carries no mark into the batch that
+        follows (else a worker dying in a later batch would blame it too): the same
+        statement clears the marks of the items whose outcomes wait in the queue, and those
+        being written now lose theirs as the write commits. The outcomes are left to the
+        keeper's thread: this is one statement whatever is queued, on rows no write holds
+        (the queue is not taken while it runs).
+        Written from the caller's thread, now; with the database away the mark is skipped
+        (the chunk's run limit still bounds a poison batch)."""
         try:
-            self._drain()
-            with self.sessions.begin() as s:
+            with self._marking, self.sessions.begin() as s:
+                with self._cond:
+                    finished = sorted(self._queued)
                 repo.mark_launch(s, job_id=self.job_id, indices=indices,
-                                 launch=self._launch(generation))
+                                 launch=self._launch(generation), finished=finished)
         except UNREACHABLE as exc:
             log.warning("%s: items %s not marked in flight (%s)", self._where, indices,
                         short_error(exc))
@@ -206,8 +215,9 @@ class ChunkKeeper:
 
     def _drain(self) -> None:
         """Write everything queued, in order; on an outage what is unwritten stays queued."""
-        with self._cond:
+        with self._marking, self._cond:  # no launch is clearing these items' marks now
             batch, self._queue = self._queue, []
+            self._queued.clear()
         try:
             while batch:
                 op = batch[0]
@@ -225,6 +235,7 @@ class ChunkKeeper:
             if batch:  # put back, ahead of anything queued meanwhile
                 with self._cond:
                     self._queue = batch + self._queue
+                    self._queued.update(o.index for o in batch if isinstance(o, Outcome))
 
     def _record(self, s: Session, fault: _Fault) -> None:
         where = {"job_id": self.job_id, "start": self.start_index}

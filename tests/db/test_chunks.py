@@ -237,6 +237,23 @@ def test_launch_marks_tell_the_next_run_who_was_in_flight_when_a_worker_died(ses
         assert chunk.first_fault == "worker died with items [0, 1, 2] in flight: killed"
 
 
+def test_a_launch_clears_the_marks_of_items_finished_but_not_written(sessions):
+    """One statement marks the batch that starts and clears the marks of the items that
+    finished before it (their outcomes still queued): a death in the new batch blames the
+    items in flight only, and nothing is written by the mark."""
+    job_id = _job(sessions, n=6, chunk_size=6)
+    with sessions.begin() as s:
+        repo.mark_launch(s, job_id=job_id, indices=[0, 1, 2], launch="w#1")
+        repo.write_outcomes(s, job_id=job_id, outcomes=[_done(2)])  # written: no mark
+    with sessions.begin() as s:
+        repo.mark_launch(s, job_id=job_id, indices=[3, 4], launch="w#1", finished=[0, 2])
+    with sessions() as s:
+        items = [s.get(Item, (job_id, i)) for i in range(6)]
+        assert [it.launch for it in items] == [None, "w#1", None, "w#1", "w#1", None]
+        assert [it.status for it in items] == ["pending"] * 2 + ["completed"] + ["pending"] * 3
+        assert repo.died_in_flight(s, job_id=job_id, start=0, end=6) == {"w#1": [1, 3, 4]}
+
+
 def test_an_exception_clears_its_own_launch_mark_only(sessions):
     """A failure recorded after the item was launched again keeps the newer mark."""
     job_id = _job(sessions, n=2, chunk_size=2)

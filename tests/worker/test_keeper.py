@@ -1,0 +1,58 @@
+"""The keeper's launch marks: one statement on the engine's thread, outcomes left queued."""
+
+from __future__ import annotations
+
+import pytest
+
+from specq.configs.settings import get_settings
+from specq.db import chunks
+from specq.db import repository as repo
+from specq.db.models import Item, ItemStatus, JobStatus
+from specq.db.outcomes import Outcome
+from specq.db.session import migrate, session_factory
+from specq.worker.keeper import ChunkKeeper
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def sessions(request, tmp_path):
+    url = (f"sqlite:///{tmp_path / 'specq.db'}" if request.param == "sqlite"
+           else request.getfixturevalue("pg_url"))
+    migrate(url)
+    return session_factory(url)
+
+
+def _job(sessions, n: int) -> int:
+    with sessions.begin() as s:
+        job = repo.create_job(s, pair="tiny", params={}, chunk_size=n, source=None,
+                              queue="q.tiny")
+        rows = ({"index": i, "custom_id": None, "prompt": f"p{i}", "messages": None,
+                 "params": None} for i in range(n))
+        job.total = repo.insert_items(s, job_id=job.id, rows=rows)
+        job.status = JobStatus.queued.value
+        chunks.insert_chunks(s, job_id=job.id, total=n, chunk_size=n)
+        return job.id
+
+
+def test_a_launch_writes_no_outcome_and_unmarks_the_finished(sessions):
+    """A launch marks its batch and clears the marks of the items finished before it, in one
+    transaction, and leaves their outcomes to the keeper: they are written at close (the
+    keeper's thread, not started here, would write them in its own time)."""
+    settings = get_settings().model_copy(update={"flush_items": 1000, "flush_every": 3600.0})
+    job_id = _job(sessions, 5)
+    keeper = ChunkKeeper(sessions, settings, job_id, 0, 5, "host/1/abcd")
+    keeper.launch([0, 1, 2], generation=1)
+    keeper.put(Outcome(0, ItemStatus.completed, output="a", token_ids=[1]))
+    keeper.put(Outcome(1, ItemStatus.completed, output="b", token_ids=[1]))
+    keeper.launch([3, 4], generation=1)
+
+    def items() -> list[Item]:
+        with sessions() as s:
+            return [s.get(Item, (job_id, i)) for i in range(5)]
+
+    assert [it.status for it in items()] == ["pending"] * 5  # the launch wrote nothing
+    assert [it.launch for it in items()] == [None, None, "host/1/abcd#1", "host/1/abcd#1",
+                                             "host/1/abcd#1"]
+    report = keeper.close()
+    assert report.written == 2
+    assert [(it.status, it.output) for it in items()][:2] == [("completed", "a"),
+                                                              ("completed", "b")]
