@@ -116,17 +116,19 @@ def renew(session: Session, *, job_id: int, start: int, owner: str, ttl: float,
     )))
 
 
-def holds(session: Session, *, job_id: int, start: int, owner: str) -> bool:
+def holds(session: Session, *, job_id: int, start: int, owner: str,
+          live: bool = False) -> bool:
     """Whether ``owner`` holds the chunk's lease now: the guard of every write of a run
-    (worker/run.py). The chunk's row is locked for share until the transaction ends, so a
-    takeover (claim) waits for the write and then sees it, or came first and the write
+    (worker/keeper.py). The chunk's row is locked for share until the transaction ends, so
+    a takeover (claim) waits for the write and then sees it, or came first and the write
     is refused. An owner whose lease ran out still holds it until another claims it: the
-    outcomes it kept through a database outage are still its to write."""
+    outcomes it kept through a database outage are still its to write. ``live``: only a
+    lease that has not run out holds (a launch mark: what a takeover charges)."""
     c = Chunk.__table__.c
-    return session.execute(
-        select(c.start).where(c.job_id == job_id, c.start == start, c.lease_owner == owner)
-        .with_for_update(read=True)
-    ).first() is not None
+    stmt = select(c.start).where(c.job_id == job_id, c.start == start, c.lease_owner == owner)
+    if live:
+        stmt = stmt.where(c.lease_until > db_now())
+    return session.execute(stmt.with_for_update(read=True)).first() is not None
 
 
 def charge(session: Session, *, job_id: int, start: int, owner: str,

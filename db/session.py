@@ -9,6 +9,7 @@ from typing import Any, cast
 
 from sqlalchemy import CursorResult, Engine, Result, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,27 @@ def get_engine(url: str, timeout: float = 10.0, hold: float | None = None) -> En
         args: dict[str, Any] = dict(pg_timeouts(timeout))
         if hold is not None:
             args["options"] = f"-c idle_in_transaction_session_timeout={int(hold * 1000)}"
-        return create_engine(url, pool_pre_ping=True, connect_args=args)
+        engine = create_engine(url, pool_pre_ping=True, connect_args=args)
+        event.listen(engine, "handle_error", _session_ended)
+        return engine
     return create_engine(url, pool_pre_ping=True)
+
+
+# The server ended the session (SQLSTATE class 57P: shutdown, crash; 25P03: a transaction
+# left idle too long, as a stalled connection leaves it): the database was away from this
+# connection, not the statement wrong. psycopg raises some of them as InternalError.
+_ENDED = ("25P03", "57P01", "57P02", "57P03")
+
+
+def _session_ended(ctx: Any) -> None:
+    """Raise the server ending the session as what it is, an OperationalError (the
+    connection unusable), which callers retry as any outage."""
+    orig = ctx.original_exception
+    if getattr(orig, "sqlstate", None) in _ENDED and not isinstance(
+            ctx.sqlalchemy_exception, OperationalError):
+        ctx.is_disconnect = True
+        raise OperationalError(ctx.statement, ctx.parameters, orig,
+                               connection_invalidated=True) from orig
 
 
 def pg_timeouts(timeout: float) -> dict[str, int]:

@@ -158,13 +158,15 @@ class ChunkKeeper:
         later batch would blame it too). Written from the caller's thread, now; with the
         database away the mark is skipped (the chunk's run limit still bounds a poison
         batch). Raises Stopped when the run should stop, or the mark was refused."""
-        if self.should_stop():
+        if self.should_stop() or self._overdue():
             raise Stopped
         try:
             with self._writing:
                 self._drain()
+                if self._overdue():  # the drain met a stall: no mark from a run given up
+                    raise Stopped
                 with self.sessions.begin() as s:
-                    if self._owned(s, len(indices)):
+                    if self._owned(s, len(indices), live=True):
                         repo.mark_launch(s, job_id=self.job_id, indices=indices,
                                          launch=repo.launch_mark(self.owner, generation))
         except UNREACHABLE as exc:
@@ -176,6 +178,16 @@ class ChunkKeeper:
     def should_stop(self) -> bool:
         return self.lost.is_set() or self.gave_up.is_set() or self.cancelling.is_set()
 
+    def _overdue(self) -> bool:
+        """No renewal for two thirds of the lease: the run gives up now, if the watcher has
+        not yet (a launch mark is never written past this point: a takeover may find it
+        before the give-up)."""
+        silent = time.monotonic() - self._renewed
+        if silent < self.settings.lease_seconds * 2 / 3:
+            return False
+        self._give_up(silent)
+        return True
+
     def close(self) -> KeeperReport:
         """Write what is left (retrying through an outage), give the lease back and release
         the run's items in flight, settle the job if this chunk is done. Raises if the
@@ -183,12 +195,15 @@ class ChunkKeeper:
         with self._cond:
             self._stop = True
             self._cond.notify()
-        self._closed.set()
-        for thread in (self._thread, self._watcher):
-            if thread is not None:
-                thread.join()
-        retry_db(self._drain, backoff=self.backoff, what=self._where)
-        retry_db(self._release, backoff=self.backoff, what=self._where)
+        try:  # the watcher watches to the end: a close stuck in a stall gives up on time
+            if self._thread is not None:
+                self._thread.join()
+            retry_db(self._drain, backoff=self.backoff, what=self._where)
+            retry_db(self._release, backoff=self.backoff, what=self._where)
+        finally:
+            self._closed.set()
+            if self._watcher is not None:
+                self._watcher.join()
         return self.report
 
     # -- the threads ------------------------------------------------------------------
@@ -205,11 +220,14 @@ class ChunkKeeper:
                 return
 
     def _give_up(self, silent: float) -> None:
+        with self._cond:  # once, from the watcher or the engine's thread
+            if self.gave_up.is_set():
+                return
+            self.gave_up.set()
         log.warning("%s: no lease renewal for %.1f s (two thirds of the %.0f s lease); the "
                     "run gives the chunk up, its items in flight released", self._where,
                     silent, self.settings.lease_seconds)
         metrics.active().leases_given_up.inc()
-        self.gave_up.set()
         if self._on_give_up is not None:
             try:
                 self._on_give_up(self.owner)
@@ -274,15 +292,17 @@ class ChunkKeeper:
 
     # -- the writes: each in a transaction that finds the run owning the lease ----------
 
-    def _owned(self, s: Session, writes: int = 1) -> bool:
+    def _owned(self, s: Session, writes: int = 1, live: bool = False) -> bool:
         """Whether this run still holds the chunk's lease (in the transaction ``s``, which
-        then writes); if not, ``writes`` are refused and counted, and the run stops."""
-        if chunks.holds(s, job_id=self.job_id, start=self.start_index, owner=self.owner):
+        then writes; ``live``: a lease not run out); if not, ``writes`` are refused and
+        counted, and the run stops."""
+        if chunks.holds(s, job_id=self.job_id, start=self.start_index, owner=self.owner,
+                        live=live):
             return True
         self.report.refused += writes
         metrics.active().writes_refused.inc(writes)
         if not self.lost.is_set():
-            log.warning("%s: another run holds the chunk's lease; this run's writes are "
+            log.warning("%s: this run holds the chunk's lease no more; its writes are "
                         "refused and it stops", self._where)
             self.lost.set()
         return False
