@@ -250,7 +250,7 @@ class Settings(BaseSettings):
     def _lease_outlasts_database_calls(self) -> Settings:
         """A lease must outlast the calls that renew it: renewed every third of it and
         given up after two thirds, it holds only if one call ends within a third."""
-        if self.lease_seconds < 3 * self.db_timeout:
+        if self.lease_seconds < 3 * self.db_timeout * (1 - 1e-9):
             raise ValueError(
                 f"lease_seconds ({self.lease_seconds:g}) must be at least 3 x db_timeout "
                 f"({self.db_timeout:g}): a lease renewal may take db_timeout seconds to fail, "
