@@ -250,8 +250,9 @@ class ChunkKeeper:
                     return
             now = time.monotonic()
             try:
-                if now >= next_beat and not self.gave_up.is_set():
-                    self._heartbeat()
+                if now >= next_beat:
+                    if not self.gave_up.is_set():  # a run given up renews nothing
+                        self._heartbeat()
                     next_beat = now + beat
                 if self._queue and (now >= next_flush
                                     or len(self._queue) >= self.settings.flush_items):
