@@ -79,6 +79,7 @@ def run_chaos(args: argparse.Namespace) -> dict:
     pproxy = Proxy(db.host or "127.0.0.1", db.port or 5432).start()
     own = base.model_copy(update={
         "queue_prefix": f"chaos-{uuid.uuid4().hex[:6]}", "lease_seconds": args.lease,
+        "db_timeout": min(base.db_timeout, max(1.0, args.lease / 3)),  # lease >= 3 calls
         "reconcile_every": args.reconcile_every, "reconcile_grace": args.reconcile_every,
         "visibility_timeout": 3600})
     via = own.model_copy(update={

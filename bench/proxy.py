@@ -3,10 +3,13 @@
     proxy = Proxy("127.0.0.1", 5432).start()     # listens on proxy.port
     proxy.cut()       # drop every connection; new ones are accepted, then closed at once
     proxy.hang()      # new connections are accepted and never answered (an unresponsive peer)
-    proxy.restore()   # forward again
+    proxy.stall()     # hold every byte, both ways, on every connection, until restore
+    proxy.restore()   # forward again (what a stall held goes on its way)
 
 A worker pointed at the proxy sees what a network cut, a restarted server or a hung one
-looks like, while the real server goes on serving everyone else.
+looks like, while the real server goes on serving everyone else. A stall is the path that
+acknowledges and then holds the data (a congested link, a paused middlebox): no socket
+option of the client notices it, and every call through it waits for the restore.
 """
 
 from __future__ import annotations
@@ -20,7 +23,9 @@ class Proxy:
         self.target = (host, port)
         self._server = socket.create_server((listen, 0))
         self.port = self._server.getsockname()[1]
-        self.mode = "up"  # up | cut | hang
+        self.mode = "up"  # up | cut | hang | stall
+        self._flowing = threading.Event()  # clear while stalled
+        self._flowing.set()
         self._lock = threading.Lock()
         self._conns: list[socket.socket] = []
         self._closed = False
@@ -33,6 +38,7 @@ class Proxy:
         with self._lock:
             self.mode = "cut"
             conns, self._conns = self._conns, []
+        self._flowing.set()  # what a stall held meets the closed sockets and ends
         for c in conns:
             _close(c)
 
@@ -40,8 +46,13 @@ class Proxy:
         self.cut()
         self.mode = "hang"
 
+    def stall(self) -> None:
+        self.mode = "stall"
+        self._flowing.clear()
+
     def restore(self) -> None:
         self.mode = "up"
+        self._flowing.set()
 
     def close(self) -> None:
         self._closed = True
@@ -61,27 +72,36 @@ class Proxy:
                 with self._lock:
                     self._conns.append(client)  # held open, never answered, until cut
                 continue
-            try:
-                upstream = socket.create_connection(self.target, timeout=5)
-                upstream.settimeout(None)
-            except OSError:
-                _close(client)
-                continue
             with self._lock:
-                self._conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+                self._conns.append(client)
+            threading.Thread(target=self._connect, args=(client,), daemon=True).start()
 
+    def _connect(self, client: socket.socket) -> None:
+        self._flowing.wait()  # a connection made during a stall waits for the restore
+        if self.mode in ("cut", "hang") or self._closed:
+            _close(client)
+            return
+        try:
+            upstream = socket.create_connection(self.target, timeout=5)
+            upstream.settimeout(None)
+        except OSError:
+            _close(client)
+            return
+        with self._lock:
+            self._conns.append(upstream)
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
-    try:
-        while data := src.recv(65536):
-            dst.sendall(data)
-    except OSError:
-        pass
-    finally:
-        _close(src)
-        _close(dst)
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                self._flowing.wait()  # held while stalled
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            _close(src)
+            _close(dst)
 
 
 def _close(s: socket.socket) -> None:

@@ -144,3 +144,31 @@ class Heartbeat:
                 if failing:
                     log.info("presence: announced again")
                 failing = False
+
+
+# -- runs that gave their lease up alive (worker/keeper.py) ----------------------------
+#
+# A run whose database stops answering gives its chunk's lease up before the lease runs
+# out, and says so here, on the broker, which it still reaches. The run that takes the
+# chunk over finds the give-up and releases the items the stalled run had in flight
+# instead of charging them a crash: their worker never died.
+
+GIVE_UP_TTL = 24 * 3600  # seconds a give-up is kept (a takeover comes within minutes)
+
+
+def give_up_key(settings: Settings, owner: str) -> str:
+    return f"{settings.queue_prefix}:gave-up:{owner[-200:]}"
+
+
+def record_give_up(client: redis.Redis, settings: Settings, owner: str) -> None:
+    """Say that the run ``owner`` (a chunk lease's owner) gave its lease up, alive."""
+    client.set(give_up_key(settings, owner), json.dumps({"pid": os.getpid(), "at": time.time()}),
+               ex=GIVE_UP_TTL)
+
+
+def gave_up(client: redis.Redis, settings: Settings, owners: list[str]) -> set[str]:
+    """Those of ``owners`` that gave their leases up alive (record_give_up)."""
+    if not owners:
+        return set()
+    found = client.mget([give_up_key(settings, o) for o in owners])
+    return {o for o, v in zip(owners, found) if v is not None}

@@ -120,7 +120,7 @@ def _reconcile(settings: Settings, *, job_id: int | None,
                sessions: sessionmaker[Session] | None, app: Celery | None) -> ReconcileReport:
     from specq.broker.app import make_app
 
-    sessions = sessions or session_factory(settings.sqlalchemy_url)
+    sessions = sessions or session_factory(settings.sqlalchemy_url, settings.db_timeout)
     report = ReconcileReport()
     with sessions.begin() as s:
         for jid in repo.unsettled_jobs(s):
@@ -240,7 +240,7 @@ class Background:
         from specq.broker.app import make_app
 
         app = make_app(self.settings, tasks=False)
-        sessions = session_factory(self.settings.sqlalchemy_url)
+        sessions = session_factory(self.settings.sqlalchemy_url, self.settings.db_timeout)
         while not self.stopped.wait(self.settings.reconcile_every):
             try:
                 reconcile_if_due(self.settings, sessions=sessions, app=app)

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from platformdirs import user_data_dir
-from pydantic import Field, ValidationError, ValidationInfo, field_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError
@@ -73,7 +73,12 @@ class Settings(BaseSettings):
     max_attempts: int = Field(
         3, ge=1, le=1000, description="engine failures an item survives before it fails")
     lease_seconds: float = Field(
-        30.0, ge=1, le=86400, description="a running chunk's lease; renewed every third of it")
+        30.0, ge=1, le=86400, description="a running chunk's lease; renewed every third of "
+        "it, given up after two thirds of it without a renewal; at least 3 x db_timeout")
+    db_timeout: float = Field(
+        10.0, ge=1, le=3600, description="seconds one PostgreSQL call may go unanswered "
+        "before it fails (connect_timeout, tcp_user_timeout, keepalives): the bound of a "
+        "lease renewal")
     reconcile_every: float = Field(
         15.0, ge=0, le=86400, description="seconds between reconciler runs in each worker and "
         "the beat (one at a time fleet-wide); 0 turns the workers' own runs off")
@@ -288,6 +293,17 @@ class Settings(BaseSettings):
         if value not in DTYPES:
             raise ValueError(f"must be one of {', '.join(DTYPES)}")
         return value
+
+    @model_validator(mode="after")
+    def _lease_outlasts_database_calls(self) -> Settings:
+        """A lease must outlast the calls that renew it: renewed every third of it and
+        given up after two thirds, it holds only if one call ends within a third."""
+        if self.lease_seconds < 3 * self.db_timeout * (1 - 1e-9):
+            raise ValueError(
+                f"lease_seconds ({self.lease_seconds:g}) must be at least 3 x db_timeout "
+                f"({self.db_timeout:g}): a lease renewal may take db_timeout seconds to fail, "
+                f"and a worker gives its lease up after two thirds of it without a renewal")
+        return self
 
     @property
     def sqlalchemy_url(self) -> str:

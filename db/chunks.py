@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session
 
 from specq.db.clock import db_now, statement_now
 from specq.db.models import RUNNING, Chunk, Item, ItemStatus, Job, utcnow
+from specq.db.outcomes import storable
 from specq.db.session import changed
 from specq.schema.counters import ARRAYS, SCALARS
 
@@ -113,6 +114,21 @@ def renew(session: Session, *, job_id: int, start: int, owner: str, ttl: float,
         .where(c.job_id == job_id, c.start == start, c.lease_owner == owner)
         .values(lease_until=db_now() + ttl, **_charged(price))
     )))
+
+
+def holds(session: Session, *, job_id: int, start: int, owner: str,
+          live: bool = False) -> bool:
+    """Whether ``owner`` holds the chunk's lease now: the guard of every write of a run
+    (worker/keeper.py). The chunk's row is locked for share until the transaction ends, so
+    a takeover (claim) waits for the write and then sees it, or came first and the write
+    is refused. An owner whose lease ran out still holds it until another claims it: the
+    outcomes it kept through a database outage are still its to write. ``live``: only a
+    lease that has not run out holds (a launch mark: what a takeover charges)."""
+    c = Chunk.__table__.c
+    stmt = select(c.start).where(c.job_id == job_id, c.start == start, c.lease_owner == owner)
+    if live:
+        stmt = stmt.where(c.lease_until > db_now())
+    return session.execute(stmt.with_for_update(read=True)).first() is not None
 
 
 def charge(session: Session, *, job_id: int, start: int, owner: str,
@@ -319,10 +335,11 @@ def add_fault(session: Session, *, job_id: int, start: int, error: str) -> None:
     """One more fault met while running the chunk at ``start``; the first one's error and
     time (database clock) are kept."""
     c = Chunk.__table__.c
+    error = storable(error)[:2000]
     session.execute(
         update(Chunk.__table__).where(c.job_id == job_id, c.start == start)
         .values(faults=c.faults + 1,
-                first_fault=func.coalesce(c.first_fault, error[:2000]),
+                first_fault=func.coalesce(c.first_fault, error),
                 first_fault_at=func.coalesce(c.first_fault_at, db_now()))
     )
 

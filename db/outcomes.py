@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, fields
 from datetime import datetime
-from typing import Any
+from typing import Any, overload
 
 from specq.db.models import ItemStatus
 from specq.schema.counters import ARRAYS, SCALARS, Counters
@@ -49,3 +50,19 @@ COLUMNS: tuple[str, ...] = (
     *(f.name for f in fields(Outcome) if f.name not in NOT_COLUMNS),
     *SCALARS, *ARRAYS,
 )
+
+
+@overload
+def storable(text: str) -> str: ...
+@overload
+def storable(text: None) -> None: ...
+def storable(text: str | None) -> str | None:
+    """Text as every database stores it: PostgreSQL text cannot hold NUL, so NUL becomes
+    U+FFFD (the token ids keep the exact output); a lone surrogate becomes U+FFFD too.
+    Outputs, outcome errors and fault texts all pass through it."""
+    if not text:
+        return text
+    return _UNSTORABLE.sub("\ufffd", text)
+
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")

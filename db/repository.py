@@ -23,7 +23,7 @@ from sqlalchemy.types import JSON
 from specq.db import chunks, views, webhooks
 from specq.db.models import RUNNING, UNFINISHED, Chunk, Item, ItemStatus, Job, JobStatus, utcnow
 from specq.db.outcomes import COLUMNS as OUTCOME_COLUMNS
-from specq.db.outcomes import Outcome
+from specq.db.outcomes import Outcome, storable
 from specq.db.session import changed
 from specq.schema.counters import ARRAYS, SCALARS
 
@@ -230,13 +230,14 @@ def record_failures(session: Session, *, job_id: int, start: int, indices: list[
     (kept as the item's last error while it stays pending); their mark of ``launch`` is
     cleared (a later launch's mark stays). The fault is counted on the chunk at ``start``.
     Returns how many were pending."""
+    error = storable(error)[:10000]
     chunks.add_fault(session, job_id=job_id, start=start, error=error)
     if not indices:
         return 0
     return changed(session.execute(
         update(Item)
         .where(Item.job_id == job_id, *_among(indices), Item.status == PENDING)
-        .values(attempts=Item.attempts + 1, error=error[:10000],
+        .values(attempts=Item.attempts + 1, error=error,
                 launch=case((Item.launch == launch, None), else_=Item.launch)),
         execution_options={"synchronize_session": False},
     ))
@@ -268,6 +269,32 @@ def mark_launch(session: Session, *, job_id: int, indices: list[int], launch: st
     )
 
 
+def clear_launches(session: Session, *, job_id: int, start: int, end: int,
+                   owner: str) -> int:
+    """Clear the chunk's launch marks of ``owner``'s run (launch marks read OWNER#GENERATION):
+    its items in flight are released, not charged, when the run stops alive (a lost
+    lease, a run that gave its lease up, a cancelled job). Returns how many."""
+    return changed(session.execute(
+        update(Item)
+        .where(Item.job_id == job_id, Item.index >= start, Item.index < end,
+               Item.status == PENDING,
+               Item.launch.startswith(owner[-200:] + "#", autoescape=True))
+        .values(launch=None),
+        execution_options={"synchronize_session": False},
+    ))
+
+
+def launch_mark(owner: str, generation: int) -> str:
+    """The mark of one engine generation of a run of ``owner``: unique to it (the owner
+    ends in a unique token)."""
+    return f"{owner[-200:]}#{generation}"
+
+
+def mark_owner(launch: str) -> str:
+    """The owner a launch mark names (as marks keep it: its last 200 characters)."""
+    return launch.rsplit("#", 1)[0]
+
+
 def record_crash(session: Session, *, job_id: int, start: int, indices: list[int],
                  why: str) -> list[tuple[int, int, int]]:
     """A worker died (killed, crashed, its device lost) with these pending items in its
@@ -275,6 +302,7 @@ def record_crash(session: Session, *, job_id: int, start: int, indices: list[int
     the item was the cause beyond doubt, and it counts an attempt too (an item fails for
     good at max_attempts: worker/attempts.py). Their launch marks are cleared and the fault
     is counted on the chunk. Returns (index, crashes, attempts) of each, after."""
+    why = storable(why)
     chunks.add_fault(session, job_id=job_id, start=start,
                      error=f"worker died with items {_listed(indices)} in flight: {why}")
     rows = session.execute(

@@ -9,6 +9,7 @@ from typing import Any, cast
 
 from sqlalchemy import CursorResult, Engine, Result, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 log = logging.getLogger(__name__)
@@ -36,8 +37,12 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
 
 
 @lru_cache(maxsize=8)
-def get_engine(url: str) -> Engine:
-    """One engine per URL and process; SQLite files get WAL mode and a busy timeout."""
+def get_engine(url: str, timeout: float = 10.0, hold: float | None = None) -> Engine:
+    """One engine per URL (and bounds) and process; SQLite files get WAL mode and a busy
+    timeout. ``timeout``: how long a PostgreSQL call may go unanswered before it fails
+    (settings.db_timeout); ``hold``: how long the server keeps a transaction whose client
+    fell silent in it (a worker's: its locks must not outlive a stalled connection and
+    block a takeover), None: as the server is configured."""
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
@@ -46,19 +51,50 @@ def get_engine(url: str) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     if parsed.get_backend_name() == "postgresql":
-        return create_engine(url, pool_pre_ping=True, connect_args=_PG_TIMEOUTS)
+        args: dict[str, Any] = dict(pg_timeouts(timeout))
+        if hold is not None:
+            args["options"] = f"-c idle_in_transaction_session_timeout={int(hold * 1000)}"
+        engine = create_engine(url, pool_pre_ping=True, connect_args=args)
+        event.listen(engine, "handle_error", _session_ended)
+        return engine
     return create_engine(url, pool_pre_ping=True)
 
 
-# Every database call is bounded: connecting takes at most 10 s, and a server that stops
-# answering is noticed by TCP keepalives (about 25 s idle) and the user timeout (30 s of
-# unacknowledged data), so a cut network is an error a worker retries, never a hang.
-_PG_TIMEOUTS = {"connect_timeout": 10, "keepalives": 1, "keepalives_idle": 10,
-                "keepalives_interval": 5, "keepalives_count": 3, "tcp_user_timeout": 30000}
+# The server ended the session (SQLSTATE class 57P: shutdown, crash; 25P03: a transaction
+# left idle too long, as a stalled connection leaves it): the database was away from this
+# connection, not the statement wrong. psycopg raises some of them as InternalError.
+_ENDED = ("25P03", "57P01", "57P02", "57P03")
 
 
-def session_factory(url: str) -> sessionmaker[Session]:
-    return sessionmaker(get_engine(url), expire_on_commit=False)
+def _session_ended(ctx: Any) -> None:
+    """Raise the server ending the session as what it is, an OperationalError (the
+    connection unusable), which callers retry as any outage."""
+    orig = ctx.original_exception
+    if getattr(orig, "sqlstate", None) in _ENDED and not isinstance(
+            ctx.sqlalchemy_exception, OperationalError):
+        ctx.is_disconnect = True
+        raise OperationalError(ctx.statement, ctx.parameters, orig,
+                               connection_invalidated=True) from orig
+
+
+def pg_timeouts(timeout: float) -> dict[str, int]:
+    """libpq's bounds on one call, from ``timeout`` seconds: connecting takes at most that
+    (2 s at least: libpq's floor), data the server leaves unacknowledged fails after it
+    (tcp_user_timeout), and a silent idle server is noticed by keepalives within it. A cut
+    network is then an error a worker retries, never a hang. (A path that acknowledges
+    and then holds the data, a stalled proxy, is bounded by no socket option: the keeper
+    gives its lease up on time instead, worker/keeper.py.)"""
+    idle = max(1, int(timeout / 3))
+    interval = max(1, int(timeout / 6))
+    return {"connect_timeout": max(2, round(timeout)), "keepalives": 1,
+            "keepalives_idle": idle, "keepalives_interval": interval, "keepalives_count": 3,
+            "tcp_user_timeout": int(timeout * 1000)}
+
+
+def session_factory(url: str, timeout: float = 10.0,
+                    hold: float | None = None) -> sessionmaker[Session]:
+    """Sessions on ``url`` (get_engine: ``timeout``, ``hold``)."""
+    return sessionmaker(get_engine(url, timeout, hold), expire_on_commit=False)
 
 
 def migrate(url: str, revision: str = "head") -> None:

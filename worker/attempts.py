@@ -28,28 +28,25 @@ every suspect that completes alone too (items_isolated).
 from __future__ import annotations
 
 import logging
-import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any
 
 from pydantic import ValidationError
 
 from specq.configs.settings import Settings
 from specq.db.models import ItemStatus, utcnow
-from specq.db.outcomes import Outcome
+from specq.db.outcomes import Outcome, storable
 from specq.schema.generation import Request, merge
 from specq.worker import device, metrics
 from specq.worker.engine.result import Result
 from specq.worker.engine.speculative import SpeculativeEngine
-from specq.worker.keeper import ChunkKeeper
+from specq.worker.keeper import ChunkKeeper, Stopped
+
+__all__ = ["ChunkItem", "Stopped", "Tally", "generate_with_retries", "item_outcome", "storable"]
 
 log = logging.getLogger(__name__)
-
-
-class Stopped(Exception):
-    """The keeper asked the engine to stop: lease lost, or the job is being cancelled."""
 
 
 @dataclass
@@ -197,18 +194,3 @@ def item_outcome(index: int, res: Result, hostname: str, started: Any, finished:
                    token_ids=list(res.token_ids), finish_reason=res.finish_reason,
                    prompt_tokens=res.prompt_tokens, counters=res.counters, worker=hostname,
                    started_at=started, finished_at=finished, isolated=isolated)
-
-
-@overload
-def storable(text: str) -> str: ...
-@overload
-def storable(text: None) -> None: ...
-def storable(text: str | None) -> str | None:
-    """Text as every database stores it: PostgreSQL text cannot hold NUL, so NUL becomes
-    U+FFFD (the token ids keep the exact output); a lone surrogate becomes U+FFFD too."""
-    if not text:
-        return text
-    return _UNSTORABLE.sub("\ufffd", text)
-
-
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")

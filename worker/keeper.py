@@ -1,22 +1,34 @@
-"""The keeper of a running chunk: its lease and its outcomes, in a thread beside the engine.
+"""The keeper of a running chunk: its lease and its writes, in a thread beside the engine.
 
-While the engine generates, the keeper
-- renews the chunk's lease every third of its length (a worker killed mid-chunk stops
-  renewing, and the reconciler hands the chunk to another worker once the lease runs out);
+One run of a chunk (a worker's lease on it, from claim to release) is the only writer of
+the chunk's launch marks, fault records and outcomes while it holds the lease: every
+write is made in a transaction that first finds the run still owning the lease
+(db/chunks.py: holds), and a write found superseded is refused, counted
+(KeeperReport.refused), and stops the run. While the engine generates, the keeper
+- renews the lease every third of its length (a worker killed mid-chunk stops renewing,
+  and the reconciler hands the chunk to another worker once the lease runs out);
+- gives the run up before anyone may take it over: once no renewal has succeeded for two
+  thirds of the lease (a database that stopped answering, a stalled connection), the run
+  stops itself (Stopped), says so on the broker (broker/presence.py: record_give_up), and
+  its items in flight are released, not charged (the takeover finds the give-up);
 - writes finished outcomes in small batches (every ``flush_every`` seconds or
   ``flush_items`` items), so a killed worker loses only the items still in flight;
 - records faults (an item's attempts, the chunk's fault count) in the same ordered stream;
+  a fault record the database refuses (a bad value, not an outage) is logged and dropped,
+  never holding the outcomes behind it;
 - marks the items of each batch the engine starts (``launch``), at once, so that the run
   after a worker's death knows which items were in flight: one short statement on the
   engine's thread, which also clears the marks of the items whose outcomes wait in the
-  queue (the outcomes themselves are written here, off the engine's path);
-- notices a lease taken over by another worker (after an outage longer than the lease)
-  and a job being cancelled, so the engine can stop early.
+  queue (the outcomes themselves are written by the keeper's thread, off the engine's path);
+- notices a lease taken over by another worker and a job being cancelled, so the engine
+  can stop early.
 
 Database outages are ridden out: outcomes stay in memory and the write is retried with
-bounded back-off (worker/backoff.py) for as long as ``db_patience`` allows; nothing is
-regenerated. Writes are idempotent (only pending items are written), so two workers
-that both ran an item cannot both store it.
+bounded back-off (worker/backoff.py) for as long as ``db_patience`` allows; the run stops
+generating once it gives its lease up, and what it finished is written when the database
+answers again, unless another run has taken the chunk by then (then it is refused, and
+the other run generates those items again). Writes are idempotent (only pending items are
+written), so two workers that both ran an item cannot both store it.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
@@ -34,7 +47,7 @@ from specq.configs.settings import Settings
 from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import JobStatus
-from specq.db.outcomes import Outcome
+from specq.db.outcomes import Outcome, storable
 from specq.worker import metrics
 from specq.worker.backoff import UNREACHABLE, Backoff, retry_db, short_error
 
@@ -57,18 +70,33 @@ class _Fault:
     launch: str | None = None
 
 
+class Stopped(Exception):
+    """The keeper asked the engine to stop: the lease was lost or given up, a write was
+    refused (another run holds the chunk), or the job is being cancelled."""
+
+
 @dataclass
 class KeeperReport:
+    """What the keeper wrote; changed only under the keeper's write lock (two threads
+    write: the keeper's and, for launch marks, the engine's)."""
+
     written: int = 0  # outcomes this run stored
-    unwritten: int = 0  # already written by another run of the chunk
+    unwritten: int = 0  # already written by another run of the chunk, or refused
     failures: int = 0  # faults recorded
+    refused: int = 0  # writes refused: another run held the lease (outcomes, faults, marks)
+    dropped: int = 0  # fault records the database refused (logged, not retried)
     done: bool = False  # no pending item left in the chunk at the end
     job_status: str = ""
 
 
 class ChunkKeeper:
     def __init__(self, sessions: sessionmaker[Session], settings: Settings, job_id: int,
-                 start: int, end: int, owner: str, price: float | None = None) -> None:
+                 start: int, end: int, owner: str, price: float | None = None,
+                 leased_at: float | None = None,
+                 on_give_up: Callable[[str], None] | None = None) -> None:
+        """``leased_at``: the monotonic time the run's claim was sent (the lease runs at
+        least ``lease_seconds`` from then); ``on_give_up(owner)``: says on the broker that
+        the run gave its lease up alive (worker/tasks.py)."""
         self.sessions, self.settings, self.owner = sessions, settings, owner
         self.price = price  # per device-hour: the run's held time is charged at it
         self.job_id, self.start_index, self.end = job_id, start, end
@@ -77,9 +105,16 @@ class ChunkKeeper:
         self._queued: set[int] = set()  # the items of the outcomes in _queue
         self._cond = threading.Condition()
         self._marking = threading.Lock()  # held by a launch: the queue is not taken meanwhile
+        self._writing = threading.RLock()  # one writer at a time, in queue order
+        self._counting = threading.Lock()  # the report's refused count, from either thread
         self._stop = False
+        self._closed = threading.Event()
         self._thread: threading.Thread | None = None
+        self._watcher: threading.Thread | None = None
+        self._renewed = time.monotonic() if leased_at is None else leased_at
+        self._on_give_up = on_give_up
         self.lost = threading.Event()  # another worker holds the lease now
+        self.gave_up = threading.Event()  # renewals failed too long: the run gave up
         self.cancelling = threading.Event()  # the job is being cancelled
         self.backoff = Backoff.from_settings(self.settings)
         self._where = f"job {self.job_id}: chunk [{start}, {end})"
@@ -87,9 +122,11 @@ class ChunkKeeper:
     # -- the engine's side ----------------------------------------------------------
 
     def start(self) -> ChunkKeeper:
-        self._thread = threading.Thread(target=self._run, name=f"keeper-{self.job_id}-"
-                                        f"{self.start_index}", daemon=True)
+        name = f"{self.job_id}-{self.start_index}"
+        self._thread = threading.Thread(target=self._run, name=f"keeper-{name}", daemon=True)
+        self._watcher = threading.Thread(target=self._watch, name=f"lease-{name}", daemon=True)
         self._thread.start()
+        self._watcher.start()
         return self
 
     def put(self, outcome: Outcome) -> None:
@@ -103,7 +140,7 @@ class ChunkKeeper:
     def failed(self, indices: list[int], error: str, generation: int | None = None) -> None:
         """An engine exception struck these items in the run's engine ``generation``: their
         attempts go up (and their error), and the chunk counts a fault."""
-        launch = None if generation is None else self._launch(generation)
+        launch = None if generation is None else repo.launch_mark(self.owner, generation)
         self._fault(_Fault("error", list(indices), error, launch))
 
     def out_of_memory(self, error: str) -> None:
@@ -113,10 +150,6 @@ class ChunkKeeper:
     def crashed(self, indices: list[int], why: str) -> None:
         """The device is gone with these items in flight: each counts a crash."""
         self._fault(_Fault("crash", list(indices), why))
-
-    def _launch(self, generation: int) -> str:
-        """The mark of one engine generation of this run: unique to it."""
-        return f"{self.owner[-200:]}#{generation}"  # the owner ends in a unique token
 
     def _fault(self, fault: _Fault) -> None:
         with self._cond:
@@ -131,35 +164,85 @@ class ChunkKeeper:
         statement clears the marks of the items whose outcomes wait in the queue, and those
         being written now lose theirs as the write commits. The outcomes are left to the
         keeper's thread: this is one statement whatever is queued, on rows no write holds
-        (the queue is not taken while it runs).
-        Written from the caller's thread, now; with the database away the mark is skipped
-        (the chunk's run limit still bounds a poison batch)."""
+        (the queue is not taken while it runs), in a transaction that finds the run owning
+        a live lease. Written from the caller's thread, now; with the database away the
+        mark is skipped (the chunk's run limit still bounds a poison batch). Raises Stopped
+        when the run should stop, or the mark was refused."""
+        if self.should_stop() or self._overdue():
+            raise Stopped
         try:
             with self._marking, self.sessions.begin() as s:
                 with self._cond:
                     finished = sorted(self._queued)
-                repo.mark_launch(s, job_id=self.job_id, indices=indices,
-                                 launch=self._launch(generation), finished=finished)
+                if self._owned(s, len(indices), live=True):
+                    repo.mark_launch(s, job_id=self.job_id, indices=indices,
+                                     launch=repo.launch_mark(self.owner, generation),
+                                     finished=finished)
         except UNREACHABLE as exc:
             log.warning("%s: items %s not marked in flight (%s)", self._where, indices,
                         short_error(exc))
+        if self.should_stop():
+            raise Stopped
 
     def should_stop(self) -> bool:
-        return self.lost.is_set() or self.cancelling.is_set()
+        return self.lost.is_set() or self.gave_up.is_set() or self.cancelling.is_set()
+
+    def _overdue(self) -> bool:
+        """No renewal for two thirds of the lease: the run gives up now, if the watcher has
+        not yet (a launch mark is never written past this point: a takeover may find it
+        before the give-up)."""
+        silent = time.monotonic() - self._renewed
+        if silent < self.settings.lease_seconds * 2 / 3:
+            return False
+        self._give_up(silent)
+        return True
 
     def close(self) -> KeeperReport:
-        """Write what is left (retrying through an outage), give the lease back, settle
-        the job if this chunk is done. Raises if the database stays away past patience."""
+        """Write what is left (retrying through an outage), give the lease back and release
+        the run's items in flight, settle the job if this chunk is done. Raises if the
+        database stays away past patience."""
         with self._cond:
             self._stop = True
             self._cond.notify()
-        if self._thread is not None:
-            self._thread.join()
-        retry_db(self._drain, backoff=self.backoff, what=self._where)
-        retry_db(self._release, backoff=self.backoff, what=self._where)
+        try:  # the watcher watches to the end: a close stuck in a stall gives up on time
+            if self._thread is not None:
+                self._thread.join()
+            retry_db(self._drain, backoff=self.backoff, what=self._where)
+            retry_db(self._release, backoff=self.backoff, what=self._where)
+        finally:
+            self._closed.set()
+            if self._watcher is not None:
+                self._watcher.join()
         return self.report
 
-    # -- the thread -------------------------------------------------------------------
+    # -- the threads ------------------------------------------------------------------
+
+    def _watch(self) -> None:
+        """Give the run up once no renewal has succeeded for two thirds of the lease: the
+        lease runs out a third of it later at the soonest, and only then may another
+        worker take the chunk. Touches no database (the keeper's thread may be stuck in
+        one call)."""
+        limit = self.settings.lease_seconds * 2 / 3
+        while not self._closed.wait(max(0.05, self._renewed + limit - time.monotonic())):
+            if time.monotonic() - self._renewed >= limit:
+                self._give_up(time.monotonic() - self._renewed)
+                return
+
+    def _give_up(self, silent: float) -> None:
+        with self._cond:  # once, from the watcher or the engine's thread
+            if self.gave_up.is_set():
+                return
+            self.gave_up.set()
+        log.warning("%s: no lease renewal for %.1f s (two thirds of the %.0f s lease); the "
+                    "run gives the chunk up, its items in flight released", self._where,
+                    silent, self.settings.lease_seconds)
+        metrics.active().leases_given_up.inc()
+        if self._on_give_up is not None:
+            try:
+                self._on_give_up(self.owner)
+            except Exception as exc:  # noqa: BLE001 (the broker's errors vary by transport)
+                log.warning("%s: the give-up was not recorded on the broker (%s); a takeover "
+                            "charges the items in flight a crash", self._where, exc)
 
     def _run(self) -> None:
         beat = self.settings.lease_seconds / 3
@@ -177,7 +260,8 @@ class ChunkKeeper:
             now = time.monotonic()
             try:
                 if now >= next_beat:
-                    self._heartbeat()
+                    if not self.gave_up.is_set():  # a run given up renews nothing
+                        self._heartbeat()
                     next_beat = now + beat
                 if self._queue and (now >= next_flush
                                     or len(self._queue) >= self.settings.flush_items):
@@ -185,7 +269,7 @@ class ChunkKeeper:
                     next_flush = time.monotonic() + self.settings.flush_every
                 failures = 0
             except UNREACHABLE as exc:
-                pause = self.backoff.pause(failures)
+                pause = min(self.backoff.pause(failures), beat)  # a renewal a beat at most
                 failures += 1
                 log.warning("%s: database unreachable (%s); %d outcomes kept, next try in "
                             "%.1f s", self._where, short_error(exc), len(self._queue), pause)
@@ -195,6 +279,7 @@ class ChunkKeeper:
                 time.sleep(1.0)
 
     def _heartbeat(self) -> None:
+        sent = time.monotonic()  # the lease runs lease_seconds from the renewal's commit
         try:
             with self.sessions.begin() as s:
                 held = chunks.renew(s, job_id=self.job_id, start=self.start_index,
@@ -204,6 +289,8 @@ class ChunkKeeper:
         except UNREACHABLE:
             metrics.active().lease_renewals_failed.inc()
             raise
+        if held and not self.gave_up.is_set():
+            self._renewed = sent
         if not held:
             metrics.active().lease_renewals_failed.inc()
         if not held and not self.lost.is_set():
@@ -213,43 +300,77 @@ class ChunkKeeper:
         if job is None or JobStatus(job.status) in (JobStatus.cancelling, JobStatus.cancelled):
             self.cancelling.set()
 
+    # -- the writes: each in a transaction that finds the run owning the lease ----------
+
+    def _owned(self, s: Session, writes: int = 1, live: bool = False) -> bool:
+        """Whether this run still holds the chunk's lease (in the transaction ``s``, which
+        then writes; ``live``: a lease not run out); if not, ``writes`` are refused and
+        counted, and the run stops."""
+        if chunks.holds(s, job_id=self.job_id, start=self.start_index, owner=self.owner,
+                        live=live):
+            return True
+        with self._counting:  # a launch refuses from the engine's thread, writes from ours
+            self.report.refused += writes
+        metrics.active().writes_refused.inc(writes)
+        if not self.lost.is_set():
+            log.warning("%s: this run holds the chunk's lease no more; its writes are "
+                        "refused and it stops", self._where)
+            self.lost.set()
+        return False
+
     def _drain(self) -> None:
         """Write everything queued, in order; on an outage what is unwritten stays queued."""
-        with self._marking, self._cond:  # no launch is clearing these items' marks now
-            batch, self._queue = self._queue, []
-            self._queued.clear()
-        try:
-            while batch:
-                op = batch[0]
-                if isinstance(op, _Fault):
-                    with self.sessions.begin() as s:
-                        self._record(s, op)
-                    self.report.failures += 1
-                    batch.pop(0)
-                    continue
-                n = next((i for i, o in enumerate(batch) if isinstance(o, _Fault)),
-                         len(batch))
-                self._write(cast(list[Outcome], batch[:n]))  # no _Fault before n
-                del batch[:n]
-        finally:
-            if batch:  # put back, ahead of anything queued meanwhile
-                with self._cond:
-                    self._queue = batch + self._queue
-                    self._queued.update(o.index for o in batch if isinstance(o, Outcome))
+        with self._writing:
+            with self._marking, self._cond:  # no launch is clearing these items' marks now
+                batch, self._queue = self._queue, []
+                self._queued.clear()
+            try:
+                while batch:
+                    op = batch[0]
+                    if isinstance(op, _Fault):
+                        self._record(op)
+                        batch.pop(0)
+                        continue
+                    n = next((i for i, o in enumerate(batch) if isinstance(o, _Fault)),
+                             len(batch))
+                    self._write(cast(list[Outcome], batch[:n]))  # no _Fault before n
+                    del batch[:n]
+            finally:
+                if batch:  # put back, ahead of anything queued meanwhile
+                    with self._cond:
+                        self._queue = batch + self._queue
+                        self._queued.update(o.index for o in batch if isinstance(o, Outcome))
 
-    def _record(self, s: Session, fault: _Fault) -> None:
+    def _record(self, fault: _Fault) -> None:
+        """Record a fault; one the database refuses (anything but an outage, which
+        raises) is logged and dropped: the outcomes behind it are written."""
         where = {"job_id": self.job_id, "start": self.start_index}
-        if fault.kind == "error":
-            repo.record_failures(s, **where, indices=fault.indices, error=fault.error,
-                                 launch=fault.launch)
-        elif fault.kind == "crash":
-            repo.record_crash(s, **where, indices=fault.indices, why=fault.error)
-        else:
-            chunks.add_fault(s, **where, error=fault.error)
+        try:
+            with self.sessions.begin() as s:
+                if not self._owned(s):
+                    return
+                if fault.kind == "error":
+                    repo.record_failures(s, **where, indices=fault.indices, error=fault.error,
+                                         launch=fault.launch)
+                elif fault.kind == "crash":
+                    repo.record_crash(s, **where, indices=fault.indices, why=fault.error)
+                else:
+                    chunks.add_fault(s, **where, error=fault.error)
+            self.report.failures += 1
+        except UNREACHABLE:
+            raise
+        except SQLAlchemyError as exc:
+            self.report.dropped += 1
+            log.error("%s: the %s fault record on items %s was refused by the database and "
+                      "is dropped (%s)", self._where, fault.kind, fault.indices,
+                      short_error(exc))
 
     def _write(self, outcomes: list[Outcome]) -> None:
         try:
             with self.sessions.begin() as s:
+                if not self._owned(s, len(outcomes)):
+                    self.report.unwritten += len(outcomes)
+                    return
                 written = repo.store_outcomes(s, job_id=self.job_id, outcomes=outcomes)
                 chunks.charge(s, job_id=self.job_id, start=self.start_index, owner=self.owner,
                               price=self.price)
@@ -265,25 +386,30 @@ class ChunkKeeper:
 
     def _write_one(self, outcome: Outcome) -> int:
         try:
-            with self.sessions.begin() as s:
-                written = repo.store_outcomes(s, job_id=self.job_id, outcomes=[outcome])
-            metrics.active().written(written)
-            return len(written)
+            return self._store([outcome])
         except UNREACHABLE:
             raise
         except SQLAlchemyError as exc:
             orig = getattr(exc, "orig", None) or exc
-            failed = Outcome.failure(outcome.index, f"could not store the outcome: "
-                                     f"{type(orig).__name__}: {orig}", worker=outcome.worker,
-                                     started_at=outcome.started_at,
-                                     finished_at=outcome.finished_at)
-            with self.sessions.begin() as s:
-                written = repo.store_outcomes(s, job_id=self.job_id, outcomes=[failed])
-            metrics.active().written(written)
-            return len(written)
+            failed = Outcome.failure(outcome.index, storable(
+                f"could not store the outcome: {type(orig).__name__}: {orig}"),
+                worker=outcome.worker, started_at=outcome.started_at,
+                finished_at=outcome.finished_at)
+            return self._store([failed])
+
+    def _store(self, outcomes: list[Outcome]) -> int:
+        with self.sessions.begin() as s:
+            if not self._owned(s, len(outcomes)):
+                return 0
+            written = repo.store_outcomes(s, job_id=self.job_id, outcomes=outcomes)
+        metrics.active().written(written)
+        return len(written)
 
     def _release(self) -> None:
         with self.sessions.begin() as s:  # the chunk's outcomes are committed by now
+            if chunks.holds(s, job_id=self.job_id, start=self.start_index, owner=self.owner):
+                repo.clear_launches(s, job_id=self.job_id, start=self.start_index,
+                                    end=self.end, owner=self.owner)
             done = chunks.release(s, job_id=self.job_id, start=self.start_index, end=self.end,
                                   owner=self.owner, price=self.price)
             self.report.done = done

@@ -95,6 +95,12 @@ class WorkerMetrics:
         self.lease_renewals_failed = counter(
             "specq_lease_renewals_failed", "Lease renewals that failed (database away) or "
             "found the lease taken over")
+        self.leases_given_up = counter(
+            "specq_leases_given_up", "Chunk runs that stopped themselves because no lease "
+            "renewal succeeded for two thirds of the lease (their items released, not charged)")
+        self.writes_refused = counter(
+            "specq_writes_refused", "Writes (outcomes, fault records, launch marks) refused "
+            "because another run held the chunk's lease")
         self.chunks_run = counter("specq_chunks_run", "Chunk runs finished by this worker")
         # the engine's steps, as they run
         self._batch_steps = counter("specq_batch_steps",

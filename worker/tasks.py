@@ -59,6 +59,8 @@ class ChunkReport:
     faults: int = 0  # engine failures met (and retried or counted)
     resumed: bool = False  # an earlier run left items of it pending (a lost lease)
     crashed: int = 0  # items an earlier run's worker died with in flight (they run again)
+    released: int = 0  # items an earlier run had in flight when it gave its lease up alive
+    refused: int = 0  # this run's writes refused: another run held the lease
     job_status: str = ""
     note: str = ""
 
@@ -237,15 +239,24 @@ def _cache_tokenizer(settings: Settings) -> None:
                     type(exc).__name__, exc)
 
 
+def worker_sessions(settings: Settings) -> sessionmaker[Session]:
+    """A worker's sessions: each call bounded by db_timeout, and a transaction the worker
+    fell silent in (a stalled connection) ended by the server after as long, so its locks
+    never block the run that takes the chunk over."""
+    return session_factory(settings.sqlalchemy_url, settings.db_timeout,
+                           hold=settings.db_timeout)
+
+
 @app.task(name=GENERATE_TASK, bind=True)
 def generate_chunk(self, job_id: int, start: int, end: int) -> dict[str, Any]:
     settings = get_settings()
     try:
         report = run_chunk(
-            sessions=session_factory(settings.sqlalchemy_url), engine=worker_engine(),
-            pair=worker_pair().preset.name, job_id=job_id, start=start, end=end,
+            sessions=worker_sessions(settings),
+            engine=worker_engine(), pair=worker_pair().preset.name, job_id=job_id,
+            start=start, end=end,
             hostname=self.request.hostname or socket.gethostname(), settings=settings,
-            send_next=True,
+            send_next=True, lives=BrokerLives(settings),
         )
         save_costs(worker_pair().preset.name)
     except DeviceLost as exc:
@@ -268,13 +279,51 @@ def _note_failure(settings: Settings, job_id: int, start: int, end: int,
     first = str(exc).splitlines()[0] if str(exc) else ""
     error = f"chunk [{start}, {end}) failed on worker {hostname}: {type(exc).__name__}: {first}"
     try:
-        with session_factory(settings.sqlalchemy_url).begin() as s:
+        with worker_sessions(settings).begin() as s:
             repo.note_job_error(s, job_id=job_id, error=error)
     except Exception as err:  # noqa: BLE001 (the database away: the log says it)
         log.warning("job %d: the failure is not recorded (%s)", job_id, err)
 
 
 # -- the chunk ---------------------------------------------------------------------------
+
+
+class Lives:
+    """Where runs that gave their leases up alive say so, and takeovers look (the embedded
+    mode's: nowhere; no other process takes its chunks over while it lives)."""
+
+    def record_give_up(self, owner: str) -> None:
+        return None
+
+    def gave_up(self, owners: list[str]) -> set[str]:
+        return set()
+
+
+class BrokerLives(Lives):
+    """A worker's: on the broker (broker/presence.py), which a worker whose database path
+    stalls still reaches. A takeover that cannot read it charges crashes, as before."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+
+    def record_give_up(self, owner: str) -> None:
+        client = dispatch.broker_client(self.settings)
+        try:
+            presence.record_give_up(client, self.settings, owner)
+        finally:
+            client.close()
+
+    def gave_up(self, owners: list[str]) -> set[str]:
+        try:
+            client = dispatch.broker_client(self.settings)
+            try:
+                return presence.gave_up(client, self.settings, owners)
+            finally:
+                client.close()
+        except Exception as exc:  # noqa: BLE001 (the broker's errors vary by transport)
+            log.warning("give-ups not read from the broker (%s); the items in flight of "
+                        "runs %s are charged a crash", exc, owners)
+            return set()
 
 
 def run_chunk(
@@ -289,20 +338,29 @@ def run_chunk(
     settings: Settings | None = None,
     on_item: Callable[[], object] | None = None,
     send_next: bool = False,
+    lives: Lives | None = None,
 ) -> ChunkReport:
     """Claim the chunk's lease, generate its pending items (retrying engine faults) and
     write their outcomes as they finish. Database outages are waited out (db_patience).
     Raises DeviceLost when the device is gone (the outcomes finished so far are written
     and the lease given back first). ``send_next`` (the Celery task): the chunk's first
-    run sends its job's next chunk to the broker, taking the turn this one's message had."""
+    run sends its job's next chunk to the broker, taking the turn this one's message had.
+    ``lives``: where runs that gave their leases up alive say so (BrokerLives, a worker's)."""
     settings = settings or get_settings()
     report = ChunkReport(job_id, start, end)
     owner = f"{hostname}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
     where = f"job {job_id}: chunk [{start}, {end})"
     backoff = Backoff.from_settings(settings)
     price = device_hour_price(settings, pair)
-    opened = retry_db(lambda: _open(sessions, settings, report, pair, owner, send_next, price),
-                      backoff=backoff, what=where)
+    lives = lives or Lives()
+    leased_at = time.monotonic()
+
+    def claim() -> tuple[dict[str, Any], list[ChunkItem], list[chunks.ChunkRef]] | None:
+        nonlocal leased_at
+        leased_at = time.monotonic()  # the lease runs lease_seconds from its commit
+        return _open(sessions, settings, report, pair, owner, send_next, price, lives)
+
+    opened = retry_db(claim, backoff=backoff, what=where)
     counts = metrics.active()
     counts.items_failed.inc(report.failed)  # abandoned: failed without reaching the engine
     counts.chunks_resumed.inc(report.resumed)
@@ -312,7 +370,8 @@ def run_chunk(
         return report
     params, items, turn = opened
     _send_next(turn, sessions, settings, where)
-    keeper = ChunkKeeper(sessions, settings, job_id, start, end, owner, price).start()
+    keeper = ChunkKeeper(sessions, settings, job_id, start, end, owner, price,
+                         leased_at=leased_at, on_give_up=lives.record_give_up).start()
     tally = None
     try:
         tally = generate_with_retries(engine, items, params, hostname, keeper, settings,
@@ -324,12 +383,15 @@ def run_chunk(
         report.written, report.failed = kept.written, tally.failed if tally else 0
         report.faults = tally.faults if tally else kept.failures
         report.skipped = (end - start) - len(items) + kept.unwritten
+        report.refused = kept.refused
         report.job_status = kept.job_status
     if keeper.cancelling.is_set():
         report.cancelled, report.job_status = retry_db(
             lambda: _cancel(sessions, job_id, start, end), backoff=backoff, what=where)
     elif keeper.lost.is_set():
         report.note = "lease taken over by another worker"
+    elif keeper.gave_up.is_set():
+        report.note = "lease given up (no renewal for two thirds of it)"
     counts.chunks_run.inc()
     log.info("%s: %d written, %d skipped, %d failed, %d faults%s; job %s", where,
              report.written, report.skipped, report.failed, report.faults,
@@ -349,7 +411,7 @@ def device_hour_price(settings: Settings, pair: str) -> float | None:
 
 
 def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkReport, pair: str,
-          owner: str, send_next: bool, price: float | None = None
+          owner: str, send_next: bool, price: float | None = None, lives: Lives | None = None
           ) -> tuple[dict[str, Any], list[ChunkItem], list[chunks.ChunkRef]] | None:
     """In one transaction: the job's state, the chunk's lease, its pending items, and
     (``send_next``) the job's next chunk to send when this is the chunk's first run (its
@@ -377,13 +439,7 @@ def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkRepo
             report.skipped, report.job_status = end - start, status.value
             report.note = "another worker holds the chunk's lease"
             return None
-        for launch, indices in repo.died_in_flight(s, job_id=job_id, start=start,
-                                                   end=end).items():
-            log.warning("job %d: chunk [%d, %d): a worker died with items %s in flight "
-                        "(%s); they run alone", job_id, start, end, indices, launch)
-            repo.record_crash(s, job_id=job_id, start=start, indices=indices,
-                              why="the worker process died (killed, or crashed)")
-            report.crashed += len(indices)
+        _settle_in_flight(s, report, lives or Lives())
         rows = repo.pending_items(s, job_id=job_id, start=start, end=end)
         report.resumed = runs > 1 and bool(rows)
         if runs > settings.max_chunk_runs and rows:
@@ -398,6 +454,31 @@ def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkRepo
                            it.retries, it.crashes, it.error) for it in rows]
         turn = chunks.take_unsent(s, job_id=job_id, n=1) if send_next and runs == 1 else []
         return dict(job.params), items, turn
+
+
+def _settle_in_flight(s: Session, report: ChunkReport, lives: Lives) -> None:
+    """The items an earlier run of the chunk left marked in flight (it held the lease, and
+    ended without writing them): released where that run gave its lease up alive (it said
+    so on the broker), charged a crash each otherwise (its worker died: killed, crashed)."""
+    job_id, start, end = report.job_id, report.start, report.end
+    marked = repo.died_in_flight(s, job_id=job_id, start=start, end=end)
+    if not marked:
+        return
+    alive = lives.gave_up(sorted({repo.mark_owner(launch) for launch in marked}))
+    for launch, indices in marked.items():
+        if repo.mark_owner(launch) in alive:
+            log.info("job %d: chunk [%d, %d): items %s were in flight in a run that gave its "
+                     "lease up alive (%s); released, not charged", job_id, start, end,
+                     indices, launch)
+            repo.clear_launches(s, job_id=job_id, start=start, end=end,
+                                owner=repo.mark_owner(launch))
+            report.released += len(indices)
+            continue
+        log.warning("job %d: chunk [%d, %d): a worker died with items %s in flight "
+                    "(%s); they run alone", job_id, start, end, indices, launch)
+        repo.record_crash(s, job_id=job_id, start=start, indices=indices,
+                          why="the worker process died (killed, or crashed)")
+        report.crashed += len(indices)
 
 
 def _send_next(refs: list[chunks.ChunkRef], sessions: sessionmaker[Session],

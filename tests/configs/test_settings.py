@@ -9,6 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+from pydantic import ValidationError
+
 from specq.configs.settings import Settings, mask_url
 
 
@@ -66,3 +69,11 @@ def test_config_hides_passwords_and_says_where_each_value_came_from(tmp_path):
 def test_mask_url_leaves_urls_without_secrets_alone():
     assert mask_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     assert mask_url("redis://user:pw@h/0") == "redis://user:***@h/0"
+
+
+def test_a_lease_shorter_than_three_database_calls_is_refused_naming_both():
+    with pytest.raises(ValidationError) as err:
+        Settings(lease_seconds=20, db_timeout=10)
+    assert "lease_seconds (20) must be at least 3 x db_timeout (10)" in str(err.value)
+    assert Settings(lease_seconds=3, db_timeout=1).lease_seconds == 3
+    assert Settings().lease_seconds >= 3 * Settings().db_timeout

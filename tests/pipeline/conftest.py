@@ -67,7 +67,7 @@ def client(settings):
 
 # the settings a test may change that a subprocess must see too
 PASSED_ON = ("database_url", "broker_url", "data_dir", "queue_prefix", "visibility_timeout",
-             "max_batch_size", "max_attempts", "lease_seconds", "reconcile_every",
+             "max_batch_size", "max_attempts", "lease_seconds", "db_timeout", "reconcile_every",
              "reconcile_grace", "flush_every", "flush_items", "retry_backoff",
              "retry_backoff_max", "db_patience", "broker_timeout", "chunk_size",
              "dispatch_window", "metrics_port", "metrics_host", "device_hour_price")

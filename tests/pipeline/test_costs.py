@@ -24,7 +24,7 @@ def fleet(settings, start_worker):
     second (the production defaults are 30 s and 15 s)."""
     own = settings.model_copy(update={
         "queue_prefix": settings.queue_prefix + "-costs", "visibility_timeout": 3600,
-        "lease_seconds": 3.0, "reconcile_every": 1.0, "reconcile_grace": 2.0,
+        "lease_seconds": 3.0, "db_timeout": 1.0, "reconcile_every": 1.0, "reconcile_grace": 2.0,
         "flush_every": 0.3, "flush_items": 1, "device_hour_price": PRICE})
     workers = [start_worker(own, PAIR, name) for name in ("x", "y")]
     return Client(own), workers

@@ -39,7 +39,7 @@ class Fleet:
         self.redis = Proxy("127.0.0.1", 6379).start()
         self.pg = Proxy("127.0.0.1", 5432).start()
         self.own = own_deployment(
-            settings, "faults", visibility_timeout=3600, lease_seconds=3.0,
+            settings, "faults", visibility_timeout=3600, lease_seconds=3.0, db_timeout=1.0,
             reconcile_every=1.0, reconcile_grace=2.0, retry_backoff=0.2, retry_backoff_max=2.0,
             flush_every=0.3, broker_timeout=3.0)
         db = self.own.broker_url.rsplit("/", 1)[1]

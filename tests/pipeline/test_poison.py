@@ -64,9 +64,9 @@ class Supervisor:
 def test_an_input_that_kills_its_worker_fails_alone_and_its_batch_mates_complete(
         settings, start_worker, tmp_path):
     own = own_deployment(
-        settings, "poison", lease_seconds=3.0, reconcile_every=1.0, reconcile_grace=1.0,
-        retry_backoff=0.2, retry_backoff_max=1.0, flush_every=0.3, max_attempts=2,
-        max_batch_size=8)
+        settings, "poison", lease_seconds=3.0, db_timeout=1.0, reconcile_every=1.0,
+        reconcile_grace=1.0, retry_backoff=0.2, retry_backoff_max=1.0, flush_every=0.3,
+        max_attempts=2, max_batch_size=8)
     faults = tmp_path / "faults.json"
     faults.write_text(json.dumps({"version": 1, "poison": MARKER, "poison_kind": "kill"}))
     fleet = Supervisor(start_worker, own, faults)

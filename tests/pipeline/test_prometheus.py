@@ -108,7 +108,8 @@ def test_every_worker_counter_equals_the_database(metered):
     assert one(got, "specq_batch_size_sum") == sum(m.steps_by_draft_length)
     for name in ("specq_items_retried_total", "specq_oom_halvings_total",
                  "specq_engine_restarts_total", "specq_chunks_resumed_total",
-                 "specq_lease_renewals_failed_total"):
+                 "specq_lease_renewals_failed_total", "specq_leases_given_up_total",
+                 "specq_writes_refused_total"):
         assert one(got, name) == 0, name  # a healthy run
     assert one(got, "specq_chunks_run_total") >= 3  # a redelivered chunk runs again, empty
     # labels: pair, drafter, worker, and the bounded position / draft length; no job id
