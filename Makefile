@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: venv demo test test-fast typecheck services lint fuzz gpu-check
+.PHONY: venv demo test typecheck services lint fuzz gpu-check
 
 venv: $(VENV)/.installed
 

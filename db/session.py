@@ -36,13 +36,18 @@ def _sqlite_pragmas(dbapi_conn, _record) -> None:
     cur.close()
 
 
-@lru_cache(maxsize=8)
 def get_engine(url: str, timeout: float = 10.0, hold: float | None = None) -> Engine:
     """One engine per URL (and bounds) and process; SQLite files get WAL mode and a busy
     timeout. ``timeout``: how long a PostgreSQL call may go unanswered before it fails
     (settings.db_timeout); ``hold``: how long the server keeps a transaction whose client
     fell silent in it (a worker's: its locks must not outlive a stalled connection and
     block a takeover), None: as the server is configured."""
+    # one cache key however the bounds are passed (get_engine(url) is get_engine(url, 10.0))
+    return _engine(url, float(timeout), None if hold is None else float(hold))
+
+
+@lru_cache(maxsize=8)
+def _engine(url: str, timeout: float, hold: float | None) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":

@@ -39,6 +39,8 @@ def test_a_launch_writes_no_outcome_and_unmarks_the_finished(sessions):
     keeper's thread, not started here, would write them in its own time)."""
     settings = get_settings().model_copy(update={"flush_items": 1000, "flush_every": 3600.0})
     job_id = _job(sessions, 5)
+    with sessions.begin() as s:  # the run's lease: only its owner writes marks and outcomes
+        assert chunks.claim(s, job_id=job_id, start=0, owner="host/1/abcd", ttl=600)
     keeper = ChunkKeeper(sessions, settings, job_id, 0, 5, "host/1/abcd")
     keeper.launch([0, 1, 2], generation=1)
     keeper.put(Outcome(0, ItemStatus.completed, output="a", token_ids=[1]))
