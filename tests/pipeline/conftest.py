@@ -152,8 +152,15 @@ def start_worker(tmp_path_factory):
         return w
 
     yield start
+    for w in started:  # all at once: a warm shutdown each, in parallel, 30 s at most
+        if w.proc.poll() is None:
+            w.proc.terminate()
+    deadline = time.monotonic() + 30
     for w in started:
-        w.stop()
+        try:
+            w.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            w.kill()
 
 
 @pytest.fixture(scope="session")
