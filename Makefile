@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
 
-.PHONY: venv demo test typecheck services lint fuzz gpu-check
+.PHONY: venv demo test test-fast typecheck services lint fuzz gpu-check
 
 venv: $(VENV)/.installed
 
@@ -26,6 +26,12 @@ services:
 
 test: venv typecheck services
 	$(PY) -m pytest -q
+
+# the edit loop: everything but the fleets of worker subprocesses (tests/pipeline) and the
+# real SmolLM2, 30 fuzz mixes instead of 300, two processes; `make test` before a commit
+test-fast: venv services
+	HYPOTHESIS_PROFILE=quick $(PY) -m pytest -q -x -n 2 --ignore=tests/pipeline \
+		--ignore=tests/worker/test_smollm2.py
 
 # the whole package, as pyproject.toml's [tool.mypy] says (about 10 s with .mypy_cache warm,
 # 90 s cold)

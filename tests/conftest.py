@@ -3,6 +3,7 @@ database of this test session on the real server."""
 
 from __future__ import annotations
 
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -16,6 +17,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from specq.db.session import get_engine
 from specq.worker.tiny import build_tiny_pair
+
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: the cores are shared out, one each
+    torch.set_num_threads(1)
 
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 

@@ -30,14 +30,19 @@ def usable_cores() -> int:
 def local_workers() -> int:
     """specq worker processes on this host, this one included (Linux /proc; 0 where there
     is no /proc)."""
-    n = 0
+    return len(local_worker_pids())
+
+
+def local_worker_pids() -> set[int]:
+    """The process ids of the specq workers on this host (read from /proc)."""
+    pids = set()
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             if WORKER_MARK in cmdline.read_bytes():
-                n += 1
+                pids.add(int(cmdline.parent.name))
         except OSError:  # the process ended meanwhile
             continue
-    return n
+    return pids
 
 
 def worker_threads(configured: int, device_type: str) -> int:

@@ -33,13 +33,21 @@ def settings(pg_url, tmp_path_factory):
     data_dir = tmp_path_factory.mktemp("data")
     build_tiny_pair(data_dir / "tiny")
     prefix = f"specq-test-{uuid.uuid4().hex[:8]}"
-    db = random.randint(1, 15)
+    db = random.choice(redis_databases())
     yield Settings(database_url=pg_url, broker_url=f"redis://127.0.0.1:6379/{db}",
                    data_dir=data_dir, queue_prefix=prefix, visibility_timeout=10, chunk_size=25)
     r = redis.Redis(host="127.0.0.1", port=6379, db=db)
     keys = list(r.scan_iter(f"{prefix}*"))
     if keys:
         r.delete(*keys)
+
+
+def redis_databases() -> list[int]:
+    """The Redis databases this test process may take: 1-14 (15 is the tests' scratch one),
+    split between pytest-xdist's processes, so one's broker flush never reaches another's."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return list(range(1, 15))[int(worker.removeprefix("gw")) % 14::min(count, 14)]
 
 
 def own_deployment(settings: Settings, name: str, **update: Any) -> Settings:

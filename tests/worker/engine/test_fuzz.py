@@ -13,7 +13,7 @@ position, so it does not depend on the batch). No exception may escape.
 
 The suite runs the ``ci`` profile (300 examples, derandomized: the same cases every run);
 ``HYPOTHESIS_PROFILE=long`` runs 3,000 fresh ones (the bench's longer profile:
-``make fuzz``).
+``make fuzz``); ``quick`` 30 fixed ones (``make test-fast``, the edit loop).
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ from specq.worker.engine.suffix import SuffixDrafter
 from .conftest import NEAR_TIE, tie_gap
 
 settings.register_profile("ci", max_examples=300, derandomize=True, deadline=None,
+                          suppress_health_check=list(HealthCheck), print_blob=True)
+settings.register_profile("quick", max_examples=30, derandomize=True, deadline=None,
                           suppress_health_check=list(HealthCheck), print_blob=True)
 settings.register_profile("long", max_examples=3000, deadline=None,
                           suppress_health_check=list(HealthCheck), print_blob=True)
