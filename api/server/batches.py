@@ -352,10 +352,9 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
         return seen
     if not failed:
         _submit(client, batch, f, preset.name, priority)
-    with client.sessions() as s:
-        stored = store.get_batch(s, tenant_id=who.tenant_id, openai_id=batch.openai_id)
-    assert stored is not None  # made above
-    return read_objects(client, [stored])[0]
+    with reads(client.sessions)() as s:
+        (read,) = store.read_batches(s, tenant_id=who.tenant_id, openai_id=batch.openai_id)
+    return batch_object(read, waiting_note(client, read.figures))
 
 
 def read_requests(client: Client, f: Any, presets: dict[str, Any]) -> LineScan:
