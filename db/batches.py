@@ -84,11 +84,6 @@ def get_file(session: Session, *, tenant_id: int, openai_id: str) -> File | None
                                              File.tenant_id == tenant_id, _shown()))
 
 
-def batch_files(session: Session, *, batch_id: int) -> dict[str, File]:
-    """The output and error files of a batch, by kind."""
-    return {f.kind: f for f in session.scalars(select(File).where(File.batch_id == batch_id))}
-
-
 def _page(session: Session, model: Any, *, tenant_id: int, after: str | None, limit: int,
           ascending: bool = False, where: Sequence[Any] = ()) -> tuple[list[Any], bool]:
     """A page of ``model`` rows of the tenant after the one whose id is ``after``, newest
@@ -182,8 +177,9 @@ def read_batches(session: Session, *, tenant_id: int, openai_id: str | None = No
         figures = shown.subquery("figures")
         on = figures.c.job_id == Batch.job_id
 
-    def file_of(kind: str) -> Any:
-        return (select(File.openai_id).where(File.batch_id == Batch.id, File.kind == kind)
+    def file_of(kind: str) -> Any:  # (files.batch_id has no index; the tenant's has)
+        return (select(File.openai_id).where(File.tenant_id == Batch.tenant_id,
+                                             File.batch_id == Batch.id, File.kind == kind)
                 .limit(1).scalar_subquery())
 
     lines = (select(File.lines).where(File.tenant_id == Batch.tenant_id,
