@@ -68,6 +68,22 @@ def _peak_mb(pid: int) -> float | None:
     return None
 
 
+def _cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` and its children (the
+    server's uvicorn workers): a cost the machine's other load barely changes, where a
+    latency on a shared machine is mostly the wait for a core."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if stat.parent.name == str(pid) or fields[1] == str(pid):  # itself, or a child
+            total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
 class Process:
     def __init__(self, argv: list[str], env: dict[str, str], log: Path) -> None:
         self.argv, self.env, self.log = argv, env, log
@@ -204,19 +220,23 @@ def bench_serve(args: argparse.Namespace) -> dict[str, Any]:
         r["upload_mb"] = size / 1e6
         r["upload_mb_per_s"] = size / 1e6 / r["upload_s"]
 
-        t0 = time.perf_counter()
+        assert server.proc is not None  # started above
+        t0, cpu = time.perf_counter(), _cpu_seconds(server.proc.pid)
         batch = sdk.batches.create(input_file_id=uploaded.id, endpoint=CHAT,
                                    completion_window="24h")
         r["create_s"] = time.perf_counter() - t0
+        r["create_server_cpu_s"] = _cpu_seconds(server.proc.pid) - cpu
         r["create_lines_per_s"] = args.lines / r["create_s"]
         if batch.status == "failed":
             errors = batch.errors.data if batch.errors else None
             raise RuntimeError(f"the batch failed its check: "
                                f"{errors[0].message if errors else batch}")
 
+        cpu = _cpu_seconds(server.proc.pid)
         latencies, running, r["poll_failures"] = asyncio.run(_poll(url, key, batch.id, args.pollers,
                                                args.poll_every, args.poll_seconds))
         r["polls"], r["polls_in_progress"] = len(latencies), running
+        r["poll_server_cpu_ms"] = 1000 * (_cpu_seconds(server.proc.pid) - cpu) / max(1, r["polls"])
         r["poll_ms"] = {q: 1000 * _pct(latencies, p) for q, p in
                         (("p50", 0.5), ("p95", 0.95), ("p99", 0.99))}
 
@@ -273,11 +293,12 @@ def run(args: argparse.Namespace) -> int:
           f"{r['upload_mb_per_s']:8.1f} MB/s        (target >= 50)")
     print(f"create      {r['lines']:8d} lines in {r['create_s']:6.2f} s  "
           f"{r['create_lines_per_s']:8.0f} lines/s     (target >= 10,000; validated, stored, "
-          f"sent)")
+          f"sent); server CPU {r['create_server_cpu_s']:.2f} s")
     p = r["poll_ms"]
     print(f"poll        {r['polls']} GETs ({r['polls_in_progress']} while in progress): "
           f"p50 {p['p50']:.1f} ms, p95 {p['p95']:.1f} ms, p99 {p['p99']:.1f} ms, "
-          f"{r['poll_failures']} failed  (target p95 < 50)")
+          f"{r['poll_failures']} failed  (target p95 < 50); server CPU "
+          f"{r['poll_server_cpu_ms']:.2f} ms per GET")
     print(f"download    {r['download_lines']:8d} lines in {r['download_s']:6.2f} s  "
           f"{r['download_lines_per_s']:8.0f} lines/s     (target >= 20,000)")
     print(f"restart     batch and output the same after it: {r['restart_same']}")

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import and_, func, or_, select, true, update
 from sqlalchemy.orm import Session
 
-from specq.db import webhooks
+from specq.db import views, webhooks
 from specq.db.models import Batch, Chunk, File, FilePart, Item, Job, JobStatus, Tenant, utcnow
 from specq.db.session import changed
 
@@ -83,11 +84,6 @@ def get_file(session: Session, *, tenant_id: int, openai_id: str) -> File | None
                                              File.tenant_id == tenant_id, _shown()))
 
 
-def batch_files(session: Session, *, batch_id: int) -> dict[str, File]:
-    """The output and error files of a batch, by kind."""
-    return {f.kind: f for f in session.scalars(select(File).where(File.batch_id == batch_id))}
-
-
 def _page(session: Session, model: Any, *, tenant_id: int, after: str | None, limit: int,
           ascending: bool = False, where: Sequence[Any] = ()) -> tuple[list[Any], bool]:
     """A page of ``model`` rows of the tenant after the one whose id is ``after``, newest
@@ -137,6 +133,71 @@ def get_batch(session: Session, *, tenant_id: int, openai_id: str) -> Batch | No
     return session.execute(
         select(Batch).where(Batch.openai_id == openai_id, Batch.tenant_id == tenant_id)
         .execution_options(populate_existing=True)).scalar_one_or_none()
+
+
+# the columns of its job's job_metrics row (db/views.py) that a Batch object shows
+SHOWN_FIGURES = ("job_id", "status", "pair", "drafter", "finished_at", "total", "completed",
+                 "failed", "cancelled", "pending", "new_tokens", "acceptance_rate",
+                 "mean_acceptance_length", "tokens_per_second", "engine_tokens_per_second",
+                 "estimated_speedup")
+
+
+@dataclass(frozen=True)
+class BatchRead:
+    """A batch with all that its Batch object shows, read in one statement (`read_batches`).
+
+    ``figures``: its job's job_metrics columns SHOWN_FIGURES (None before its job);
+    ``output_id``, ``error_id``: its output and error files' ids; ``lines``: the requests
+    in its input file (None once that file is deleted)."""
+
+    batch: Batch
+    figures: dict[str, Any] | None
+    output_id: str | None
+    error_id: str | None
+    lines: int | None
+
+
+def read_batches(session: Session, *, tenant_id: int, openai_id: str | None = None,
+                 batch_ids: Sequence[int] = ()) -> list[BatchRead]:
+    """The tenant's batch ``openai_id`` (or those of ``batch_ids``, newest first), each
+    with its job's figures, its files and its input's line count: one statement, so one
+    snapshot and one round trip however busy the job. The job's figures are summed from
+    its chunks (a few rows per thousand requests), on PostgreSQL in a LATERAL subquery
+    fenced by OFFSET 0, so that it sums only that job's chunks (unfenced, it would sum
+    every job's and join after)."""
+    if openai_id is not None and not could_be_id(openai_id):
+        return []
+    view = views.job_metrics
+    shown = select(*(view.c[name] for name in SHOWN_FIGURES))
+    figures: Any
+    if session.get_bind().dialect.name == "postgresql":
+        figures = shown.where(view.c.job_id == Batch.job_id).offset(0).lateral("figures")
+        on = true()
+    else:  # SQLite has no LATERAL (nor a fleet's tables)
+        figures = shown.subquery("figures")
+        on = figures.c.job_id == Batch.job_id
+
+    def file_of(kind: str) -> Any:  # (files.batch_id has no index; the tenant's has)
+        return (select(File.openai_id).where(File.tenant_id == Batch.tenant_id,
+                                             File.batch_id == Batch.id, File.kind == kind)
+                .limit(1).scalar_subquery())
+
+    lines = (select(File.lines).where(File.tenant_id == Batch.tenant_id,
+                                      File.openai_id == Batch.input_file_id)
+             .scalar_subquery())
+    stmt = (select(Batch, *figures.c, file_of("output"), file_of("error"), lines)
+            .outerjoin(figures, on).where(Batch.tenant_id == tenant_id))
+    if openai_id is not None:
+        stmt = stmt.where(Batch.openai_id == openai_id)
+    else:
+        stmt = stmt.where(Batch.id.in_(list(batch_ids)))
+    out = []
+    for row in session.execute(stmt.order_by(Batch.id.desc())):
+        batch, *values, output_id, error_id, n = row
+        job = dict(zip(SHOWN_FIGURES, values, strict=True))
+        out.append(BatchRead(batch, job if job["job_id"] is not None else None, output_id,
+                             error_id, n))
+    return out
 
 
 def by_idempotency_key(session: Session, *, tenant_id: int, key: str) -> Batch | None:

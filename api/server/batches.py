@@ -25,13 +25,16 @@ import os
 import re
 import secrets
 import signal
+import threading
 import time
 from datetime import datetime, timedelta
+from functools import lru_cache
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session, sessionmaker
 
 from specq.api.client import Client
 from specq.api.inputs import OPENAI_URLS, InputError
@@ -112,26 +115,24 @@ FIGURES = ("acceptance_rate", "mean_acceptance_length", "tokens_per_second",
            "engine_tokens_per_second", "estimated_speedup")
 
 
-def batch_object(batch: Batch, row: Any, files: dict[str, Any], lines: int | None,
-                 note: str | None = None) -> dict[str, Any]:
-    """OpenAI's Batch object; ``row``: its job's job_metrics row (None before the job),
-    ``files``: its output and error files, ``lines``: requests in its input file,
-    ``note``: why its requests wait (no live worker serves its pair)."""
+def batch_object(read: store.BatchRead, note: str | None = None) -> dict[str, Any]:
+    """OpenAI's Batch object of a batch read with its job's figures, files and input's
+    line count (db/batches.py: read_batches); ``note``: why its requests wait (no live
+    worker serves its pair)."""
+    batch, row = read.batch, read.figures
     now = utcnow()
     status = status_of(batch, row["status"] if row else None, now)
     finished = unix(row["finished_at"]) if row else None
     counts = ({"total": row["total"], "completed": row["completed"], "failed": row["failed"]}
-              if row else {"total": lines or 0, "completed": 0, "failed": 0})
+              if row else {"total": read.lines or 0, "completed": 0, "failed": 0})
     errors = ({"object": "list", "data": batch.errors} if batch.errors else None)
-    output = files.get("output")
-    error = files.get("error")
     has_errors = row is not None and (row["failed"] or row["cancelled"])
     out: dict[str, Any] = {
         "id": batch.openai_id, "object": "batch", "endpoint": batch.endpoint,
         "model": batch.model, "errors": errors, "input_file_id": batch.input_file_id,
         "completion_window": batch.completion_window, "status": status,
-        "output_file_id": output.openai_id if output is not None and row else None,
-        "error_file_id": error.openai_id if error is not None and has_errors else None,
+        "output_file_id": read.output_id if row else None,
+        "error_file_id": read.error_id if has_errors else None,
         "created_at": unix(batch.created_at), "in_progress_at": unix(batch.in_progress_at),
         "expires_at": unix(batch.expires_at),
         "finalizing_at": (finished if status == "completed" else unix(batch.expired_at)),
@@ -155,41 +156,52 @@ def batch_object(batch: Batch, row: Any, files: dict[str, Any], lines: int | Non
 
 
 NOTE_TTL = 5.0  # seconds a server keeps what it learnt of a pair's workers
-_notes: dict[str, tuple[float, str | None]] = {}
+_notes: dict[tuple[str, str], tuple[float, str | None]] = {}
+_asking = threading.Lock()
 
 
-def waiting_note(client: Client, row: Any) -> str | None:
+def waiting_note(client: Client, row: dict[str, Any] | None) -> str | None:
     """Why the requests of a job still running wait (no live worker serves its pair, the
     broker cannot be reached), or None; asked of the broker at most every NOTE_TTL
-    seconds per pair by this server, so polls stay cheap."""
+    seconds per pair by this server, by one thread while the others answer with what was
+    learnt last, so polls stay cheap and a hundred pollers never ask at once."""
     if row is None or JobStatus(row["status"]).finished or not row["pending"]:
         return None
-    pair = row["pair"]
-    now = time.monotonic()
+    pair = (client.settings.queue_prefix, row["pair"])
     seen = _notes.get(pair)
-    if seen is None or now - seen[0] > NOTE_TTL:
-        seen = (now, client.serving_note(pair))
-        _notes[pair] = seen
-    return seen[1]
+    if seen is not None and time.monotonic() - seen[0] <= NOTE_TTL:
+        return seen[1]
+    if not _asking.acquire(blocking=seen is None):
+        assert seen is not None  # (a blocking acquire does not fail)
+        return seen[1]  # another thread asks now
+    try:
+        seen = _notes.get(pair)
+        if seen is None or time.monotonic() - seen[0] > NOTE_TTL:
+            seen = (time.monotonic(), client.serving_note(row["pair"]))
+            _notes[pair] = seen
+        return seen[1]
+    finally:
+        _asking.release()
 
 
 def read_objects(client: Client, batches: list[Batch]) -> list[dict[str, Any]]:
-    """The Batch objects of these rows: one query for their jobs' figures."""
-    with client.sessions() as s:
-        rows = {r["job_id"]: r for r in repo.job_figures(
-            s, job_ids=[b.job_id for b in batches if b.job_id is not None])}
-        out = []
-        for b in batches:
-            files = store.batch_files(s, batch_id=b.id) if b.job_id else {}
-            lines = None if b.job_id else _lines_of(s, b)
-            row = rows.get(b.job_id)
-            out.append(batch_object(b, row, files, lines, waiting_note(client, row)))
-    return out
+    """The Batch objects of these rows (one tenant's), newest first: one statement."""
+    if not batches:
+        return []
+    with reads(client.sessions)() as s:
+        found = store.read_batches(s, tenant_id=batches[0].tenant_id,
+                                   batch_ids=[b.id for b in batches])
+    return [batch_object(r, waiting_note(client, r.figures)) for r in found]
 
 
-def _lines_of(session: Any, batch: Batch) -> int | None:
-    f = store.get_file(session, tenant_id=batch.tenant_id, openai_id=batch.input_file_id)
-    return f.lines if f else None
+@lru_cache(maxsize=8)
+def reads(sessions: sessionmaker[Session]) -> sessionmaker[Session]:
+    """Sessions of ``sessions``' engine for a read of one statement: autocommit, so no
+    BEGIN nor ROLLBACK goes to the database around it (two round trips of the three a
+    GET made). One statement is one snapshot all the same."""
+    engine = sessions.kw["bind"]
+    return sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"),
+                        expire_on_commit=False)
 
 
 # -- expiry -------------------------------------------------------------------------------
@@ -224,23 +236,20 @@ def _stale_before(client: Client) -> datetime:
 
 def _fresh(client: Client, who: Caller, batch_id: str) -> dict[str, Any]:
     """The tenant's batch as a Batch object, expired first if its window ended (so an
-    answer never waits on the next expiry pass): three queries."""
-    with client.sessions() as s:
-        batch = store.get_batch(s, tenant_id=who.tenant_id, openai_id=batch_id)
-        if batch is None:
-            raise not_found("Batch", batch_id, param="batch_id")
-        rows = repo.job_figures(s, job_ids=[batch.job_id]) if batch.job_id else []
-        row = rows[0] if rows else None
-        due = (row is not None and batch.expired_at is None
-               and not JobStatus(row["status"]).finished and utcnow() > aware(batch.expires_at))
-        if not due:
-            files = store.batch_files(s, batch_id=batch.id) if row is not None else {}
-            lines = None if row is not None else _lines_of(s, batch)
-    if due:  # (outside the read: SQLite's snapshot would not see the expiry)
-        assert batch.job_id is not None  # due: its job's figures were read
+    answer never waits on the next expiry pass): one statement (db/batches.py:
+    read_batches)."""
+    with reads(client.sessions)() as s:
+        found = store.read_batches(s, tenant_id=who.tenant_id, openai_id=batch_id)
+    if not found:
+        raise not_found("Batch", batch_id, param="batch_id")
+    read = found[0]
+    batch, row = read.batch, read.figures
+    if (row is not None and batch.expired_at is None
+            and not JobStatus(row["status"]).finished and utcnow() > aware(batch.expires_at)):
+        assert batch.job_id is not None  # its job's figures were read
         expire(client, batch.id, batch.job_id)
         return _fresh(client, who, batch_id)
-    return batch_object(batch, row, files, lines, waiting_note(client, row))
+    return batch_object(read, waiting_note(client, row))
 
 
 # -- routes -------------------------------------------------------------------------------
@@ -343,10 +352,9 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
         return seen
     if not failed:
         _submit(client, batch, f, preset.name, priority)
-    with client.sessions() as s:
-        stored = store.get_batch(s, tenant_id=who.tenant_id, openai_id=batch.openai_id)
-    assert stored is not None  # made above
-    return read_objects(client, [stored])[0]
+    with reads(client.sessions)() as s:
+        (read,) = store.read_batches(s, tenant_id=who.tenant_id, openai_id=batch.openai_id)
+    return batch_object(read, waiting_note(client, read.figures))
 
 
 def read_requests(client: Client, f: Any, presets: dict[str, Any]) -> LineScan:

@@ -1,7 +1,9 @@
 """The gate: who is asking and how much they may send, settled before a route reads a byte.
 
 An ASGI middleware in front of every /v1/ route. It checks the API key first, from the
-headers alone (a request without a live key is answered 401 and its body is never read),
+headers alone (a request without a live key is answered 401 and its body is never read;
+a key found live in the last few seconds is trusted without asking the database again:
+auth.py, `Keys`),
 then counts the body's bytes as they arrive, chunked bodies included, against the route's
 cap: `JSON_BYTES` for every JSON route, the upload limit plus `FORM_BYTES` for
 ``POST /v1/files``. A body past its cap is answered 413 at once (a Content-Length past it
@@ -17,7 +19,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from specq.api.server.auth import who_is
+from specq.api.server.auth import Keys, who_is
 from specq.api.server.errors import ApiError, respond
 from specq.configs.settings import Settings
 
@@ -44,6 +46,7 @@ class Gate:
 
     def __init__(self, app: Any, *, settings: Settings, client: Any) -> None:
         self.app, self.settings, self.client = app, settings, client
+        self.keys = Keys()  # the live keys found lately: most requests need no thread hop
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
@@ -51,9 +54,10 @@ class Gate:
             return
         headers = dict(scope["headers"])
         auth = headers.get(b"authorization")
+        header = None if auth is None else auth.decode("latin-1")
         try:
-            who = await run_in_threadpool(
-                who_is, self.client, None if auth is None else auth.decode("latin-1"))
+            who = self.keys.known(header) or await run_in_threadpool(
+                who_is, self.client, header, self.keys)
         except ApiError as exc:
             await _answer(exc, scope, receive, send)
             return

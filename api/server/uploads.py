@@ -40,6 +40,7 @@ KNOWN_FIELDS = ("purpose", "expires_after[anchor]", "expires_after[seconds]")  #
 SUSPECT = re.compile(rb"\\u(?:0000|[dD][89a-fA-F])")
 PAIR = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}")
 FATAL = ("too_many_lines", "line_too_long")  # problems after which the rest is not read
+_json = json.JSONDecoder().decode  # json.loads without its checks of the argument's type
 
 
 @dataclass
@@ -65,11 +66,12 @@ class _Lines:
     lines: int = 0  # requests (non-blank lines)
     _number: int = 0  # lines seen, blank included
     _rest: bytes = b""
+    _done: bool = False
 
     @property
     def done(self) -> bool:
         """True once the file is refused: the rest need not be read."""
-        return len(self.problems) >= MAX_PROBLEMS or any(p.code in FATAL for p in self.problems)
+        return self._done
 
     def feed(self, data: bytes) -> None:
         if self.done:
@@ -96,6 +98,7 @@ class _Lines:
               code: str = "invalid_file") -> None:
         if len(self.problems) < MAX_PROBLEMS:
             self.problems.append(Problem(message, line, param, code))
+        self._done = self._done or len(self.problems) >= MAX_PROBLEMS or code in FATAL
 
     def _line(self, raw: bytes) -> None:
         self._number += 1
@@ -123,8 +126,10 @@ class LineScan(_Lines):
     _ids: set[str] = field(default_factory=set)
 
     def _check(self, raw: bytes, n: int) -> None:
-        try:
-            value = json.loads(raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw)
+        try:  # (as json.loads reads bytes, without its guess at UTF-16: the upload checked
+            # that every line is UTF-8)
+            value = _json((raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw)
+                          .decode("utf-8", "surrogatepass"))
         except UnicodeDecodeError as exc:
             self._fail(f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} "
                        f"of the line)", n, code="invalid_utf8")

@@ -22,6 +22,7 @@ from specq.api.client import Client
 from specq.configs.settings import subprocess_env
 from specq.db import tenants
 from specq.db.models import Batch, File, Item, Job
+from tests.conftest import wait_until
 from tests.pipeline.conftest import own_deployment
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -316,9 +317,17 @@ def test_a_revoked_or_missing_key_is_refused(server, http_settings):
                              env=subprocess_env(http_settings), capture_output=True, text=True,
                              timeout=60, cwd=ROOT)
     assert revoked.returncode == 0
-    with pytest.raises(openai.AuthenticationError) as err:
-        sdk.files.list()
-    assert err.value.code == "invalid_api_key" and key not in str(err.value)
+
+    def refused() -> openai.AuthenticationError | None:
+        try:
+            sdk.files.list()
+        except openai.AuthenticationError as exc:
+            return exc
+        return None
+
+    # a server trusts a key it found live for KEY_TTL (2 s): refused within that bound
+    err = wait_until(refused, timeout=60, what="the revoked key refused")
+    assert err.code == "invalid_api_key" and key not in str(err)
     missing = httpx.get(f"{server.url}/batches")
     assert missing.status_code == 401 and missing.json()["error"]["code"] == "missing_api_key"
 
