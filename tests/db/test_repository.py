@@ -193,6 +193,12 @@ def test_one_statement_writes_what_one_per_item_writes(db_url, sessions, monkeyp
         monkeypatch.undo()
         assert repo.write_outcomes(s, job_id=at_once, outcomes=_mixed_outcomes()) == 3
     assert _item_columns(sessions, at_once) == _item_columns(sessions, one_by_one)
+    failures = _job(sessions, n=2, chunk_size=2)  # every counter column all NULL
+    with sessions.begin() as s:
+        assert repo.write_outcomes(s, job_id=failures, outcomes=[
+            Outcome.failure(i, "never ran") for i in range(2)]) == 2
+    assert [r[:6] for r in _item_columns(sessions, failures)] == [
+        ("failed", None, None, None, "never ran", None)] * 2
     with sessions() as s:
         assert (repo.job_figures(s, job_ids=[at_once])[0]["accepted"]
                 == repo.job_figures(s, job_ids=[one_by_one])[0]["accepted"] == 3)
