@@ -8,6 +8,7 @@ read from the SQL views (db/views.py), where every figure is defined.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections.abc import Collection, Iterable, Iterator, Sequence
@@ -191,19 +192,80 @@ def write_outcomes(session: Session, *, job_id: int, outcomes: list[Outcome]) ->
 
 
 def store_outcomes(session: Session, *, job_id: int, outcomes: list[Outcome]) -> list[Outcome]:
-    """write_outcomes, returning the outcomes written (a worker counts them: worker/metrics.py)."""
-    if not outcomes:
+    """write_outcomes, returning the outcomes written (a worker counts them: worker/metrics.py).
+
+    An item listed twice is written once, with its first outcome. On PostgreSQL each
+    call is one UPDATE over arrays of the outcomes that returns the items it wrote:
+    a writer racing for the same items waits on their rows, then finds them written (the
+    pending test is checked again on the row it waited for), so the chunk sums below
+    count each item once. Elsewhere the pending items are read, then updated one by one."""
+    unique = _first_each(outcomes)
+    if not unique:
         return []
+    if session.get_bind().dialect.name == "postgresql":
+        written = _store_set(session, job_id, unique)
+    else:
+        written = _store_each(session, job_id, unique)
+    chunks.add_sums(session, job_id=job_id, outcomes=written)
+    return written
+
+
+def _first_each(outcomes: list[Outcome]) -> list[Outcome]:
+    """The outcomes in order, only the first of each item."""
+    first: dict[int, Outcome] = {}
+    for o in outcomes:
+        first.setdefault(o.index, o)
+    return list(first.values())
+
+
+def _store_set(session: Session, job_id: int, outcomes: list[Outcome]) -> list[Outcome]:
+    """One UPDATE over the outcomes given as one array per column (unnest): the outcomes
+    of pending items, written. Its text is the same for any number of outcomes, so the
+    connection prepares it once."""
+    rows = [o.row() for o in outcomes]
     indices = [o.index for o in outcomes]
-    # locked (PostgreSQL): a writer racing for the same items waits, then finds them
-    # written, so the chunk sums below count each item once
+    params: dict[str, Any] = {"job_id": job_id, "lo": min(indices), "hi": max(indices),
+                              "pending": PENDING, "b_index": indices}
+    for c in OUTCOME_COLUMNS:  # JSON as text (None as JSON's null, as the ORM stores it)
+        params[c] = ([json.dumps(r[c]) for r in rows] if c in _JSON_COLUMNS
+                     else [r[c] for r in rows])
+    done = set(session.scalars(_set_update(), params))
+    return [o for o in outcomes if o.index in done]
+
+
+_JSON_COLUMNS = frozenset(c for c in OUTCOME_COLUMNS
+                          if isinstance(Item.__table__.c[c].type, JSON))
+
+
+@functools.cache
+def _set_update() -> Any:
+    """UPDATE items FROM unnest(one array per outcome column): PostgreSQL's."""
+    from sqlalchemy.dialects import postgresql
+
+    def pg_type(c: str) -> str:
+        return str(Item.__table__.c[c].type.compile(dialect=postgresql.dialect()))
+
+    arrays = ", ".join(f"CAST(:{c} AS {pg_type(c)}[])" for c in OUTCOME_COLUMNS)
+    sets = ", ".join(f"{c} = given.{c}" for c in OUTCOME_COLUMNS)
+    return text(
+        f"UPDATE items SET writes = items.writes + 1, launch = NULL, {sets} "
+        f"FROM unnest(CAST(:b_index AS INTEGER[]), {arrays}) "
+        f"AS given(b_index, {', '.join(OUTCOME_COLUMNS)}) "
+        "WHERE items.job_id = :job_id AND items.index >= :lo AND items.index <= :hi "
+        "AND items.index = given.b_index AND items.status = :pending "
+        "RETURNING items.index")
+
+
+def _store_each(session: Session, job_id: int, outcomes: list[Outcome]) -> list[Outcome]:
+    """The pending items among the outcomes' (locked where the database can), updated one
+    statement each: the outcomes written."""
+    indices = [o.index for o in outcomes]
     pending = set(session.scalars(
         select(Item.index).where(Item.job_id == job_id, *_among(indices),
                                  Item.status == PENDING).with_for_update()
     ))
     written = [o for o in outcomes if o.index in pending]
-    rows = [{"b_index": o.index, **o.row()} for o in written]
-    if not rows:
+    if not written:
         return []
     table = Item.__table__
     stmt = (
@@ -213,8 +275,7 @@ def store_outcomes(session: Session, *, job_id: int, outcomes: list[Outcome]) ->
         .values(writes=table.c.writes + 1, launch=None,
                 **{c: bindparam(c) for c in OUTCOME_COLUMNS})
     )
-    session.execute(stmt, rows)
-    chunks.add_sums(session, job_id=job_id, outcomes=written)
+    session.execute(stmt, [{"b_index": o.index, **o.row()} for o in written])
     return written
 
 
@@ -267,6 +328,40 @@ def mark_launch(session: Session, *, job_id: int, indices: list[int], launch: st
                 if marked else None),
         execution_options={"synchronize_session": False},
     )
+
+
+def mark_launch_held(session: Session, *, job_id: int, start: int, owner: str,
+                     indices: list[int], launch: str, finished: Collection[int] = ()) -> bool:
+    """mark_launch, if ``owner`` holds a live lease on the chunk at ``start`` (db/chunks.py:
+    holds, its row locked for share); whether it held. On PostgreSQL one statement finds
+    the lease, marks, and lets the commit skip its WAL flush (a launch waits on it on the
+    engine's thread, once per batch)."""
+    if session.get_bind().dialect.name != "postgresql":
+        if not chunks.holds(session, job_id=job_id, start=start, owner=owner, live=True):
+            return False
+        mark_launch(session, job_id=job_id, indices=indices, launch=launch, finished=finished)
+        return True
+    touched = sorted(set(indices).union(finished))
+    if not touched:
+        return chunks.holds(session, job_id=job_id, start=start, owner=owner, live=True)
+    return bool(session.execute(_HELD_LAUNCH, {
+        "job_id": job_id, "start": start, "owner": owner, "launch": launch,
+        "marked": sorted(set(indices)), "touched": touched, "lo": touched[0],
+        "hi": touched[-1], "pending": PENDING}).scalar())
+
+
+# mark_launch_held on PostgreSQL; its text is one for any items, so it is prepared once
+_HELD_LAUNCH = text(
+    "WITH held AS (SELECT chunks.start FROM chunks WHERE chunks.job_id = :job_id "
+    "AND chunks.start = :start AND chunks.lease_owner = :owner "
+    "AND chunks.lease_until > EXTRACT(EPOCH FROM clock_timestamp())::float8 FOR SHARE), "
+    "marked AS (UPDATE items SET launch = CASE WHEN items.index = "
+    "ANY(CAST(:marked AS INTEGER[])) THEN CAST(:launch AS VARCHAR) END "
+    "WHERE items.job_id = :job_id AND items.index >= :lo AND items.index <= :hi "
+    "AND items.index = ANY(CAST(:touched AS INTEGER[])) AND items.status = :pending "
+    "AND EXISTS (SELECT 1 FROM held) RETURNING 1) "
+    "SELECT EXISTS (SELECT 1 FROM held), (SELECT count(*) FROM marked), "
+    "set_config('synchronous_commit', 'off', true)")
 
 
 def clear_launches(session: Session, *, job_id: int, start: int, end: int,

@@ -164,8 +164,8 @@ class ChunkKeeper:
         statement clears the marks of the items whose outcomes wait in the queue, and those
         being written now lose theirs as the write commits. The outcomes are left to the
         keeper's thread: this is one statement whatever is queued, on rows no write holds
-        (the queue is not taken while it runs), in a transaction that finds the run owning
-        a live lease. Written from the caller's thread, now; with the database away the
+        (the queue is not taken while it runs), made only if the run owns a live lease
+        (on PostgreSQL the lease's test and the marks are one statement). Written from the caller's thread, now; with the database away the
         mark is skipped (the chunk's run limit still bounds a poison batch). Raises Stopped
         when the run should stop, or the mark was refused."""
         if self.should_stop() or self._overdue():
@@ -174,10 +174,11 @@ class ChunkKeeper:
             with self._marking, self.sessions.begin() as s:
                 with self._cond:
                     finished = sorted(self._queued)
-                if self._owned(s, len(indices), live=True):
-                    repo.mark_launch(s, job_id=self.job_id, indices=indices,
-                                     launch=repo.launch_mark(self.owner, generation),
-                                     finished=finished)
+                if not repo.mark_launch_held(s, job_id=self.job_id, start=self.start_index,
+                                             owner=self.owner, indices=indices,
+                                             launch=repo.launch_mark(self.owner, generation),
+                                             finished=finished):
+                    self._refuse(len(indices))
         except UNREACHABLE as exc:
             log.warning("%s: items %s not marked in flight (%s)", self._where, indices,
                         short_error(exc))
@@ -302,13 +303,16 @@ class ChunkKeeper:
 
     # -- the writes: each in a transaction that finds the run owning the lease ----------
 
-    def _owned(self, s: Session, writes: int = 1, live: bool = False) -> bool:
+    def _owned(self, s: Session, writes: int = 1) -> bool:
         """Whether this run still holds the chunk's lease (in the transaction ``s``, which
-        then writes; ``live``: a lease not run out); if not, ``writes`` are refused and
-        counted, and the run stops."""
-        if chunks.holds(s, job_id=self.job_id, start=self.start_index, owner=self.owner,
-                        live=live):
+        then writes); if not, ``writes`` are refused and counted, and the run stops."""
+        if chunks.holds(s, job_id=self.job_id, start=self.start_index, owner=self.owner):
             return True
+        self._refuse(writes)
+        return False
+
+    def _refuse(self, writes: int) -> None:
+        """``writes`` refused: this run holds the lease no more, so it stops."""
         with self._counting:  # a launch refuses from the engine's thread, writes from ours
             self.report.refused += writes
         metrics.active().writes_refused.inc(writes)
@@ -316,7 +320,6 @@ class ChunkKeeper:
             log.warning("%s: this run holds the chunk's lease no more; its writes are "
                         "refused and it stops", self._where)
             self.lost.set()
-        return False
 
     def _drain(self) -> None:
         """Write everything queued, in order; on an outage what is unwritten stays queued."""

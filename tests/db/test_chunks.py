@@ -254,6 +254,44 @@ def test_a_launch_clears_the_marks_of_items_finished_but_not_written(sessions):
         assert repo.died_in_flight(s, job_id=job_id, start=0, end=6) == {"w#1": [1, 3, 4]}
 
 
+def _launches(sessions, job_id, n):
+    with sessions() as s:
+        return [s.get(Item, (job_id, i)).launch for i in range(n)]
+
+
+def test_a_launch_marks_only_under_a_live_lease_of_its_run(sessions):
+    """mark_launch_held marks (and clears the finished items' marks) only for the run that
+    holds a live lease on the chunk: a superseded owner, an owner whose lease ran out and
+    a chunk nobody holds are refused, and nothing is written for them."""
+    job_id = _job(sessions, n=6, chunk_size=6)
+    marks = dict(job_id=job_id, start=0)
+    with sessions.begin() as s:
+        assert not repo.mark_launch_held(s, **marks, owner="a", indices=[0], launch="a#1")
+        assert chunks.claim(s, job_id=job_id, start=0, owner="a", ttl=60) == 1
+        assert repo.mark_launch_held(s, **marks, owner="a", indices=[0, 1, 2], launch="a#1")
+        assert repo.write_outcomes(s, job_id=job_id, outcomes=[_done(2)]) == 1
+    with sessions.begin() as s:  # finished 0 (queued), 2 (written); 3 and 4 start
+        assert repo.mark_launch_held(s, **marks, owner="a", indices=[3, 4], launch="a#2",
+                                     finished=[0, 2])
+        assert not repo.mark_launch_held(s, **marks, owner="b", indices=[5], launch="b#1",
+                                         finished=[1])
+    assert _launches(sessions, job_id, 6) == [None, "a#1", None, "a#2", "a#2", None]
+    with sessions.begin() as s:  # a's lease runs out: still a's, but not live
+        s.execute(Chunk.__table__.update().where(Chunk.job_id == job_id)
+                  .values(lease_until=db_now() - 1))
+        assert chunks.holds(s, job_id=job_id, start=0, owner="a")
+        assert not repo.mark_launch_held(s, **marks, owner="a", indices=[5], launch="a#3",
+                                         finished=[1, 3])
+    assert _launches(sessions, job_id, 6) == [None, "a#1", None, "a#2", "a#2", None]
+    with sessions.begin() as s:  # b takes the chunk over: a is superseded
+        assert chunks.claim(s, job_id=job_id, start=0, owner="b", ttl=60) == 2
+        assert not repo.mark_launch_held(s, **marks, owner="a", indices=[5], launch="a#3")
+        assert repo.mark_launch_held(s, **marks, owner="b", indices=[5], launch="b#1",
+                                     finished=[3])
+        assert repo.mark_launch_held(s, **marks, owner="b", indices=[], launch="b#2")
+    assert _launches(sessions, job_id, 6) == [None, "a#1", None, None, "a#2", "b#1"]
+
+
 def test_an_exception_clears_its_own_launch_mark_only(sessions):
     """A failure recorded after the item was launched again keeps the newer mark."""
     job_id = _job(sessions, n=2, chunk_size=2)

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import pytest
 from sqlalchemy import func, inspect, select
 from sqlalchemy.exc import IntegrityError
 
 from specq.db import chunks
 from specq.db import repository as repo
-from specq.db.models import Item, ItemStatus, JobStatus
-from specq.db.outcomes import Outcome
+from specq.db.models import Chunk, Item, ItemStatus, JobStatus
+from specq.db.outcomes import COLUMNS as OUTCOME_COLUMNS
+from specq.db.outcomes import Outcome, storable
 from specq.db.session import get_engine, migrate
 from specq.schema.counters import Counters
 
@@ -152,3 +155,88 @@ def test_the_migrations_build_the_schema_the_models_describe(db_url):
     with get_engine(db_url).connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
     assert diff == []
+
+
+def _item_columns(sessions, job_id):
+    """Every outcome column of the job's items, whether it is SQL NULL (JSON's null reads
+    back as None too), and writes and launch, in index order."""
+    t = Item.__table__
+    with sessions() as s:
+        return [tuple(r) for r in s.execute(
+            select(*(t.c[c] for c in OUTCOME_COLUMNS),
+                   *(t.c[c].is_(None) for c in OUTCOME_COLUMNS), t.c.writes, t.c.launch)
+            .where(t.c.job_id == job_id).order_by(t.c.index))]
+
+
+def _mixed_outcomes():
+    """A completed item with every counter, a failure that never reached the engine (no
+    counters, no token ids), one with NUL and a lone surrogate made storable, and times."""
+    when = datetime(2026, 12, 3, 8, 0, 0, tzinfo=timezone.utc)
+    return [_outcome(0, [2, 1], draft_steps=2),
+            Outcome.failure(1, "boom", worker="w", started_at=when, finished_at=when),
+            Outcome(2, ItemStatus.completed, output=storable("a\x00b\ud800"), token_ids=[],
+                    finish_reason="stop", prompt_tokens=0, counters=Counters(), worker="w",
+                    started_at=when, finished_at=when)]
+
+
+def test_one_statement_writes_what_one_per_item_writes(db_url, sessions, monkeypatch):
+    """PostgreSQL writes a batch of outcomes in one statement over arrays: every column it
+    stores (NULLs, JSON, times, text made storable) equals what one UPDATE per item
+    stores, and the writes and sums bookkeeping too."""
+    if not db_url.startswith("postgresql"):
+        pytest.skip("the one-statement write is PostgreSQL's")
+    one_by_one = _job(sessions, n=3, chunk_size=3)
+    at_once = _job(sessions, n=3, chunk_size=3)
+    with sessions.begin() as s:
+        monkeypatch.setattr(repo, "_store_set", repo._store_each)
+        assert repo.write_outcomes(s, job_id=one_by_one, outcomes=_mixed_outcomes()) == 3
+        monkeypatch.undo()
+        assert repo.write_outcomes(s, job_id=at_once, outcomes=_mixed_outcomes()) == 3
+    assert _item_columns(sessions, at_once) == _item_columns(sessions, one_by_one)
+    failures = _job(sessions, n=2, chunk_size=2)  # every counter column all NULL
+    with sessions.begin() as s:
+        assert repo.write_outcomes(s, job_id=failures, outcomes=[
+            Outcome.failure(i, "never ran") for i in range(2)]) == 2
+    assert [r[:6] for r in _item_columns(sessions, failures)] == [
+        ("failed", None, None, None, "never ran", None)] * 2
+    with sessions() as s:
+        assert (repo.job_figures(s, job_ids=[at_once])[0]["accepted"]
+                == repo.job_figures(s, job_ids=[one_by_one])[0]["accepted"] == 3)
+        assert repo.status_counts(s, job_id=at_once) == repo.status_counts(s, job_id=one_by_one)
+
+
+def test_an_item_given_twice_is_written_once_with_its_first_outcome(sessions):
+    job_id = _job(sessions, n=4, chunk_size=4)
+    twice = [_outcome(1, [1], output="first"), _outcome(2, [1]),
+             _outcome(1, [1, 1], output="second")]
+    with sessions.begin() as s:
+        written = repo.store_outcomes(s, job_id=job_id, outcomes=twice)
+    assert [(o.index, o.output) for o in written] == [(1, "first"), (2, "out2")]
+    with sessions() as s:
+        items = {it.index: it for it in repo.iter_items(s, job_id=job_id)}
+        (sums,) = repo.job_figures(s, job_ids=[job_id])
+        (chunk,) = s.scalars(select(Chunk).where(Chunk.job_id == job_id))
+    assert items[1].output == "first" and items[1].writes == 1
+    assert sums["accepted"] == 2  # one item's counters each, not the repeat's
+    assert chunk.completed == 2
+
+
+def test_only_pending_items_of_a_batch_are_written_and_returned(sessions):
+    """A batch that mixes written, pending and unknown items writes only the pending ones,
+    returns exactly those, and adds only their counters to the chunk sums."""
+    job_id = _job(sessions, n=6, chunk_size=3)
+    with sessions.begin() as s:
+        repo.write_outcomes(s, job_id=job_id, outcomes=[_outcome(0, [1]), _outcome(4, [1])])
+    with sessions.begin() as s:
+        written = repo.store_outcomes(s, job_id=job_id, outcomes=[
+            _outcome(i, [2], output="late") for i in (0, 1, 4, 5, 99)])
+    assert [o.index for o in written] == [1, 5]
+    with sessions() as s:
+        items = {it.index: it for it in repo.iter_items(s, job_id=job_id)}
+        (sums,) = repo.job_figures(s, job_ids=[job_id])
+        done = {c.start: c.completed for c in s.scalars(
+            select(Chunk).where(Chunk.job_id == job_id))}
+    assert [items[i].output for i in range(6)] == ["out0", "late", None, None, "out4", "late"]
+    assert all(items[i].writes == (1 if i in (0, 1, 4, 5) else 0) for i in range(6))
+    assert sums["accepted"] == 1 + 2 + 1 + 2
+    assert done == {0: 2, 3: 2}
