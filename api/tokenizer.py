@@ -296,7 +296,7 @@ def _gguf_context(path: Path) -> int:
     """The context length a GGUF file's metadata gives ({arch}.context_length), else 2**31.
 
     Read from the header alone, stopping at the key: gguf's GGUFReader parses every field
-    first (a 49,152-token vocabulary: 1-8 s of a submit on a busy 2-core host)."""
+    first, a large vocabulary's included (docs/benchmarks.md#2026-12-02-gguf-header-read)."""
     found = _gguf_header(path, lambda key: key == "general.architecture"
                          or key.endswith(".context_length"))
     value = found.get(f"{found.get('general.architecture')}.context_length")

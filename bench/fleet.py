@@ -97,8 +97,8 @@ def start_workers(settings: Settings, args: argparse.Namespace, client: Client, 
     env = subprocess_env(settings)
     if settings.torch_threads <= 0:  # a share of the cores each: these workers start as
         # `python -m specq.bench.standin`, which worker/threads.py does not count, so each
-        # would take every core and spin its threads against the others' (the real engine
-        # ran 5-10x slower so)
+        # would take every core and spin its threads against the others'
+        # (docs/benchmarks.md#2026-11-30-torch-threads)
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
             os.cpu_count() or 1)
         env["SPECQ_TORCH_THREADS"] = str(max(1, cores // args.workers))

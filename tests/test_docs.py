@@ -50,6 +50,27 @@ def links() -> list[tuple[str, str]]:
             if not re.match(r"[a-z]+:", target)]  # http:, https:, mailto: are not ours
 
 
+CODE_ROOMS = ("api", "broker", "worker", "db", "configs", "schema", "bench")
+CODE_LINK = re.compile(r"docs/([\w-]+\.md)(?:#([\w-]+))?")
+
+
+def test_every_page_and_heading_the_code_points_to_exists():
+    """A comment that keeps only why and sends the reader to the figures
+    (`docs/benchmarks.md#2026-12-02-compaction-bar`) reaches the page and its heading."""
+    found, wrong = 0, []
+    for room in CODE_ROOMS:
+        for path in sorted((ROOT / room).rglob("*.py")):
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                for page, anchor in CODE_LINK.findall(line):
+                    found += 1
+                    where = ROOT / "docs" / page
+                    if not where.exists():
+                        wrong.append(f"{name(path)}:{n}: no page docs/{page}")
+                    elif anchor and anchor not in anchors(where):
+                        wrong.append(f"{name(path)}:{n}: no heading #{anchor} in docs/{page}")
+    assert found, "no pointer into docs/ found in the code: the pattern is wrong"
+    assert not wrong, "\n".join(wrong)
+
 def test_the_pages_link_to_each_other():
     """The README reaches every page of docs/ (a page nobody links to is lost)."""
     readme = {t.split("#")[0] for page, t in links() if page == "README.md"}

@@ -1,13 +1,14 @@
 """The step costs of a pair on a device, kept in the data directory between processes.
 
 A worker and `specq run` choose the draft length from measured costs (engine/policy.py).
-Measuring them from nothing at every start took a minute on a busy 2-core host, so the
-cost table is kept as JSON under ``data_dir/calibration``, keyed by everything the costs
-depend on: the pair's preset, the device, the dtype, torch's threads, torch's version and
-the host. A start with the same key loads it; any other key calibrates afresh within
-``calibration_budget`` seconds. The steps then refine the table as always, and the refined
-table is written back (after each chunk and at the end of `specq run`), so a calibration
-made on a busy machine is mended by the jobs that follow it.
+Measuring them from nothing at every start cost a worker's start far more than reading them
+(docs/benchmarks.md#2026-12-02-calibration-cache), so the cost table is kept as JSON under
+``data_dir/calibration``, keyed by everything the costs depend on: the pair's preset, the
+device, the dtype, torch's threads, torch's version and the host. A start with the same key
+loads it; any other key calibrates afresh within ``calibration_budget`` seconds. The steps
+then refine the table as always, and the refined table is written back (after each chunk and
+at the end of `specq run`), so a calibration made on a busy machine is mended by the jobs
+that follow it.
 """
 
 from __future__ import annotations

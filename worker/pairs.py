@@ -105,10 +105,10 @@ def _converted(where: str, kwargs: dict, dtype: torch.dtype, data_dir: Path) -> 
     """Where a local GGUF checkpoint is kept converted, under ``data_dir/converted``; None
     for any other checkpoint.
 
-    transformers parses and de-quantizes a GGUF file on every load: 20 s of a worker's
-    start for SmolLM2-135M on 2 CPU cores, where the same weights saved as safetensors
-    load in about 1 s. The folder is named for the file's path, size and modification time
-    and the dtype, so a changed file is converted again.
+    transformers parses and de-quantizes a GGUF file on every load, many times slower than
+    loading the same weights saved as safetensors
+    (docs/benchmarks.md#2026-11-30-gguf-conversion). The folder is named for the file's
+    path, size and modification time and the dtype, so a changed file is converted again.
     """
     gguf = Path(where) / kwargs["gguf_file"] if kwargs.get("gguf_file") else None
     if gguf is None or not gguf.is_file():

@@ -1,11 +1,11 @@
 """How many CPU threads a worker's torch uses.
 
 torch takes every core by default. Several workers on one host (one per GPU, or CPU workers
-side by side) then spin their threads against each other: on this 2-core machine the tiny
-pair took 2.07 s per 64 items with two 2-thread workers against 0.042 s with one thread
-each. So a worker takes its share: SPECQ_TORCH_THREADS when set, else the host's usable
-cores divided among the specq workers running on it (counted from /proc at start), and
-only GPU_THREADS when a GPU does the maths (the CPU then only feeds it).
+side by side) then spin their threads against each other, many times slower than one thread
+each (docs/benchmarks.md#2026-11-30-torch-threads). So a worker takes its share:
+SPECQ_TORCH_THREADS when set, else the host's usable cores divided among the specq workers
+running on it (counted from /proc at start), and only GPU_THREADS when a GPU does the maths
+(the CPU then only feeds it).
 """
 
 from __future__ import annotations

@@ -27,19 +27,10 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 MIN_COLUMNS = 64  # a fresh buffer's columns; it doubles from there
-# Compaction once the waste (hole columns, masked but attended over) reaches this share of
-# the cache, and at least MIN_WASTE columns. Holes cost every pass; compacting costs once.
-# SmolLM2-135M on a CPU, 100 real columns: +50 holes made a plain pass 4-6 % slower and +100
-# holes 9-19 % (batch 4 and 16), while a compaction cost 0.1-0.35 of a plain pass. With w
-# holes costing about k * w / L of a pass (k ~ 0.1-0.15), r new holes a step and a
-# compaction costing c0 * L passes, the waste that minimises the cost per step is
-# L * sqrt(2 c0 r / k): 1/9 to 1/4 of the cache here. (Half, the bar before, spent 3-9 % of
-# every pass of a drafting run on holes.) That bar needs the waste every step or two: the
-# target's cache gets it free with the step's one sync (``waste_on_device``); a cache that
-# would have to sync to count it (a draft model's) keeps the lazy bar, LAZY_SHARE and
-# LAZY_MIN, and counts only when it could have reached it.
-WASTE_SHARE, MIN_WASTE = 1 / 6, 16
-LAZY_SHARE, LAZY_MIN = 1 / 2, 64
+# Compact once the holes (masked columns every pass still attends over) reach a share of the
+# cache: holes cost every pass, a compaction once (docs/benchmarks.md#2026-12-02-compaction-bar).
+WASTE_SHARE, MIN_WASTE = 1 / 6, 16  # the target's bar: its waste is read free with the step's sync
+LAZY_SHARE, LAZY_MIN = 1 / 2, 64  # the bar of a cache that must sync to count (a draft model's)
 
 
 def _capacity(need: int, have: int) -> int:

@@ -33,10 +33,8 @@ CALIBRATION_TEXT = (
     "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins "
     "with a single step. "
 )
-BATCH_RATIO = 16  # batch sizes measured: 1, 16, 256, ... (and the maximum); the costs in
-# between are interpolated: a step's cost is close to a line in the batch size between them
-PROMPT_TOKENS = 64  # the context the passes attend to: a short prompt's (a long one's
-# costs are learnt from its steps)
+BATCH_RATIO = 16  # batch sizes 1, 16, 256, ... and the maximum; costs between are near a line
+PROMPT_TOKENS = 64  # a short prompt's context: a long one's costs are learnt from its steps
 REPEATS = 2  # timed runs of each pass, the fastest kept
 
 

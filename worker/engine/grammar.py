@@ -40,9 +40,8 @@ from specq.worker.engine.drafters import Drafter, DraftInputs, PromptLookup, Pro
 log = logging.getLogger(__name__)
 MAX_TEMPLATES = 256  # compiled grammars kept per worker (one per job and schema, in practice)
 MAX_FORCED = 16  # forced tokens drafted at most per row and step
-# threads computing a step's masks: a row's mask costs ~14 us on one thread (SmolLM2's 49k
-# vocabulary, a JSON schema), the library's default pool made it ~50 us on a busy 2-core CPU
-MASK_THREADS = 1
+# threads computing a step's masks: a row's is too small to pay for a pool's hand-offs
+MASK_THREADS = 1  # figures: docs/benchmarks.md#2026-12-01-grammar-mask-threads
 
 
 class GrammarError(RuntimeError):

@@ -32,24 +32,16 @@ from typing import Any
 COST_DECAY = 0.9  # weight of a cost sample against the next one: costs follow the machine's load
 ACCEPTANCE_DECAY = 0.98  # slower: acceptance belongs to the pair and the data, not to the load
 TRUSTED = 1.5  # a cost's weight once measured twice: one sample may be a first call or a stall
-STALL_CLIP = 3.0  # a sample counts at most this many times a trusted mean: a stall (another
-# process, a page fault) must not switch speculation off for good
-PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 2.0  # a weak prior, soon outweighed: one unlucky first step
-# must not switch speculation off, and where even alpha 1/2 cannot pay, nothing is drafted
-# (a drafter scored while g = 0 starts from alpha 0 instead: Shadowed)
-PROBE_BUDGET = 0.02  # while g = 0 wins, probes at g = default (the only way to see acceptance
-# again) may cost this share of the decoding time...
-PROBE_GAP = 32  # ...and come at least this many steps apart, however cheap: a draft that
-# became useful again is found within this many steps
-PROBE_HOPE = 1.1  # a scored drafter is probed only while its acceptance would give this
-# speedup were a wide pass as cheap as a plain one (Shadowed)
-PLAIN_REFRESH = 32  # while drafting, a plain step at least this often: every g is judged
-# against the plain pass's cost, and a stale one (a calibration on a busy machine) misjudges all
+STALL_CLIP = 3.0  # a sample's cap in trusted means: one stall must not stop speculation for good
+PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 2.0  # weak: one unlucky first step must not stop speculation
+PROBE_BUDGET = 0.02  # share of decoding time probes may cost while g = 0 wins (acceptance unseen)
+PROBE_GAP = 32  # steps between probes at least: a draft useful again is found within this many
+PROBE_HOPE = 1.1  # a scored drafter is probed only while it could pay this speedup (Shadowed)
+PLAIN_REFRESH = 32  # a plain step at least this often: every g is judged against its cost
 HISTORY = 1024  # g of the latest steps kept, for benchmarks and logs (a worker runs for days)
 CONFIDENCE_BINS = 10  # a drafter's confidence in [0, 1] is judged in this many equal bins
 CONFIDENCE_DECAY = 0.99  # per verdict in a bin: acceptance at a confidence follows the job
-CONFIDENCE_PRIOR = 2.0  # verdicts a bin starts with, each at the bin's own confidence:
-# the drafter is taken at its word until the target has judged a few of its tokens
+CONFIDENCE_PRIOR = 2.0  # verdicts a bin starts with: the drafter taken at its word at first
 
 
 def expected_tokens(alpha: float, g: int, propose_rate: float = 1.0) -> float:
@@ -434,9 +426,8 @@ class Shadowed(DraftLengthPolicy):
     """A free drafter's proposals are scored while g = 0 (shadow.py): acceptance is seen
     without drafting, and a generation starts from acceptance 0 and drafts once the scored
     proposals show it pays; probes only re-measure costs (``_probe_due``). (From the plain
-    regime's prior of 1/2 it drafted its first steps at g = 3-4 whatever the data: on
-    SmolLM2 at batch 4, where a wide pass costs 1.7-2x a plain one, that was 7 % of a
-    synthesis run whose drafts then never paid.)"""
+    regime's prior of 1/2 it drafted its first steps whatever the data, at a cost:
+    docs/benchmarks.md#2026-12-01-shadowed-prior.)"""
 
     prior_alpha = 0.0
 

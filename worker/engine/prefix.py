@@ -21,7 +21,7 @@ from specq.worker.engine.batch import KVRows, left_pad
 
 MIN_PREFIX = 16  # fewer shared tokens are not worth a pass of their own
 STORE_TOKENS = 8192  # tokens kept over all stored sequences (memory: this many columns)
-STORE_ENTRIES = 8
+STORE_ENTRIES = 8  # sequences kept: a job's few templates, least recently used out
 
 
 @dataclass

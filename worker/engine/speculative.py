@@ -39,8 +39,7 @@ from specq.worker.engine.sampling import (
 )
 
 log = logging.getLogger(__name__)
-ADMIT_SHARE = 4  # refills wait for 1 / ADMIT_SHARE of the batch to be free, then share a
-# prefill: a pass per finished row would stall the batch once per row
+ADMIT_SHARE = 4  # refills wait for 1 / ADMIT_SHARE of the batch: one prefill, not a stall a row
 
 
 def model_context(model: PreTrainedModel) -> int:
