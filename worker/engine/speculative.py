@@ -343,7 +343,7 @@ class SpeculativeEngine:
         clock = StepClock(dev)
         mask_before = self.grammars.mask_seconds
         try:
-            g, prop, forced = self.drafting.draft(inputs, self.rows)
+            g, prop, forced = self.drafting.draft(inputs, self.rows, self.kv.packed)
         finally:
             if masks is not None:
                 masks.rewind()
