@@ -8,8 +8,8 @@ subclasses, chosen once from the drafter's declared capabilities (drafters.Draft
 - Drafting: the policy picks g; a drafting step's proposals are judged by the target.
 - Shadowed: a free drafter (prompt lookup) keeps proposing while g = 0; its proposals
   are scored against the tokens the target emits (shadow.py), so acceptance stays known.
-- Scored: a drafter that scores its tokens (suffix.py) proposes at max_g; the policy keeps
-  the width that pays, and learns from the target's verdicts what a confidence is worth.
+- Scored: a drafter that scores its tokens (suffix.py) proposes at max_g; the step's
+  budget keeps what pays, and the target's verdicts teach what a confidence is worth.
 - With g pinned (policy.Pinned), the plain Drafting; with g = 0 it never drafts (the null
   object of a pair without a drafter, and of the baseline every benchmark compares to).
 
@@ -17,6 +17,12 @@ Whatever the regime, a row shaped by a grammar drafts what its grammar forces fi
 (grammar.ForcedDrafts, ``draft``), at g = 0 too: those tokens cost nothing to propose. The
 policy learns from the drafter's own tokens only (``own``), the counters count the grammar's
 apart (Counters.forced_proposed, forced_accepted).
+
+Whatever the regime, the proposal is then cut row by row to the step's budget (``spend``:
+policy.allot, budget.py): a token is verified while its predicted survival beats what one
+more verified token costs. A drafter that proposes beyond it (a draft model asked for g)
+has its work judged only where verified; its cache follows what the rows emit
+(drafters.DraftModel.update), so a cut row needs nothing more.
 """
 
 from __future__ import annotations
@@ -81,16 +87,17 @@ class Drafting:
 
     def spend(self, g: int, prop: Proposal, forced: list[list[int]], packed: bool
               ) -> tuple[int, Proposal, list[list[int]]]:
-        """Each row cut to the tokens the step's budget verifies (policy.allot), and g to
-        the drafter's widest row left (0: nothing of the drafter's is verified)."""
+        """Each row cut to the tokens the step's budget verifies (policy.allot). g stays
+        what the drafter was asked for (the policy prices a draft token by it), or 0 where
+        the budget kept none of the drafter's tokens: nothing of its was judged."""
         num = prop.num_draft.tolist()
         kept = self.policy.allot(num, forced, self.confidence(prop, len(num)), packed)
         if kept == num:
             return g, prop, forced
         prop.num_draft = torch.tensor(kept, dtype=torch.long)
         forced = [[p for p in at if p < k] for at, k in zip(forced, kept)]
-        own = max((k - len(at) for k, at in zip(kept, forced)), default=0)
-        return min(g, own), prop, forced
+        own = any(k > len(at) for k, at in zip(kept, forced))
+        return (g if own else 0), prop, forced
 
     def confidence(self, prop: Proposal, batch: int) -> list[list[float]]:
         """Per row, the drafter's confidence in each of its own tokens that lead the row's

@@ -16,9 +16,14 @@ over n tokens per row and of a draft token, per batch size) and an acceptance es
 A drafter that scores its own drafts (suffix.py: each token's smoothed share of the
 earlier continuations) lets the policy do better than one alpha for all: it proposes at
 max_g, a Calibration maps each token's confidence to the acceptance the target has shown
-at that confidence, q, and the step keeps the width k that maximises expected tokens per
-second, (B + sum over rows of sum_{j <= k} prod_{i <= j} q_i) / t_verify(k + 1). A step
+at that confidence, q, and the step's budget keeps what pays of these very drafts. A step
 of sure drafts goes wide, a step of guesses goes plain: per step, not per job.
+
+What g asks of the drafter is its work; what the step verifies is a budget (``allot``,
+budget.py): each row's candidate tokens are ranked by predicted survival (the chain
+product of q, of alpha for a drafter without scores, of 1 for a grammar's forced tokens)
+and kept while they beat the measured cost of verifying one more token at this batch size.
+A step chosen to measure (a probe, a first wide pass, a plain refresh) is verified whole.
 """
 
 from __future__ import annotations
