@@ -238,7 +238,7 @@ class JobMetrics(Counters):
         for name in ("acceptance_rate", "mean_acceptance_length", "acceptance_by_position",
                      "tokens_per_second", "engine_tokens_per_second", "mean_draft_length",
                      "estimated_speedup", "passes_saved", "device_seconds_saved",
-                     "forced_acceptance_rate"):
+                     "forced_acceptance_rate", "mean_drafts_verified", "verified_per_token"):
             d[name] = getattr(self, name)
         return d
 
@@ -614,14 +614,15 @@ class Job:
 
     def metrics(self) -> JobMetrics:
         """The job's counters and counts, read from the views (db/views.py: job_metrics,
-        job_acceptance_by_position, job_steps_by_draft_length)."""
+        job_acceptance_by_position, job_steps_by_draft_length, job_steps_by_drafts_verified)."""
         with self.client.sessions() as s:
             rows = repo.job_figures(s, job_ids=[self.id])
             if not rows:
                 raise KeyError(f"job {self.id}: not found")
             arrays: dict[str, Any] = {
                 "accepted_by_position": repo.accepted_by_position(s, job_id=self.id),
-                "steps_by_draft_length": repo.steps_by_draft_length(s, job_id=self.id)}
+                "steps_by_draft_length": repo.steps_by_draft_length(s, job_id=self.id),
+                "steps_by_drafts_verified": repo.steps_by_drafts_verified(s, job_id=self.id)}
             timeline = repo.chunk_timeline(s, job_id=self.id)
             if len(timeline) < 10 and rows[0]["total"] <= repo.ITEM_TIMELINE_MAX:
                 # too few chunks for a course over time: the items', as they finished

@@ -17,6 +17,8 @@ FORMATS: dict[str, tuple[str, str]] = {
     "acceptance_rate": (".3f", ""),
     "mean_acceptance_length": (".2f", ""),
     "mean_draft_length": (".2f", ""),
+    "mean_drafts_verified": (".2f", ""),
+    "verified_per_token": (".2f", ""),
     "tokens_per_pass": (".2f", ""),
     "tokens_per_second": (".1f", ""),
     "engine_tokens_per_second": (".1f", ""),

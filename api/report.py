@@ -35,6 +35,18 @@ def _drafts_per_step(m: JobMetrics) -> str:
             f"forced by a grammar, over {m.draft_steps} steps with drafts)")
 
 
+def _drafts_verified(m: JobMetrics) -> str:
+    """Draft tokens a row verified per step, every kind and every step counted (a step's
+    rows carry their own number: the budget cuts each; a grammar forces tokens at any g),
+    and the share of row-steps at each number."""
+    hist = m.steps_by_drafts_verified
+    if not sum(hist):
+        return "-"
+    total = sum(hist)
+    shares = "  ".join(f"{n}:{k / total:.0%}" for n, k in enumerate(hist) if k)
+    return f"{shown('mean_drafts_verified', m.mean_drafts_verified)}  ({shares})"
+
+
 def format_metrics(m: JobMetrics) -> str:
     """The figures a user asks of a finished or running job, one per line (each written by
     api/figures.py, as every other command writes it)."""
@@ -54,6 +66,9 @@ def format_metrics(m: JobMetrics) -> str:
         ("mean draft length g", f"{shown('mean_draft_length', m.mean_draft_length)}"
                                 f"  (the drafter's, chosen per step)"),
         ("draft tokens per step", _drafts_per_step(m)),
+        ("drafts verified per row", _drafts_verified(m)),
+        ("verified per token", f"{shown('verified_per_token', m.verified_per_token)}"
+                               f"  (target tokens verified per token emitted; plain: 1)"),
     ]
     if not drafted(m):
         rows.append(("drafting", NEVER_DRAFTED))

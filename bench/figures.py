@@ -34,6 +34,7 @@ from collections import Counter
 from statistics import fmean
 
 from specq.bench.runner import Run, Step
+from specq.schema.counters import verified_per_token
 from specq.worker.engine.policy import expected_tokens, measured_speedup, theorem_speedup
 
 
@@ -136,6 +137,11 @@ def figures(run: Run, hf: Run | None, none: Run | None) -> dict:
         "t_verify": {str(n): t for n, t in t_verify.items()},
         "c": t_draft / t_step if t_draft is not None and t_step else None,
         "propose_share": propose_share(run.steps),
+        # draft tokens per row per step, every kind: [n] row-steps that verified n
+        "steps_by_drafts_verified": _sum_lists([c.steps_by_drafts_verified for c in counters]),
+        "verified_per_token": verified_per_token(
+            sum(c.target_passes for c in counters), proposed, run.new_tokens),
+        "padded_per_token": padded_per_token(run.steps, counters, run.new_tokens),
         "tokens_per_step": tokens_per_step(run.results), "step_seconds": step_seconds(run.steps),
         # rows per step while decoding: a job's last rows finishing at different times
         # thin the batch, a loss that is neither the model passes' nor the bookkeeping's
@@ -162,6 +168,16 @@ def tokens_per_step(results: list) -> float | None:
     decoding = [r.counters for r in results if r.counters.target_passes > 1]
     passes = sum(c.target_passes - 1 for c in decoding)
     return sum(c.new_tokens - 1 for c in decoding) / passes if passes else None
+
+
+def padded_per_token(steps: list[Step], counters: list, new_tokens: int) -> float | None:
+    """Tokens a padded verify pass computes per token emitted: every row pays the step's
+    widest row (Step.verify_tokens), a prefill one (its last position) per row. Against
+    verified_per_token, what padding costs beyond the tokens the rows carried."""
+    if not new_tokens:
+        return None
+    prefills = sum(c.target_passes for c in counters) - sum(len(s.num_draft) for s in steps)
+    return (sum(len(s.num_draft) * s.verify_tokens for s in steps) + prefills) / new_tokens
 
 
 def propose_share(steps: list[Step]) -> float | None:

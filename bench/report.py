@@ -17,6 +17,7 @@ COLUMNS = [  # header, key, format
     ("xdec", "decode_speedup_vs_none", "{:.2f}"), ("acc", "acceptance_rate", "{:.2f}"),
     ("alpha", "alpha", "{:.2f}"), ("mal", "mean_acceptance_length", "{:.2f}"),
     ("E", "tokens_per_step", "{:.2f}"),
+    ("ver/tok", "verified_per_token", "{:.2f}"), ("pad/tok", "padded_per_token", "{:.2f}"),
     ("c", "c", "{:.2f}"), ("thm3.8", "predicted_theorem", "{:.2f}"),
     ("pred", "predicted_measured", "{:.2f}"), ("eff", "efficiency", "{:.2f}"),
     ("greedy", "greedy", "{}"),
@@ -59,7 +60,9 @@ LEGEND = (
     "per-token "
     "acceptance probability; xdec: xnone in decoding time, the prompts' prefill (the same "
     "work in both) left out; mal: mean acceptance length (bonus included); c: draft step / "
-    "plain decode step; E: tokens a row gains per target pass; thm3.8: Leviathan Thm 3.8 "
+    "plain decode step; E: tokens a row gains per target pass; ver/tok: target tokens "
+    "verified per token emitted (plain: 1), pad/tok: as a padded pass computes them; "
+    "thm3.8: Leviathan Thm 3.8 "
     "from alpha, g, c; pred: E x plain step / this run's mean step (measured costs); "
     "eff: xdec / pred, the engine's own bookkeeping; greedy: prompts equal to the "
     "reference (~near-ties)."
@@ -100,13 +103,16 @@ WORKLOAD_COLUMNS = [  # header, key, format
     ("xnone", "speedup_vs_none", "{:.2f}"), ("rounds", "speedup_vs_none_by_round", "{}"),
     ("xdec", "decode_speedup_vs_none", "{:.2f}"),
     ("xHF", "speedup_vs_hf", "{:.2f}"), ("acc", "acceptance_rate", "{:.2f}"),
+    ("ver/tok", "verified_per_token", "{:.2f}"), ("pad/tok", "padded_per_token", "{:.2f}"),
     ("propose", "propose_share", "{:.3f}"), ("greedy", "greedy", "{}"),
 ]
 WORKLOAD_LEGEND = (
     "tok/pass: tokens a row gains per target pass while decoding; rounds: with --repeat, "
     "the lowest and highest xnone of one round (a run against the no-speculation run of "
-    "its own round): the noise the median xnone carries; propose: drafting time over "
-    "target-pass time in the steps that drafted."
+    "its own round): the noise the median xnone carries; ver/tok: target tokens verified "
+    "per token emitted (the rows' own tokens: what a packed pass computes; plain: 1); "
+    "pad/tok: the same as a padded pass computes it (every row as wide as the widest); "
+    "propose: drafting time over target-pass time in the steps that drafted."
 )
 
 

@@ -636,6 +636,14 @@ def steps_by_draft_length(session: Session, *, job_id: int) -> list[int]:
                        .where(view.c.job_id == job_id))
 
 
+def steps_by_drafts_verified(session: Session, *, job_id: int) -> list[int]:
+    """[n]: steps in which one of the job's items verified n draft tokens, the grammar's
+    included (the view job_steps_by_drafts_verified)."""
+    view = views.job_steps_by_drafts_verified
+    return _by_element(session, select(view.c.drafts_verified, view.c.steps)
+                       .where(view.c.job_id == job_id))
+
+
 def chunk_timeline(session: Session, *, job_id: int) -> list[tuple[Any, Any, int, list[int]]]:
     """(first start, last finish, new tokens, steps_by_draft_length) of the job's chunks with
     written items, in finishing order: a timeline at the grain of chunks (draft length and

@@ -1,14 +1,15 @@
 """The SQL views analysts query, as SQLAlchemy sees them (columns and types, for reading).
 
 Created by the migration db/migrations/versions/0005_metrics_views.py (rebuilt by 0006,
-0007 and 0009), which defines every figure once, in SQL; docs/database.md documents every
-column. These Table objects live in their own MetaData: Base.metadata describes the
-tables the migrations build, not the views.
+0007, 0009 and 0010; 0012 adds one), which defines every figure once, in SQL;
+docs/database.md documents every column. These Table objects live in their own MetaData:
+Base.metadata describes the tables the migrations build, not the views.
 
     item_metrics                 one row per item: its counters and figures
     job_metrics                  one row per job: how it drafts, its counts, sums, figures
     job_acceptance_by_position   one row per job and draft position (1 = first draft token)
     job_steps_by_draft_length    one row per job and draft length g: steps run at g
+    job_steps_by_drafts_verified one row per job and n: row-steps that verified n drafts (0012)
     schedule_costs               one row per beat schedule and day: its runs' costs (0009)
 """
 
@@ -90,6 +91,11 @@ job_acceptance_by_position = Table(
 job_steps_by_draft_length = Table(
     "job_steps_by_draft_length", VIEWS,
     Column("job_id", Integer), Column("draft_length", Integer), Column("steps", Integer),
+)
+
+job_steps_by_drafts_verified = Table(
+    "job_steps_by_drafts_verified", VIEWS,
+    Column("job_id", Integer), Column("drafts_verified", Integer), Column("steps", Integer),
 )
 
 schedule_costs = Table(

@@ -22,6 +22,13 @@ def mean_acceptance_length(accepted: int, draft_steps: int) -> float | None:
     return 1 + accepted / draft_steps if draft_steps else None
 
 
+def verified_per_token(target_passes: int, proposed: int, new_tokens: int) -> float | None:
+    """Tokens the target verified per token emitted: one per row per pass (a prefill's
+    last position included) plus every draft token verified. Plain decoding: 1; what
+    drafting adds beyond it is the verify work rejected drafts cost."""
+    return (target_passes + proposed) / new_tokens if new_tokens else None
+
+
 @dataclass
 class Counters:
     """What one request cost and how often its drafts were accepted.
@@ -37,6 +44,9 @@ class Counters:
     target_passes: int = 0  # target forward passes this request took part in (prefill included)
     new_tokens: int = 0
     steps_by_draft_length: list[int] = field(default_factory=list)  # [g]: steps run with g
+    # [n]: steps in which this request verified n draft tokens (the drafter's and those a
+    # grammar forced): each row carries its own number in a step, whatever the step's g
+    steps_by_drafts_verified: list[int] = field(default_factory=list)
     draft_time: float = 0.0  # seconds: this request's share of batch drafting time
     # seconds: its share of its steps outside drafting: the target pass (Step.t_verify),
     # accepting and cache upkeep; its prefill included
@@ -49,10 +59,15 @@ class Counters:
     mask_time: float = 0.0
 
     def observe_step(self, num_draft: int, num_accepted: int, g: int = 0) -> None:
-        """Record one step at draft length g: ``num_draft`` proposed, ``num_accepted`` kept."""
+        """Record one step at draft length g: ``num_draft`` proposed and verified (the
+        drafter's and a grammar's), ``num_accepted`` kept."""
         if len(self.steps_by_draft_length) <= g:
             self.steps_by_draft_length += [0] * (g + 1 - len(self.steps_by_draft_length))
         self.steps_by_draft_length[g] += 1
+        if len(self.steps_by_drafts_verified) <= num_draft:
+            self.steps_by_drafts_verified += [0] * (num_draft + 1
+                                                    - len(self.steps_by_drafts_verified))
+        self.steps_by_drafts_verified[num_draft] += 1
         if num_draft:
             self.draft_steps += 1
             self.proposed += num_draft
@@ -69,6 +84,17 @@ class Counters:
     @property
     def mean_acceptance_length(self) -> float | None:
         return mean_acceptance_length(self.accepted, self.draft_steps)
+
+    @property
+    def verified_per_token(self) -> float | None:
+        return verified_per_token(self.target_passes, self.proposed, self.new_tokens)
+
+    @property
+    def mean_drafts_verified(self) -> float | None:
+        """Draft tokens a row verified per step, over all its steps (plain ones included)."""
+        steps = sum(self.steps_by_drafts_verified)
+        return sum(n * k for n, k in enumerate(self.steps_by_drafts_verified)) / steps \
+            if steps else None
 
     @property
     def forced_acceptance_rate(self) -> float | None:

@@ -4,7 +4,8 @@ A worker started with SPECQ_METRICS_PORT (0, the default, turns them off; `specq
 serves them) serves ``/metrics`` on that port. Every series carries three labels, pair,
 drafter and worker (the Celery hostname), and never a job or item id: a fleet's series stay
 a few per worker, whatever it runs. Position and draft-length labels are bounded by the
-pair's largest draft length.
+pair's largest draft length (draft tokens verified by a row: that and a grammar's forced
+tokens, grammar.MAX_FORCED at most).
 
 The token and draft counters are counted from the outcomes this worker wrote to the
 database (ChunkKeeper), the moment they were written: an outcome another worker stored
@@ -75,6 +76,10 @@ class WorkerMetrics:
             "specq_request_steps",
             "A request's steps at draft length g, summed over requests (steps_by_draft_length)",
             "draft_length")
+        self._row_steps = counter(
+            "specq_request_steps_by_drafts_verified",
+            "A request's steps by the draft tokens it verified in them (the drafter's and a "
+            "grammar's), summed over requests (steps_by_drafts_verified)", "drafts_verified")
         self.draft_seconds = counter("specq_draft_seconds",
                                      "Seconds of drafting, the items' shares (draft_time)")
         self.verify_seconds = counter("specq_verify_seconds",
@@ -144,6 +149,9 @@ class WorkerMetrics:
                 for g, n in enumerate(c.steps_by_draft_length):
                     if n:
                         self._request_steps.labels(**self.labels, draft_length=str(g)).inc(n)
+                for k, n in enumerate(c.steps_by_drafts_verified):
+                    if n:
+                        self._row_steps.labels(**self.labels, drafts_verified=str(k)).inc(n)
 
     def step(self, step: Any) -> None:
         """One engine step (worker/engine/speculative.py: Step), as the engine's on_step."""

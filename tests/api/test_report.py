@@ -97,9 +97,12 @@ def test_grammar_forced_drafts_are_drafts_of_their_own_kind():
         wall_time=1.0, draft_steps=10, proposed=40, accepted=40, forced_proposed=40,
         forced_accepted=40, accepted_by_position=[10, 10, 10, 10], target_passes=30,
         new_tokens=60, steps_by_draft_length=[30], verify_time=0.9, pair="tiny",
-        drafter="prompt_lookup")
+        drafter="prompt_lookup", steps_by_drafts_verified=[20, 0, 0, 0, 10])
     text = format_metrics(m)
     assert "mean acceptance length  5.00" in text
+    # per row and step, every kind: 10 of its 30 row-steps verified 4 drafts
+    assert "drafts verified per row 1.33  (0:67%  4:33%)" in text
+    assert "verified per token      1.17" in text  # (30 passes + 40 drafts) / 60 tokens
     assert "draft tokens per step   4.00  (0 from the drafter, 40 forced by a grammar" in text
     assert "grammar drafts          1.00" in text and "never drafted" not in text
     assert "draft tokens per step   -" in format_metrics(NEVER)

@@ -33,7 +33,8 @@ def _outcome(index, accepted_by_position, draft_steps=2, new_tokens=5, output=No
     counters = Counters(
         draft_steps=draft_steps, proposed=4 * draft_steps, accepted=sum(accepted_by_position),
         accepted_by_position=accepted_by_position, target_passes=3, new_tokens=new_tokens,
-        steps_by_draft_length=[1, draft_steps], draft_time=0.5, verify_time=0.25)
+        steps_by_draft_length=[1, draft_steps], draft_time=0.5, verify_time=0.25,
+        steps_by_drafts_verified=[1] + [0] * (draft_steps - 1) + [draft_steps])
     return Outcome(index, ItemStatus.completed, output=output or f"out{index}",
                    token_ids=[1, 2], finish_reason="length", prompt_tokens=3,
                    counters=counters, worker="w")
@@ -113,6 +114,8 @@ def test_metrics_are_sql_sums_of_item_counters(sessions):
         (sums,) = repo.job_figures(s, job_ids=[job_id])
         assert repo.accepted_by_position(s, job_id=job_id) == [6, 3, 1]
         assert repo.steps_by_draft_length(s, job_id=job_id) == [3, 6]
+        # per row: 1 plain step each, and 2, 1, 3 steps at 2, 1, 3 drafts verified
+        assert repo.steps_by_drafts_verified(s, job_id=job_id) == [3, 1, 2, 3]
         assert sums["accepted"] == 10 and sums["draft_steps"] == 6 and sums["proposed"] == 24
         assert sums["new_tokens"] == 15 and sums["draft_time"] == pytest.approx(1.5)
         assert s.scalar(select(func.count()).select_from(Item)) >= 3

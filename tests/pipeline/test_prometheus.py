@@ -101,6 +101,10 @@ def test_every_worker_counter_equals_the_database(metered):
                     "position") == m.accepted_by_position
     assert by_label(got, "specq_request_steps_total", "draft_length") == \
         m.steps_by_draft_length
+    # per row: its steps by the draft tokens it verified; as many row-steps as above
+    assert by_label(got, "specq_request_steps_by_drafts_verified_total", "drafts_verified") \
+        == m.steps_by_drafts_verified
+    assert sum(m.steps_by_drafts_verified) == sum(m.steps_by_draft_length)
     # the engine's own steps: each row of each step is one request step
     steps = one(got, "specq_step_seconds_count")
     assert steps == one(got, "specq_batch_size_count") == sum(
@@ -114,7 +118,8 @@ def test_every_worker_counter_equals_the_database(metered):
     assert one(got, "specq_chunks_run_total") >= 3  # a redelivered chunk runs again, empty
     # labels: pair, drafter, worker, and the bounded position / draft length; no job id
     names = {k for (_, ls) in got for k, _ in ls}
-    assert names <= {"pair", "drafter", "worker", "position", "draft_length", "le"}
+    assert names <= {"pair", "drafter", "worker", "position", "draft_length",
+                     "drafts_verified", "le"}
     workers = {dict(ls).get("worker") for (_, ls) in got} - {None}
     assert len(workers) == 1 and workers.pop().startswith(worker.name + "@")
 

@@ -176,6 +176,10 @@ def test_alpha_and_figures_from_steps():
     # decoding alone: 1.2 s against 0.8 s, the same 0.2 s of prefill left out of both
     assert row["decode_speedup_vs_none"] == pytest.approx(1.2 / 0.8)
     assert row["efficiency"] == pytest.approx(1.5 / row["predicted_measured"])
+    # verified per emitted token: 8 passes' own tokens + 6 drafts over 11 tokens; padded,
+    # every row of the step as wide as the widest (3), and the 4 prefills' last positions
+    assert row["verified_per_token"] == pytest.approx((8 + 6) / 11)
+    assert row["padded_per_token"] == pytest.approx((4 * 3 + 4) / 11)
 
 
 def test_greedy_compare_flags_a_real_mismatch(tiny_models):

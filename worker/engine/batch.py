@@ -109,6 +109,8 @@ class BufferCache(Cache):
 class KVRows:
     """A model's cache over the batch rows and the mask of real columns."""
 
+    packed = False  # a verify pass costs what it carries (False: every row pays the widest)
+
     def __init__(self, model: PreTrainedModel) -> None:
         self.model = model
         self.cache: BufferCache | None = None

@@ -8,8 +8,8 @@ subclasses, chosen once from the drafter's declared capabilities (drafters.Draft
 - Drafting: the policy picks g; a drafting step's proposals are judged by the target.
 - Shadowed: a free drafter (prompt lookup) keeps proposing while g = 0; its proposals
   are scored against the tokens the target emits (shadow.py), so acceptance stays known.
-- Scored: a drafter that scores its tokens (suffix.py) proposes at max_g; the policy keeps
-  the width that pays, and learns from the target's verdicts what a confidence is worth.
+- Scored: a drafter that scores its tokens (suffix.py) proposes at max_g; the step's
+  budget keeps what pays, and the target's verdicts teach what a confidence is worth.
 - With g pinned (policy.Pinned), the plain Drafting; with g = 0 it never drafts (the null
   object of a pair without a drafter, and of the baseline every benchmark compares to).
 
@@ -17,6 +17,12 @@ Whatever the regime, a row shaped by a grammar drafts what its grammar forces fi
 (grammar.ForcedDrafts, ``draft``), at g = 0 too: those tokens cost nothing to propose. The
 policy learns from the drafter's own tokens only (``own``), the counters count the grammar's
 apart (Counters.forced_proposed, forced_accepted).
+
+Whatever the regime, the proposal is then cut row by row to the step's budget (``spend``:
+policy.allot, budget.py): a token is verified while its predicted survival beats what one
+more verified token costs. A drafter that proposes beyond it (a draft model asked for g)
+has its work judged only where verified; its cache follows what the rows emit
+(drafters.DraftModel.update), so a cut row needs nothing more.
 """
 
 from __future__ import annotations
@@ -62,19 +68,41 @@ class Drafting:
         self.drafter, self.policy = drafter, policy
         self.grammar: ForcedDrafts | None = None  # the grammar drafter, when it is on
 
-    def draft(self, inputs: DraftInputs, rows: list[Row]
+    def draft(self, inputs: DraftInputs, rows: list[Row], packed: bool = False
               ) -> tuple[int, Proposal, list[list[int]]]:
         """This step's g, the proposal the target judges (cut to g; in shaped rows the
-        grammar's forced tokens and the drafter's in turn: grammar.ForcedDrafts.chain), and
-        the positions of the forced tokens in it per row."""
+        grammar's forced tokens and the drafter's in turn: grammar.ForcedDrafts.chain; then
+        each row cut to what the step's budget verifies: ``spend``), and the positions of
+        the forced tokens in it per row. ``packed``: the verify pass costs the tokens it
+        carries (batch.py: KVRows.packed), else every row pays for the widest."""
         g, full = self.propose(inputs, rows)
         if inputs.grammar is not None:  # a draft model advanced the matchers as it drafted:
             inputs.grammar.rewind()  # what is forced is read at the rows' own states
         prop, matchers = full.cut(g), [r.matcher for r in rows]
-        if self.grammar is None or all(m is None for m in matchers):
-            return g, prop, [[] for _ in rows]
-        prop, forced = self.grammar.merge(prop, matchers, inputs.tokens, g, self.policy.max_g)
-        return g, prop, forced
+        forced: list[list[int]] = [[] for _ in rows]
+        if self.grammar is not None and any(m is not None for m in matchers):
+            prop, forced = self.grammar.merge(prop, matchers, inputs.tokens, g,
+                                              self.policy.max_g)
+        return self.spend(g, prop, forced, packed)
+
+    def spend(self, g: int, prop: Proposal, forced: list[list[int]], packed: bool
+              ) -> tuple[int, Proposal, list[list[int]]]:
+        """Each row cut to the tokens the step's budget verifies (policy.allot). g stays
+        what the drafter was asked for (the policy prices a draft token by it), or 0 where
+        the budget kept none of the drafter's tokens: nothing of its was judged."""
+        num = prop.num_draft.tolist()
+        kept = self.policy.allot(num, forced, self.confidence(prop, len(num)), packed)
+        if kept == num:
+            return g, prop, forced
+        prop.num_draft = torch.tensor(kept, dtype=torch.long)
+        forced = [[p for p in at if p < k] for at, k in zip(forced, kept)]
+        own = any(k > len(at) for k, at in zip(kept, forced))
+        return (g if own else 0), prop, forced
+
+    def confidence(self, prop: Proposal, batch: int) -> list[list[float]]:
+        """Per row, the drafter's confidence in each of its own tokens that lead the row's
+        proposal (none: it does not score them)."""
+        return [[] for _ in range(batch)]
 
     def propose(self, inputs: DraftInputs, rows: list[Row]) -> tuple[int, Proposal]:
         """This step's g and the proposal; the engine keeps each row's first g tokens."""
@@ -114,9 +142,15 @@ class Scored(Drafting):
         self._full: Proposal | None = None  # the latest step's proposal at max_g
 
     def propose(self, inputs: DraftInputs, rows: list[Row]) -> tuple[int, Proposal]:
-        self._full = self.drafter.propose(inputs, self.policy.max_g)
-        return self.policy.choose(batch=len(rows), confidence=self._full.confidences), \
-            self._full
+        self._full = full = self.drafter.propose(inputs, self.policy.max_g)
+        g = self.policy.choose(batch=len(rows), confidence=full.confidences)
+        return min(g, max(full.num_draft.tolist(), default=0)), full
+
+    def confidence(self, prop: Proposal, batch: int) -> list[list[float]]:
+        """The scorer's confidences, read from its proposal at max_g (a grammar's merge
+        drops them: its own tokens lead a shaped row, policy.survivals)."""
+        return self._full.confidences if self._full is not None else super().confidence(
+            prop, batch)
 
     def observe(self, step: Step, rows: list[Row], emitted: list[list[int]]) -> None:
         super().observe(step, rows, emitted)
@@ -141,12 +175,14 @@ def own(step: Step) -> tuple[list[int], list[int]]:
 
 
 def verdicts(full: Proposal, step: Step) -> list[tuple[list[float], int]]:
-    """The target's verdicts on a scored proposal made at max_g and cut to g.
+    """The target's verdicts on a scored proposal made at max_g and cut by the budget.
 
-    Drafting rows: the kept drafts' confidences (a grammar may cut them shorter) and the
-    accepted count. A plain step (g = 0) judges each row's first draft token all the same:
-    the target emitted one token, and a point-mass draft is accepted exactly when it equals
-    the target's own draw. Rows the grammar drafted are not the scorer's: no verdict.
+    A row that verified some of the scorer's tokens: their confidences (the budget or a
+    grammar may cut them shorter) and the accepted count. A row that verified none of them
+    (a plain step, or the budget kept nothing of the row) judges its first draft token all
+    the same: the target emitted a token there, and a point-mass draft is accepted exactly
+    when it equals the target's own draw. Rows the grammar drafted are not the scorer's:
+    no verdict.
     """
     first = full.token_ids[:, :1].tolist()
     forced = step.forced or [[] for _ in step.num_draft]
@@ -155,8 +191,8 @@ def verdicts(full: Proposal, step: Step) -> list[tuple[list[float], int]]:
                                        step.num_draft, forced):
         if at and at[0] == 0:
             continue
-        lead = at[0] if at else n  # the scorer's own tokens lead the row's proposal
-        if conf and step.g:
+        lead = min(at[0] if at else n, len(conf))  # the scorer's own tokens lead the row
+        if lead:
             judged.append((conf[:lead], min(k, lead)))
         elif conf:
             judged.append((conf[:1], int(d[0] == toks[0])))

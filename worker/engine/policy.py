@@ -16,9 +16,14 @@ over n tokens per row and of a draft token, per batch size) and an acceptance es
 A drafter that scores its own drafts (suffix.py: each token's smoothed share of the
 earlier continuations) lets the policy do better than one alpha for all: it proposes at
 max_g, a Calibration maps each token's confidence to the acceptance the target has shown
-at that confidence, q, and the step keeps the width k that maximises expected tokens per
-second, (B + sum over rows of sum_{j <= k} prod_{i <= j} q_i) / t_verify(k + 1). A step
+at that confidence, q, and the step's budget keeps what pays of these very drafts. A step
 of sure drafts goes wide, a step of guesses goes plain: per step, not per job.
+
+What g asks of the drafter is its work; what the step verifies is a budget (``allot``,
+budget.py): each row's candidate tokens are ranked by predicted survival (the chain
+product of q, of alpha for a drafter without scores, of 1 for a grammar's forced tokens)
+and kept while they beat the measured cost of verifying one more token at this batch size.
+A step chosen to measure (a probe, a first wide pass, a plain refresh) is verified whole.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
+
+from specq.worker.engine import budget
 
 # Each constant exists for one reason.
 COST_DECAY = 0.9  # weight of a cost sample against the next one: costs follow the machine's load
@@ -287,6 +294,7 @@ class DraftLengthPolicy:
         self.history: deque[int] = deque(maxlen=HISTORY)  # g of each step
         self._plain_at: dict[int, int] = {}  # batch size -> step of its latest plain pass
         self._drafted_at = 0  # step of the latest drafting step
+        self.measuring = True  # the latest choice measures: its step is verified whole
 
     # -- estimates ----------------------------------------------------------------
 
@@ -330,9 +338,11 @@ class DraftLengthPolicy:
                confidence: list[list[float]] | None = None) -> int:
         """g for the next step of a batch of this size (by default the latest step's);
         ``confidence``: per row, the drafter's confidence in each token it proposes at
-        max_g (the Widths regime reads it)."""
+        max_g (the Widths regime reads it). A step chosen to measure (a cost not known
+        yet, a probe, a plain step now and then) is verified whole (``allot``)."""
         if batch:
             self._batch = batch
+        self.measuring = True
         b = self.costs.stand_in(self._batch)
         if b is None:
             return 0  # no cost known at all: measure a plain step
@@ -340,6 +350,7 @@ class DraftLengthPolicy:
             return self.default  # measure a draft step and a wide pass
         if self.steps - self._plain_at.get(self._batch, 0) >= PLAIN_REFRESH:
             return 0
+        self.measuring = False
         return self._best(confidence)
 
     def _best(self, confidence: list[list[float]] | None) -> int:
@@ -347,28 +358,55 @@ class DraftLengthPolicy:
         scores = {g: self.predicted(g) or 0.0 for g in range(self.max_g + 1)}
         best = max(scores, key=scores.__getitem__)
         if best == 0:
-            return self.default if self._probe_due() else 0
+            self.measuring = self._probe_due()
+            return self.default if self.measuring else 0
         return best
+
+    # -- the budget (budget.py) -------------------------------------------------------
+
+    def allot(self, num_draft: list[int], forced: list[list[int]],
+              confidence: list[list[float]], packed: bool) -> list[int]:
+        """Per row, how many of its ``num_draft`` proposed tokens this step verifies: the
+        budget of the verify pass (budget.py), spent on the tokens likeliest to survive
+        (``survivals``). A measuring step (``choose``) and a batch size without costs keep
+        every token. ``forced``: per row, the positions a grammar forced; ``confidence``:
+        per row, the scoring drafter's confidence in each of its own tokens (empty: none);
+        ``packed``: the verify pass costs the tokens it carries (batch.py)."""
+        widest = max(num_draft, default=0)
+        if self.measuring or not widest:
+            return list(num_draft)
+        seconds = [self.t_verify(w + 1) for w in range(widest + 1)]
+        if any(t is None for t in seconds):
+            return list(num_draft)
+        cost = budget.verify_cost([t for t in seconds if t is not None], len(num_draft),
+                                  packed)
+        return cost.allot(self.survivals(num_draft, forced, confidence))
+
+    def survivals(self, num_draft: list[int], forced: list[list[int]],
+                  confidence: list[list[float]]) -> list[list[float]]:
+        """Per row, each proposed token's predicted survival: the chain product of its
+        acceptance and that of the tokens before it. A forced token's is 1 (the grammar
+        allows nothing else), a scored token's its calibrated confidence (the scorer's own
+        tokens lead a row, before the first forced one), any other's alpha."""
+        out = []
+        for n, at, conf in zip(num_draft, forced, confidence):
+            own = min(at[0] if at else n, len(conf))
+            fixed = set(at)
+            out.append(budget.chain([1.0 if j in fixed else self.calibration(conf[j])
+                                     if j < own else self.alpha for j in range(n)]))
+        return out
 
     def width(self, confidence: list[list[float]]) -> int:
         """The k in 0..max_g with the most expected tokens per second when each row keeps
-        its first k drafts: (B + sum_rows sum_{j <= k} prod_{i <= j} q_i) / t_verify(w),
-        q the calibrated confidences, w = 1 + the widest row's kept drafts."""
-        paths = []  # per row: prod_{i <= j} q_i, j = 0, 1, ...
-        for row in confidence:
-            path, p = [], 1.0
-            for c in row[: self.max_g]:
-                p *= self.calibration(c)
-                path.append(p)
-            paths.append(path)
-        widest = max((len(p) for p in paths), default=0)
-        best, best_rate = 0, 0.0
-        for k in range(min(widest, self.max_g) + 1):
-            tokens = len(paths) + sum(sum(p[:k]) for p in paths)
-            seconds = self.t_verify(k + 1)
-            if seconds and tokens / seconds > best_rate:
-                best, best_rate = k, tokens / seconds
-        return best
+        its first k drafts, the pass padded (budget.Padded): (B + sum_rows sum_{j <= k}
+        prod_{i <= j} q_i) / t_verify(k + 1), q the calibrated confidences."""
+        conf = [row[: self.max_g] for row in confidence]
+        num = [len(row) for row in conf]
+        seconds = [self.t_verify(w + 1) for w in range(max(num, default=0) + 1)]
+        if any(t is None for t in seconds):
+            return 0
+        cost = budget.Padded([t for t in seconds if t is not None], len(conf))
+        return max(cost.allot(self.survivals(num, [[] for _ in num], conf)), default=0)
 
     def _probe_due(self) -> bool:
         """While g = 0 wins: a probe at g = default once its extra cost (g draft steps and a
@@ -449,17 +487,18 @@ class Shadowed(DraftLengthPolicy):
 
 
 class Widths(DraftLengthPolicy):
-    """A drafter that scores its own tokens proposes at max_g; each step keeps the width
-    that pays for these very drafts (``width``), judged against the calibration its
-    verdicts teach. A plain step judges each row's first token all the same."""
+    """A drafter that scores its own tokens proposes at max_g; the step's budget (``allot``)
+    keeps, row by row, the drafts that pay, judged against the calibration its verdicts
+    teach. A plain step judges each row's first token all the same."""
 
     def _best(self, confidence: list[list[float]] | None) -> int:
-        return self.width(confidence or [])
+        return self.max_g if any(confidence or []) else 0
 
 
 class Pinned(DraftLengthPolicy):
     """g fixed at ``default`` (a benchmark's fixed g, a preset's ``adaptive: false``); with
-    default 0 the null object of a pair that never drafts."""
+    default 0 the null object of a pair that never drafts. Every proposed token is
+    verified: no budget."""
 
     adapts = False
 
@@ -468,3 +507,7 @@ class Pinned(DraftLengthPolicy):
         if batch:
             self._batch = batch
         return self.default
+
+    def allot(self, num_draft: list[int], forced: list[list[int]],
+              confidence: list[list[float]], packed: bool) -> list[int]:
+        return list(num_draft)

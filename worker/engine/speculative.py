@@ -71,7 +71,7 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, request: Request, context:
 class Step:
     """What one step did, per row of the batch (in batch order)."""
 
-    g: int  # draft length asked of the drafter; 0: a plain step
+    g: int  # draft length asked of the drafter; 0: none of its tokens verified (budget.py)
     num_draft: list[int]  # per row: draft tokens proposed (<= g)
     accepted: list[int]  # per row: of them accepted
     t_draft: float  # seconds drafting (all g tokens)
@@ -342,7 +342,7 @@ class SpeculativeEngine:
         clock = StepClock(dev)
         mask_before = self.grammars.mask_seconds
         try:
-            g, prop, forced = self.drafting.draft(inputs, self.rows)
+            g, prop, forced = self.drafting.draft(inputs, self.rows, self.kv.packed)
         finally:
             if masks is not None:
                 masks.rewind()

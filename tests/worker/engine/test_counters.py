@@ -25,6 +25,13 @@ def test_counters_are_consistent(drafter, temperature, tiny_models, tiny_tokeniz
         assert 0 <= c.accepted <= c.proposed <= g * c.draft_steps
         assert sum(c.accepted_by_position) == c.accepted
         assert sum(c.steps_by_draft_length) == c.target_passes - 1  # all steps but the prefill
+        # per row: its steps by the drafts it verified, each step once, every draft counted
+        hist = c.steps_by_drafts_verified
+        assert sum(hist) == c.target_passes - 1
+        assert not hist or hist[-1] > 0
+        assert sum(n * k for n, k in enumerate(hist)) == c.proposed
+        assert sum(hist[1:]) == c.draft_steps
+        assert c.verified_per_token == (c.target_passes + c.proposed) / c.new_tokens
         assert all(a >= b for a, b in zip(c.accepted_by_position, c.accepted_by_position[1:]))
         # each target pass emits one token of its own (the last may be cut by a limit)
         assert c.accepted + c.target_passes - 1 <= c.new_tokens <= c.accepted + c.target_passes

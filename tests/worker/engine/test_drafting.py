@@ -2,10 +2,11 @@
 the refill group following the batch size."""
 
 import pytest
+import torch
 
 from specq.worker.engine import drafting, policy
-from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
-from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup, Proposal
+from specq.worker.engine.speculative import SpeculativeEngine, Step
 from specq.worker.engine.suffix import SuffixDrafter
 
 
@@ -37,3 +38,19 @@ def test_the_refill_group_follows_the_batch_size(tiny_models, tiny_tokenizer):
                               admit_group=6)
     fixed.max_batch_size = 4
     assert fixed.admit_group == 4
+
+
+def test_a_row_the_budget_cut_to_nothing_is_judged_on_its_first_token():
+    """In a drafting step, a scored row whose drafts the budget dropped still teaches the
+    calibration: its first draft token against the token the target emitted there."""
+    full = Proposal(torch.tensor([[5, 6, 7], [8, 9, 10], [11, 12, 13]]),
+                    torch.tensor([3, 3, 3]), None,
+                    torch.tensor([[0.9, 0.8, 0.7], [0.2, 0.1, 0.1], [0.3, 0.3, 0.3]]))
+    step = Step(g=3, num_draft=[2, 0, 0], accepted=[1, 0, 0], t_draft=0.0, t_verify=0.0,
+                verify_tokens=3, tokens=[[5, 4], [8], [1]])
+    judged = drafting.verdicts(full, step)
+    assert [(pytest.approx(c), k) for c, k in judged] == [
+        ([0.9, 0.8], 1),  # two verified, the first accepted
+        ([0.2], 1),       # cut: its first draft was the token the target emitted
+        ([0.3], 0),       # cut: it was not
+    ]

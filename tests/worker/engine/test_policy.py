@@ -325,11 +325,15 @@ def test_width_goes_wide_on_sure_drafts_and_plain_on_guesses():
     assert policy.width([sure, guess, guess, guess]) == 0
     assert policy.width([[0.95] * 3 + [0.15] * 5] * 4) == 3  # cut where confidence drops
     assert policy.width([[], [], [], []]) == 0  # nothing proposed: a plain pass
+    # the drafter proposes at max_g; the step's budget keeps what pays (policy.allot)
     assert policy.choose(batch=4, confidence=[sure] * 4) == 8
+    none = [[] for _ in range(4)]
+    assert policy.allot([8] * 4, none, [sure] * 4, packed=False) == [8] * 4
     # the calibration, not the drafter's word: its sure drafts turn out wrong
     for _ in range(50):
         policy.observe_confidence([([0.95] * 8, 0)] * 4)
-    assert policy.choose(batch=4, confidence=[sure] * 4) == 0
+    policy.choose(batch=4, confidence=[sure] * 4)
+    assert policy.allot([8] * 4, none, [sure] * 4, packed=False) == [0] * 4
 
 
 def test_the_widths_verdicts_teach_the_calibration_even_at_g_0(tiny_models, tiny_tokenizer,

@@ -1,0 +1,157 @@
+"""The step's draft budget (budget.py): survivals and a verify pass's price -> per-row counts."""
+
+import itertools
+import random
+
+import pytest
+
+from specq.worker.engine import budget
+from specq.worker.engine.batch import KVRows
+from specq.worker.engine.budget import NEGLIGIBLE, Packed, Padded, chain, verify_cost
+from specq.worker.engine.drafters import DraftModel, PromptLookup
+from specq.worker.engine.policy import DraftLengthPolicy, Pinned, Widths
+from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.suffix import SuffixDrafter
+
+
+def rate(survivals, kept, cost):
+    """Expected tokens per second of a step that keeps these counts under a packed price."""
+    tokens = cost.batch + sum(sum(row[:k]) for row, k in zip(survivals, kept))
+    return tokens / (cost.plain + cost.per_token * sum(kept))
+
+
+def test_packed_ranks_every_rows_tokens_and_keeps_while_survival_beats_the_cost():
+    # B = 4, a plain pass 1 s, a draft token 0.1 s: a token pays while its survival beats
+    # 0.1 x the step's tokens per second (4 at first, rising as good tokens join)
+    cost = Packed(plain=1.0, per_token=0.1, batch=4)
+    survivals = [[0.9, 0.8, 0.3], [0.5], [], [0.35]]
+    assert cost.allot(survivals) == [2, 1, 0, 0]
+    # the same tokens, cheaper: all of them pay
+    assert Packed(1.0, 0.01, 4).allot(survivals) == [3, 1, 0, 1]
+
+
+def test_a_step_where_nothing_clears_the_bar_is_plain():
+    assert Packed(1.0, 0.2, 4).allot([[0.6, 0.3]] * 4) == [0] * 4
+    assert Padded([1.0, 2.0, 2.5], 4).allot([[0.6, 0.3]] * 4) == [0] * 4
+    assert Packed(1.0, 0.2, 2).allot([[], []]) == [0, 0]
+
+
+def test_forced_tokens_survive_and_are_kept_where_guesses_are_not():
+    forced, guess = chain([1.0] * 5), chain([0.3] * 5)
+    assert Packed(1.0, 0.1, 8).allot([forced, guess] + [[]] * 6) == [5, 0, 0, 0, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_packed_allotment_is_the_best_of_every_prefix_choice(seed):
+    """The greedy ranking gives the most expected tokens per second of any choice of
+    prefixes (brute force over small batches)."""
+    rng = random.Random(seed)
+    B = rng.randint(1, 3)
+    survivals = [chain([rng.random() ** 0.5 for _ in range(rng.randint(0, 3))])
+                 for _ in range(B)]
+    cost = Packed(plain=1.0, per_token=rng.uniform(0.01, 0.5), batch=B)
+    best = max(rate(survivals, kept, cost)
+               for kept in itertools.product(*(range(len(r) + 1) for r in survivals)))
+    assert rate(survivals, cost.allot(survivals), cost) == pytest.approx(best)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_padded_takes_the_width_with_the_most_tokens_per_second(seed):
+    rng = random.Random(seed)
+    B = rng.randint(1, 4)
+    survivals = [chain([rng.random() for _ in range(rng.randint(0, 4))]) for _ in range(B)]
+    seconds = [1.0]
+    for _ in range(4):
+        seconds.append(seconds[-1] + rng.uniform(0.0, 0.5))
+    cost = Padded(seconds, B)
+    kept = cost.allot(survivals)
+
+    def per_second(w):
+        return (B + sum(sum(r[:w]) for r in survivals)) / seconds[w]
+
+    w = max(range(max(map(len, survivals)) + 1), key=lambda w: (per_second(w), -w))
+    assert max(kept) <= w
+    for row, k in zip(survivals, kept):
+        # each row keeps its first w tokens but a tail that cannot survive
+        assert k == min(w, len(row)) or row[k] < NEGLIGIBLE
+
+
+def test_padded_trims_only_what_cannot_survive():
+    cost = Padded([1.0, 1.5, 1.6, 1.7], 2)
+    sure, hopeless = chain([0.9] * 3), chain([0.005] * 3)
+    assert cost.allot([sure, hopeless]) == [3, 0]
+    assert cost.allot([sure, chain([0.5] * 3)]) == [3, 3]  # a paid-for column costs nothing
+    # past the widths measured, the last slope goes on
+    assert Padded([1.0, 1.5], 1).pass_seconds(3) == pytest.approx(2.5)
+
+
+def test_the_price_follows_the_verify_pass():
+    seconds = [1.0, 1.4, 1.6]
+    assert isinstance(verify_cost(seconds, 4, packed=False), Padded)
+    packed = verify_cost(seconds, 4, packed=True)
+    assert isinstance(packed, Packed)
+    assert (packed.plain, packed.per_token) == (1.0, pytest.approx(0.1))  # 0.4 s / 4 tokens
+
+
+def _policy(cls=DraftLengthPolicy, batch=4):
+    policy = cls(default=4, max_g=8)
+    policy.record_costs(batch, {1: [0.10] * 2, 2: [0.14] * 2, 5: [0.20] * 2}, [0.0] * 2)
+    policy.choose(batch=batch)
+    policy.measuring = False  # as after a choice the estimates made
+    return policy
+
+
+def test_survival_is_one_for_forced_calibrated_for_scored_and_alpha_else():
+    policy = _policy()
+    a = policy.alpha
+    # row 0: two scored tokens, then forced ones, then a follower's; row 1: unscored
+    got = policy.survivals([5, 2], [[2, 3], []], [[0.95, 0.95, 0.5], []])
+    q = policy.calibration(0.95)
+    assert got[0] == pytest.approx([q, q * q, q * q, q * q, q * q * a])
+    assert got[1] == pytest.approx([a, a * a])
+
+
+def test_the_policy_spends_the_budget_and_a_pinned_one_keeps_every_token():
+    sure = [0.95] * 8
+    none = [[] for _ in range(4)]
+    widths = _policy(Widths)
+    # packed: the sure row's tokens pay, the rows that guess keep nothing
+    got = widths.allot([8, 8, 8, 8], none, [sure, [0.05] * 8, [0.05] * 8, [0.05] * 8],
+                       packed=True)
+    assert got[0] >= 4 and got[1:] == [0, 0, 0]
+    # a step chosen to measure is verified whole
+    widths.measuring = True
+    assert widths.allot([8, 8], none[:2], [[0.05] * 8] * 2, packed=True) == [8, 8]
+    pinned = _policy(Pinned)
+    assert pinned.allot([3, 0, 5], [[], [], []], [[], [], []], packed=True) == [3, 0, 5]
+
+
+@pytest.mark.parametrize("drafter", ["noisy", "suffix", "prompt_lookup"])
+def test_rows_cut_by_the_budget_stay_lossless(drafter, monkeypatch, tiny_models, tiny_tokenizer,
+                                              make_requests, check_greedy):
+    """Drafts asked for at g = 4 and cut row by row by a packed price: greedy output is
+    still the target's. A draft model drafts g and verifies fewer, its cache kept in step
+    with what was verified (drafters.DraftModel.update)."""
+    monkeypatch.setattr(KVRows, "packed", True)
+    monkeypatch.setattr(budget, "verify_cost",
+                        lambda seconds, batch, packed: Packed(1.0, 0.08, batch))
+    made = {"noisy": lambda: DraftModel(tiny_models["noisy"]), "suffix": SuffixDrafter,
+            "prompt_lookup": PromptLookup}[drafter]()
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, made, max_batch_size=5)
+    policy = engine.policy
+    cuts, allot = [], policy.allot
+
+    def choose(batch=None, confidence=None):  # a policy that asks for 4 and trusts it
+        policy._batch, policy.measuring = batch or policy._batch, False
+        return 4
+
+
+    def spy(num, *args, **kwargs):
+        kept = allot(num, *args, **kwargs)
+        cuts.append(kept != list(num))
+        return kept
+
+    policy.choose, policy.allot = choose, spy  # type: ignore[method-assign]
+    requests = make_requests(12, seed=3)
+    assert check_greedy(requests, engine.generate(requests)) <= 2
+    assert any(cuts), "the budget never cut a row: the test shows nothing"

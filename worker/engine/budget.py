@@ -1,0 +1,125 @@
+"""One draft budget per step: a draft token is verified only where it is likely to pay.
+
+Each row's candidate draft tokens carry a predicted survival, the probability that the
+target accepts the token and every one before it: the chain product of per-token
+acceptance (policy.py keeps it: Calibration for a drafter that scores its tokens, alpha for
+one that does not, 1 for a token a grammar forces). Verifying a token costs part of a
+pass; it pays while its survival beats that cost, counted in the tokens a plain pass
+yields. vLLM's DSpark spends one budget per step this way, ranking all requests' draft
+tokens by survival.
+
+What one more token costs depends on the verify pass:
+
+- packed (batch.py: KVRows.packed): a pass costs what it carries. One more token costs
+  m = (t(2) - t(1)) / B seconds, the measured slope of a pass at this batch size. Tokens
+  are ranked by survival over all rows and kept while the step's expected tokens per
+  second grows: a token of survival s stays while s / m beats (B + the kept survivals) /
+  (t(1) + m x the kept tokens). The ranking keeps each row's tokens a prefix: survival
+  never grows along a row.
+- padded: every row pays for the widest row, a pass over w drafts costs t(w + 1). The step
+  takes the width w with the most expected tokens per second, (B + survivals within w) /
+  t(w + 1); each row keeps its first w tokens, less a tail that cannot survive
+  (NEGLIGIBLE): in a padded pass a token the width already paid for costs nothing more.
+
+Drafting done before the budget is spent is sunk: only the verify pass is weighed here
+(the policy weighs drafting when it chooses how much to ask of the drafter). A step where
+no token clears the bar keeps none: a plain step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+NEGLIGIBLE = 0.01  # padded: a row's tokens past the point where survival falls below this
+# are dropped (its masks, accept test and cache columns are work for nothing)
+
+
+class VerifyCost(Protocol):
+    """How a step's verify pass is priced; ``allot`` spends the budget under that price."""
+
+    def allot(self, survivals: list[list[float]]) -> list[int]:
+        """Per row, how many of its first draft tokens to verify. ``survivals``: per row,
+        the predicted survival of each candidate token, non-increasing along the row."""
+        ...
+
+
+@dataclass
+class Padded:
+    """A padded verify pass: ``seconds[w]`` is a pass over w drafts per row (and the last
+    token) for all ``batch`` rows; a width past the list costs the list's last slope on."""
+
+    seconds: list[float]  # [w]: seconds of a pass over w + 1 tokens per row, w = 0, 1, ...
+    batch: int
+
+    def pass_seconds(self, w: int) -> float:
+        s = self.seconds
+        if w < len(s):
+            return s[w]
+        slope = s[-1] - s[-2] if len(s) >= 2 else 0.0
+        return s[-1] + max(slope, 0.0) * (w - len(s) + 1)
+
+    def allot(self, survivals: list[list[float]]) -> list[int]:
+        widest = max((len(row) for row in survivals), default=0)
+        best, best_rate = 0, 0.0
+        for w in range(widest + 1):
+            tokens = self.batch + sum(sum(row[:w]) for row in survivals)
+            seconds = self.pass_seconds(w)
+            if seconds > 0 and tokens / seconds > best_rate:
+                best, best_rate = w, tokens / seconds
+        return [_alive(row[:best]) for row in survivals]
+
+
+@dataclass
+class Packed:
+    """A packed verify pass: ``plain`` seconds for the batch's one token per row, and
+    ``per_token`` seconds for each draft token carried besides."""
+
+    plain: float
+    per_token: float
+    batch: int
+
+    @classmethod
+    def from_widths(cls, seconds: list[float], batch: int) -> Packed:
+        """From the padded pass's measured seconds at w = 0 and 1: one more token per row
+        (B tokens) costs their difference."""
+        per_token = max(seconds[1] - seconds[0], 0.0) / batch if len(seconds) > 1 else 0.0
+        return cls(seconds[0], per_token, batch)
+
+    def allot(self, survivals: list[list[float]]) -> list[int]:
+        # all rows' tokens, the most likely to survive first (ties: row order, then
+        # position, so that each row keeps a prefix)
+        ranked = sorted(((s, b, j) for b, row in enumerate(survivals)
+                         for j, s in enumerate(row)), key=lambda t: (-t[0], t[1], t[2]))
+        kept = [0] * len(survivals)
+        tokens, seconds = float(self.batch), self.plain
+        for s, b, j in ranked:
+            # kept while it raises tokens per second: s / per_token > tokens / seconds
+            if s <= 0 or s * seconds <= self.per_token * tokens:
+                break
+            if j != kept[b]:  # a row whose survival grew along it: its prefix ends here
+                continue
+            kept[b] += 1
+            tokens += s
+            seconds += self.per_token
+        return kept
+
+
+def _alive(row: list[float]) -> int:
+    """The tokens of a row up to the first that cannot survive (NEGLIGIBLE)."""
+    return next((j for j, s in enumerate(row) if s < NEGLIGIBLE), len(row))
+
+
+def chain(factors: list[float]) -> list[float]:
+    """Survivals from per-token acceptance: prod_{i <= j} factors[i] for each j."""
+    out, p = [], 1.0
+    for f in factors:
+        p *= f
+        out.append(p)
+    return out
+
+
+def verify_cost(seconds: list[float], batch: int, packed: bool) -> VerifyCost:
+    """The verify pass's price at this batch size from the cost table's seconds of a padded
+    pass over w + 1 tokens per row (w = 0, 1, ...)."""
+    return Packed.from_widths(seconds, batch) if packed else Padded(seconds, batch)
