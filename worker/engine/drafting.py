@@ -21,8 +21,6 @@ apart (Counters.forced_proposed, forced_accepted).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from specq.worker.engine import shadow
@@ -30,9 +28,7 @@ from specq.worker.engine.batch import Row
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft, Proposal
 from specq.worker.engine.grammar import ForcedDrafts
 from specq.worker.engine.policy import DraftLengthPolicy, Pinned, Shadowed, Widths
-
-if TYPE_CHECKING:
-    from specq.worker.engine.speculative import Step
+from specq.worker.engine.step import Step
 
 
 def drafting_for(drafter: Drafter, *, default: int, max_g: int, adaptive: bool) -> Drafting:
