@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from specq.worker.engine.batch import KVRows
-from specq.worker.engine.speculative import SpeculativeEngine, Step
+from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.step import Step
 
 KINDS = ("oom", "error", "device")
 POISON_KINDS = ("error", "device", "kill")

@@ -157,7 +157,7 @@ def run_config(pair, cfg: Config, convs, batch: int, max_new: int) -> dict:
     engine.generate([r.model_copy(update={"max_new_tokens": 4}) for r in requests[:batch]],
                     job="warm-up")
     engine.calibrate([batch])
-    engine.grammars.mask_seconds = 0.0
+    engine.grammars.masking.reset()
     t0 = time.perf_counter()
     results = engine.generate(requests, job="bench")
     seconds = time.perf_counter() - t0

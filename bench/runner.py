@@ -23,7 +23,8 @@ from specq.schema.generation import Request
 from specq.worker.engine.batch import left_pad
 from specq.worker.engine.drafters import Drafter, NoDraft
 from specq.worker.engine.result import Result
-from specq.worker.engine.speculative import SpeculativeEngine, Step
+from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.step import Step
 from specq.worker.pairs import Pair, load_pair
 
 log = logging.getLogger(__name__)

@@ -38,7 +38,7 @@ def worker_part(args: argparse.Namespace) -> None:
     from specq.db.models import ItemStatus
     from specq.db.outcomes import Outcome
     from specq.schema.generation import Request
-    from specq.worker.engine.speculative import Step
+    from specq.worker.engine.step import Step
     from specq.worker.metrics import WorkerMetrics
     from specq.worker.pairs import load_pair
 

@@ -154,7 +154,7 @@ class WorkerMetrics:
                         self._row_steps.labels(**self.labels, drafts_verified=str(k)).inc(n)
 
     def step(self, step: Any) -> None:
-        """One engine step (worker/engine/speculative.py: Step), as the engine's on_step."""
+        """One engine step (worker/engine/step.py: Step), as the engine's on_step."""
         self.step_seconds.observe(step.t_step)
         self.batch_size.observe(len(step.num_draft))
         self._batch_steps.labels(**self.labels, draft_length=str(step.g)).inc()

@@ -16,15 +16,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specq.worker.engine.batch import KVRows, left_pad
-from specq.worker.engine.drafters import DraftInputs
-
-if TYPE_CHECKING:
-    from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.drafters import Drafter, DraftInputs
+from specq.worker.engine.policy import DraftLengthPolicy
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +35,21 @@ CALIBRATION_TEXT = (
 BATCH_RATIO = 16  # batch sizes 1, 16, 256, ... and the maximum; costs between are near a line
 PROMPT_TOKENS = 64  # a short prompt's context: a long one's costs are learnt from its steps
 REPEATS = 2  # timed runs of each pass, the fastest kept
+
+
+class Engine(Protocol):
+    """What calibration reads of an engine (speculative.SpeculativeEngine, which imports
+    this module: declared here, no import back)."""
+
+    target: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    drafter: Drafter
+    policy: DraftLengthPolicy
+    context: int  # tokens the target attends to at most
+    pad_id: int
+
+    @property
+    def max_batch_size(self) -> int: ...
 
 
 def batch_sizes(max_batch_size: int) -> list[int]:
@@ -54,7 +68,7 @@ def forwards(num_batch_sizes: int, num_widths: int, repeats: int = REPEATS) -> i
 
 
 @torch.inference_mode()
-def calibrate(engine: SpeculativeEngine, sizes: Iterable[int] | None = None,
+def calibrate(engine: Engine, sizes: Iterable[int] | None = None,
               prompt_tokens: int = PROMPT_TOKENS, repeats: int = REPEATS,
               budget: float | None = None) -> list[int]:
     """Record the engine's step costs in its policy at each batch size (by default
@@ -100,7 +114,7 @@ def calibrate(engine: SpeculativeEngine, sizes: Iterable[int] | None = None,
     return measured
 
 
-def _verify_times(engine: SpeculativeEngine, B: int, prompt: list[int], widths: list[int],
+def _verify_times(engine: Engine, B: int, prompt: list[int], widths: list[int],
                   repeats: int) -> dict[int, list[float]]:
     """Seconds of a target pass over n tokens per row, for B rows of this prompt."""
     dev = engine.target.device
@@ -117,7 +131,7 @@ def _verify_times(engine: SpeculativeEngine, B: int, prompt: list[int], widths: 
     return times
 
 
-def _draft_step_times(engine: SpeculativeEngine, B: int, prompt: list[int],
+def _draft_step_times(engine: Engine, B: int, prompt: list[int],
                       repeats: int) -> list[float]:
     """Seconds per draft token of g = default proposals for B rows of this prompt."""
     g, drafter, dev = engine.policy.default, engine.drafter, engine.target.device

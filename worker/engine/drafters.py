@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 from transformers import PreTrainedModel
@@ -21,9 +21,6 @@ from transformers import PreTrainedModel
 from specq.worker.engine.batch import KVRows, left_pad, upload
 from specq.worker.engine.prefix import PrefixStore, prefill
 from specq.worker.engine.sampling import keyed_race, logits_to_probs
-
-if TYPE_CHECKING:
-    from specq.worker.engine.grammar import DraftMasks
 
 
 @dataclass
@@ -50,6 +47,20 @@ class Proposal:
         return [c[:n] for c, n in zip(self.confidence.tolist(), self.num_draft.tolist())]
 
 
+class DraftGrammar(Protocol):
+    """What a draft model asks of the rows' grammars as it drafts (grammar.DraftMasks, which
+    imports this module: declared here, no import back)."""
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [B, 1, V] at the rows' current draft positions -> masked in place"""
+
+    def advance(self, tokens: list[int]) -> None:
+        """Each row drafted tokens[b]: its grammar state moves past it."""
+
+    def rewind(self) -> None:
+        """Undo every ``advance``: the rows' grammars are where the step began."""
+
+
 @dataclass
 class DraftInputs:
     """What a drafter may read of the batch (the tensors on the host)."""
@@ -61,7 +72,7 @@ class DraftInputs:
     top_p: torch.Tensor  # [B]
     greedy: bool  # every row is greedy
     # masks a draft model's logits with the rows' grammars (grammar.py); None: no row shaped
-    grammar: DraftMasks | None = None
+    grammar: DraftGrammar | None = None
 
 
 class Drafter(Protocol):

@@ -27,8 +27,6 @@ has its work judged only where verified; its cache follows what the rows emit
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from specq.worker.engine import shadow
@@ -36,9 +34,7 @@ from specq.worker.engine.batch import Row
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft, Proposal
 from specq.worker.engine.grammar import ForcedDrafts
 from specq.worker.engine.policy import DraftLengthPolicy, Pinned, Shadowed, Widths
-
-if TYPE_CHECKING:
-    from specq.worker.engine.speculative import Step
+from specq.worker.engine.step import Step
 
 
 def drafting_for(drafter: Drafter, *, default: int, max_g: int, adaptive: bool) -> Drafting:

@@ -14,6 +14,9 @@ library, advanced through every token the row emits. In a step:
    prefix) and applied to the target's logits (``apply``) before the accept test;
 4. the tokens the row emits advance its matcher (``advance``).
 
+A step does 3 and 4 through a ``Shaping`` (``Grammars.shaping``): ``before_verify``,
+``mask`` and ``after_accept``, and a step with no shaped row gets one that does nothing.
+
 Masked logits are -inf off the grammar, so the target's distribution at each position is
 its constrained (masked, renormalised) one, and the accept tests keep the output exactly
 what constrained decoding without speculation gives: greedy token for token, sampled in
@@ -26,7 +29,8 @@ A row whose grammar allows no token (an error state) ends alone, with an error n
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +39,9 @@ import torch
 
 from specq.schema.generation import RequestError
 from specq.schema.grammar import ResponseFormat, grammar
+from specq.worker.engine.batch import Row
 from specq.worker.engine.drafters import Drafter, DraftInputs, PromptLookup, Proposal
+from specq.worker.engine.profile import Profile, Stopwatch
 
 log = logging.getLogger(__name__)
 MAX_TEMPLATES = 256  # compiled grammars kept per worker (one per job and schema, in practice)
@@ -51,7 +57,8 @@ class GrammarError(RuntimeError):
 class Grammars:
     """The worker's grammar library: the model's tokenizer read once, and a compiled matcher
     per grammar text, copied for each row (compiling costs a job once, not once per row).
-    Wall seconds spent computing masks add up in ``mask_seconds``."""
+    Wall seconds of the grammar's work (masks, cuts, advances, forced drafts) add up in
+    ``masking``."""
 
     def __init__(self, tokenizer, vocab_size: int) -> None:
         self.tokenizer = tokenizer
@@ -59,7 +66,11 @@ class Grammars:
         self._lltok: Any = None  # llguidance's LLTokenizer, made on first use
         self._templates: dict[str, Any] = {}  # grammar text -> a compiled LLMatcher
         self._executor: Any = None  # llguidance's LLExecutor
-        self.mask_seconds = 0.0
+        self.masking = Stopwatch()
+
+    @property
+    def mask_seconds(self) -> float:
+        return self.masking.seconds
 
     def library_tokenizer(self):
         if self._lltok is None:
@@ -102,18 +113,19 @@ class Grammars:
         drafts allow everything. -> [B, width, words] int32 on the host"""
         import llguidance.torch as llt
 
-        t0 = time.perf_counter()
-        words = (self.vocab_size + 31) // 32
-        bitmask = torch.full((len(matchers) * width, words), -1, dtype=torch.int32)
-        rows = [(m, b * width, d) for b, (m, d) in enumerate(zip(matchers, drafts))
-                if m is not None]
-        drafting = [r for r in rows if r[2]]  # the library wants drafts only where there are
-        if drafting:
-            llt.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafting, bitmask)
-        plain = [(m, i) for m, i, d in rows if not d]
-        if plain:
-            llt.fill_next_token_bitmask_par(self._executor, plain, bitmask)
-        self.mask_seconds += time.perf_counter() - t0
+        with self.masking:
+            words = (self.vocab_size + 31) // 32
+            bitmask = torch.full((len(matchers) * width, words), -1, dtype=torch.int32)
+            rows = [(m, b * width, d) for b, (m, d) in enumerate(zip(matchers, drafts))
+                    if m is not None]
+            # the library wants drafts only where there are
+            drafting = [r for r in rows if r[2]]
+            if drafting:
+                llt.fill_next_token_bitmask_par_with_draft_tokens(self._executor, drafting,
+                                                                  bitmask)
+            plain = [(m, i) for m, i, d in rows if not d]
+            if plain:
+                llt.fill_next_token_bitmask_par(self._executor, plain, bitmask)
         return bitmask.view(len(matchers), width, words)
 
     def mask_now(self, matchers: list) -> torch.Tensor:
@@ -123,11 +135,17 @@ class Grammars:
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         """-inf off the grammar, in place (a bitmask row of all ones leaves its logits be).
         logits: [B, T, V]; bitmask: [B, T, words] int32 on the host -> logits"""
-        t0 = time.perf_counter()
-        ok = allowed(bitmask, logits.shape[-1]).to(logits.device, non_blocking=True)
-        logits.masked_fill_(~ok, float("-inf"))
-        self.mask_seconds += time.perf_counter() - t0
+        with self.masking:
+            ok = allowed(bitmask, logits.shape[-1]).to(logits.device, non_blocking=True)
+            logits.masked_fill_(~ok, float("-inf"))
         return logits
+
+    def shaping(self, matchers: list, profile: Profile) -> Shaping:
+        """A step's grammar work for these rows' matchers (None: an unshaped row); one that
+        does nothing when no row is shaped."""
+        if all(m is None for m in matchers):
+            return Shaping()
+        return Shaped(self, matchers, profile)
 
 
 def allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -208,6 +226,91 @@ class DraftMasks:
             self.fed[b] = 0
 
 
+class Shaping:
+    """A step's grammar work, in the step's order. ``draft_masks`` mask a draft model's
+    logits as it drafts; ``rewind`` undoes their advance of the matchers. ``before_verify``
+    cuts the proposal where a grammar refuses it. ``mask`` masks the target's logits at
+    every verified position. ``after_accept`` advances the matchers through the emitted
+    tokens.
+
+    This one does nothing: no row of the step is shaped (the null object). ``Shaped`` does
+    the work.
+    """
+
+    draft_masks: DraftMasks | None = None
+
+    def rewind(self) -> None: ...
+
+    def before_verify(self, prop: Proposal, forced: list[list[int]]) -> list[list[int]]:
+        return forced
+
+    def mask(self, logits: torch.Tensor) -> None: ...
+
+    def after_accept(self, rows: list[Row], tokens: list[list[int]]) -> None: ...
+
+    def seconds(self) -> float:
+        """Seconds of grammar work since the step began (the drafting's included)."""
+        return 0.0
+
+
+class Shaped(Shaping):
+    """The grammar work of a step with shaped rows, timed in one place (``_working``): the
+    profile's "mask" phase, and the grammar's ``masking`` (which counts a draft model's
+    masks and the forced drafts too)."""
+
+    def __init__(self, grammars: Grammars, matchers: list, profile: Profile) -> None:
+        self.grammars, self.matchers, self.profile = grammars, matchers, profile
+        self.draft_masks: DraftMasks = DraftMasks(grammars, matchers)
+        self.drafts: list[list[int]] = [[] for _ in matchers]  # per row: the verified drafts
+        self.dead: list[int] = []  # rows whose grammar allows no token (``mask``)
+        self._start = grammars.mask_seconds
+
+    @contextmanager
+    def _working(self) -> Iterator[None]:
+        with self.profile.phase("mask"), self.grammars.masking:
+            yield
+
+    def rewind(self) -> None:
+        self.draft_masks.rewind()
+
+    def before_verify(self, prop: Proposal, forced: list[list[int]]) -> list[list[int]]:
+        """Cut each row's draft at the first token its grammar refuses (prop.num_draft, in
+        place). Returns the positions of the forced tokens per row that are left."""
+        with self._working():
+            drafts = [d[:k] for d, k in zip(prop.token_ids.tolist(), prop.num_draft.tolist())]
+            kept = cut(self.matchers, drafts)
+            prop.num_draft = torch.minimum(prop.num_draft, torch.tensor(kept, dtype=torch.long))
+            self.drafts = [d[:k] for d, k in zip(drafts, kept)]
+        return [[p for p in at if p < k] for at, k in zip(forced, kept)]
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """Mask logits [B, width, V] in place: row b's position j under its grammar state
+        after its first j verified drafts. Rows whose grammar allows nothing are left
+        unmasked; they fail once the step is done (``after_accept``)."""
+        with self._working():
+            bitmask = self.grammars.masks(self.matchers, self.drafts, logits.shape[1])
+            self.dead = dead_ends(self.matchers, bitmask)  # bitmask: [B, width, words]
+            # a position that allows nothing: past a draft's EOS (the row ends before it),
+            # or a dead end (the row fails after the step); all allowed keeps logits finite
+            bitmask[~bitmask.any(-1)] = -1
+            self.grammars.apply(logits, bitmask)
+
+    def after_accept(self, rows: list[Row], tokens: list[list[int]]) -> None:
+        """Feed each shaped row's matcher the tokens it emitted; a row whose grammar had
+        nothing to allow, or refused them, fails alone."""
+        with self._working():
+            problems = advance(self.matchers, tokens)
+            for b in self.dead:
+                problems[b] = self.matchers[b].get_error() or "no token is allowed"
+            for row, problem in zip(rows, problems):
+                if problem:
+                    row.fail(f"response_format: the grammar reached a dead end after "
+                             f"{len(row.generated)} generated tokens ({problem})")
+
+    def seconds(self) -> float:
+        return self.grammars.mask_seconds - self._start
+
+
 @dataclass
 class ForcedDrafts:
     """The grammar as a drafter: the string it forces, tokenized as the model writes it,
@@ -222,7 +325,7 @@ class ForcedDrafts:
 
     grammars: Grammars
     follow: Drafter = field(default_factory=PromptLookup)
-    following: float = field(default=0.0, init=False)  # seconds the follower proposed
+    following: Stopwatch = field(default_factory=Stopwatch, init=False)  # its proposing
     name = "grammar"
 
     @classmethod
@@ -270,9 +373,9 @@ class ForcedDrafts:
                 if budget <= 0 or not at or at[-1] != len(seq) - 1:
                     break  # the follower continues what the grammar forced, nothing else
                 ext = DraftInputs([context + seq], *(torch.zeros(1),) * 4, greedy=True)
-                t0 = time.perf_counter()
-                nxt = self.follow.propose(ext, min(budget, cap - len(seq)))
-                self.following += time.perf_counter() - t0
+                # the follower's proposing is drafting, not the grammar's work
+                with self.grammars.masking.paused(), self.following:
+                    nxt = self.follow.propose(ext, min(budget, cap - len(seq)))
                 follow = nxt.token_ids[0, : int(nxt.num_draft[0])].tolist()
                 if not follow:
                     break
@@ -290,23 +393,21 @@ class ForcedDrafts:
         their q where they lead a row's chain; every other token is a point mass (what the
         grammar forces, or the follower proposes, is fixed by the tokens before it).
         -> (proposal, positions of the forced tokens per row)"""
-        t0, following = time.perf_counter(), self.following
         owns = [d[:n] for d, n in zip(prop.token_ids.tolist(), prop.num_draft.tolist())]
         rows: list[list[int]] = []
         forced: list[list[int]] = []
         lead: list[int] = []
-        for b, (m, own) in enumerate(zip(matchers, owns)):
-            if m is None:
-                rows.append(own)
-                forced.append([])
-                lead.append(len(own))
-                continue
-            seq, at = self.chain(m, tokens[b], own, min(g, max_g))
-            rows.append(seq)
-            forced.append(at)
-            lead.append(0 if at and at[0] == 0 else min(len(own), len(seq)))
-        # the grammar's own work: the follower's proposing is drafting, not masking
-        self.grammars.mask_seconds += time.perf_counter() - t0 - (self.following - following)
+        with self.grammars.masking:  # the grammar's own work (the follower's is paused)
+            for b, (m, own) in enumerate(zip(matchers, owns)):
+                if m is None:
+                    rows.append(own)
+                    forced.append([])
+                    lead.append(len(own))
+                    continue
+                seq, at = self.chain(m, tokens[b], own, min(g, max_g))
+                rows.append(seq)
+                forced.append(at)
+                lead.append(0 if at and at[0] == 0 else min(len(own), len(seq)))
         if rows == owns and not any(forced):
             return prop, forced
         width = max(len(r) for r in rows)

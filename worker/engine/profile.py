@@ -1,17 +1,17 @@
 """Where an engine's time goes: every second of ``generate`` in one phase.
 
-The engine's loop is cut into laps that follow each other with no gap: each ``lap`` ends
-the interval that the previous one (or ``start``) began and books it to a phase. So the
-phases add up to the loop's wall time by construction, and what matters is that each
-interval lands in the phase that did the work:
+The engine's loop runs inside ``loop``, each piece of its work inside a ``phase`` block.
+Phases nest: a second lands in the innermost phase open at the time, and the loop's
+seconds outside every other phase are the host's. So the phases add up to the loop's wall
+time by construction. What matters is that each block sits in the phase that did the work:
 
 - admit: a refill: encode the prompts, prefill them (shared prefixes once: prefix.py), the
   first token, the drafter's and the cache's new rows;
 - propose: the drafting's g and proposal (policy, drafter, shadow scoring), on the device;
 - verify: the target's pass over the last token and the drafts;
-- mask: a grammar's work for shaped rows (grammar.py): cutting the drafts it refuses,
-  masking the verified positions, advancing the matchers (the draft model's own masks are
-  part of propose);
+- mask: a grammar's work for shaped rows (grammar.Shaped): cutting the drafts it refuses,
+  masking the verified positions (and a refill's first token), advancing the matchers (the
+  draft model's own masks are part of propose);
 - accept: acceptance (rejection.py), the cache keeping what was accepted, and the step's
   one sync (the host reads the tokens and accepted counts);
 - upkeep: the drafter's update, both caches' compaction, retiring finished rows (the
@@ -21,9 +21,12 @@ interval lands in the phase that did the work:
 - results: the caller's ``on_result`` (a worker writes the result down).
 
 On a CPU the host waits for every kernel, so these are the device's phases too. On CUDA
-the laps are the host's view: kernels run ahead of it, and their time lands in the phase
+the phases are the host's view: kernels run ahead of it, and their time lands in the phase
 that waits for them (accept, at the step's sync); the Step's t_draft and t_verify are the
 device's own (speculative.StepClock).
+
+A ``Stopwatch`` is the other clock here: the seconds of one kind of work wherever it
+runs, across phases (a grammar's masks: grammar.Grammars.masking).
 """
 
 from __future__ import annotations
@@ -40,46 +43,76 @@ class Profile:
 
     def __init__(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
-        self._last: float | None = None
+        # per open phase, the innermost last: the seconds of the phases nested in it;
+        # None while no loop runs (a calibration's passes, a step driven by hand)
+        self._nested: list[float] | None = None
 
     def reset(self) -> None:
         self.seconds = dict.fromkeys(PHASES, 0.0)
-        self._last = None
-
-    def start(self) -> None:
-        """The loop starts: the first lap's interval begins now."""
-        self._last = time.perf_counter()
-
-    def lap(self, phase: str) -> None:
-        """Book the time since the previous lap (or ``start``) to ``phase``; nothing
-        outside a started loop (a calibration's steps)."""
-        if self._last is None:
-            return
-        now = time.perf_counter()
-        self.seconds[phase] += now - self._last
-        self._last = now
 
     @contextmanager
-    def aside(self, phase: str) -> Iterator[None]:
-        """Book the block to ``phase`` and leave it out of the lap around it (a callback
-        in the middle of the engine's own work)."""
+    def loop(self) -> Iterator[None]:
+        """The engine's loop runs: its seconds outside every other phase are the host's."""
+        self._nested = []
+        try:
+            with self.phase("host"):
+                yield
+        finally:
+            self._nested = None
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Book the block's seconds to ``name``, less those of the phases nested in it
+        (they book their own); nothing outside a running loop."""
+        if self._nested is None:
+            yield
+            return
+        self._nested.append(0.0)
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            if self._last is not None:
-                spent = time.perf_counter() - t0
-                self.seconds[phase] += spent
-                self._last += spent
-
-    def stop(self) -> None:
-        """The loop ended: nothing is booked until the next ``start``."""
-        self._last = None
+            spent = time.perf_counter() - t0
+            self.seconds[name] += spent - self._nested.pop()
+            if self._nested:
+                self._nested[-1] += spent
 
     def total(self) -> float:
         return sum(self.seconds.values())
 
     def shares(self) -> dict[str, float]:
-        """Each phase's share of the total (0 everywhere before any lap)."""
+        """Each phase's share of the total (0 everywhere before any loop)."""
         total = self.total()
         return {p: (s / total if total else 0.0) for p, s in self.seconds.items()}
+
+
+class Stopwatch:
+    """Seconds spent inside its ``with`` blocks over its life. A block inside another
+    counts once; a ``paused`` block inside one counts nothing (work done on another's
+    behalf)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._depth = 0  # blocks open
+        self._since = 0.0  # when the outermost open block began, less the pauses in it
+
+    def __enter__(self) -> None:
+        if not self._depth:
+            self._since = time.perf_counter()
+        self._depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if not self._depth:
+            self.seconds += time.perf_counter() - self._since
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._since += time.perf_counter() - t0  # no effect outside a block
+
+    def reset(self) -> None:
+        self.seconds = 0.0

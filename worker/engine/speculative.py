@@ -6,7 +6,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -14,17 +14,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from specq.schema.generation import Request, RequestError, check_length, context_length
 from specq.worker.engine import calibration
 from specq.worker.engine.batch import KVRows, Row, fill_holes, upload
-from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft, Proposal
+from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from specq.worker.engine.drafting import drafting_for
-from specq.worker.engine.grammar import (
-    DraftMasks,
-    ForcedDrafts,
-    GrammarError,
-    Grammars,
-    advance,
-    cut,
-    dead_ends,
-)
+from specq.worker.engine.grammar import ForcedDrafts, GrammarError, Grammars, Shaping
 from specq.worker.engine.prefix import PrefixStore, prefill
 from specq.worker.engine.profile import Profile
 from specq.worker.engine.rejection import accept_matching, rejection_sample
@@ -37,6 +29,7 @@ from specq.worker.engine.sampling import (
     logits_to_probs,
     sample,
 )
+from specq.worker.engine.step import Step
 
 log = logging.getLogger(__name__)
 ADMIT_SHARE = 4  # refills wait for 1 / ADMIT_SHARE of the batch: one prefill, not a stall a row
@@ -68,24 +61,21 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, request: Request, context:
 
 
 @dataclass
-class Step:
-    """What one step did, per row of the batch (in batch order)."""
+class Draft:
+    """A step's proposal as the target judges it: cut where a grammar refuses it and to its
+    widest row, on the device."""
 
-    g: int  # draft length asked of the drafter; 0: none of its tokens verified (budget.py)
-    num_draft: list[int]  # per row: draft tokens proposed (<= g)
-    accepted: list[int]  # per row: of them accepted
-    t_draft: float  # seconds drafting (all g tokens)
-    t_verify: float  # seconds of the target pass
-    verify_tokens: int  # tokens per row in that pass: the widest proposal + 1
-    # per row: the accepted drafts, then the recovered or bonus token
-    tokens: list[list[int]] = field(default_factory=list)
-    t_step: float = 0.0  # seconds of the whole step, drafting through the cache fix-up
-    # per row with a scored proposal: the confidences of the draft tokens the target
-    # judged and how many it accepted (drafting.Scored; policy.Calibration.add)
-    judged: list[tuple[list[float], int]] = field(default_factory=list)
-    # per row: the positions of the grammar's forced tokens in its proposal (grammar.py)
-    forced: list[list[int]] = field(default_factory=list)
-    t_mask: float = 0.0  # seconds computing grammar masks (cuts and advances included)
+    g: int  # draft length asked of the drafter; 0: a plain step
+    ids: torch.Tensor  # [B, n] int64
+    num: torch.Tensor  # [B] int64: draft tokens per row (<= n)
+    probs: torch.Tensor | None  # [B, n, V] draft probabilities; None: point masses
+    num_draft: list[int]  # ``num`` on the host
+    forced: list[list[int]]  # per row: the positions of the grammar's forced tokens
+
+    @property
+    def verify_tokens(self) -> int:
+        """Tokens per row in the target's pass: the last token and n drafts."""
+        return self.ids.shape[1] + 1
 
 
 class SpeculativeEngine:
@@ -191,27 +181,23 @@ class SpeculativeEngine:
         def hand_back(i: int, res: Result) -> None:
             results[i] = res
             if on_result:
-                with self.profile.aside("results"):
+                with self.profile.phase("results"):
                     on_result(res)
 
         self.reset()
         self.drafter.use_job(job)
-        lap = self.profile.lap
-        self.profile.start()
-        try:
+        phase = self.profile.phase
+        with self.profile.loop():  # every second in one phase: the rest is the host's
             while waiting or self.rows:
                 if waiting and self._room_for(len(waiting)):
-                    self._admit(waiting, hand_back, on_admit)
-                    lap("admit")
-                    self._retire(hand_back)  # max_new_tokens = 1, or EOS first
-                    lap("upkeep")
+                    with phase("admit"):
+                        self._admit(waiting, hand_back, on_admit)
+                    with phase("upkeep"):
+                        self._retire(hand_back)  # max_new_tokens = 1, or EOS first
                 if self.rows:
-                    self._apply(self.step())  # the step laps its own phases
-                    lap("host")
-                    self._retire(hand_back)
-                    lap("upkeep")
-        finally:
-            self.profile.stop()
+                    self._apply(self.step())  # the step books its own phases
+                    with phase("upkeep"):
+                        self._retire(hand_back)
         self.reset()  # both caches' buffers go back now, not when the next job starts
         return [results[i] for i in sorted(results)]
 
@@ -270,13 +256,13 @@ class SpeculativeEngine:
         kv, logits = prefill(self.target, prompts, self.pad_id, self.prefixes)  # [n, 1, V]
         self.admissions += 1
         seeds, *params = self._params(rows)
-        matchers = [r.matcher for r in rows]
-        dead = self._shape(logits, matchers, [[] for _ in rows], 1, rows)
+        shaping = self.grammars.shaping([r.matcher for r in rows], self.profile)
+        shaping.mask(logits)  # each row's first token under its grammar
         pos = upload(torch.tensor([[len(p)] for p in prompts]), logits.device)
         first = self._sample(logits_to_probs(logits, *params), upload(seeds, logits.device),
                              pos)[:, 0]
         first_list = first.tolist()
-        self._advance(rows, matchers, [[t] for t in first_list], dead)
+        shaping.after_accept(rows, [[t] for t in first_list])
         self.drafter.admit([list(p) for p in prompts], first_list)
         self.kv.extend(kv)
         self.prefill_seconds += time.perf_counter() - t0
@@ -323,139 +309,104 @@ class SpeculativeEngine:
     # -- the step ---------------------------------------------------------------------
 
     def step(self) -> Step:
-        """Draft g tokens -> one target pass -> accept or reject -> fix up the caches.
+        """Draft g tokens -> one target pass -> accept or reject -> commit the tokens.
 
         Returns what the step did; ``_apply`` hands it to the rows. The host waits for the
-        device once, to read the step's tokens, accepted counts and the target cache's waste
-        (and, now and then, when a draft model's cache counts its own: batch.py). Timings
-        wait for nothing (StepClock).
+        device once, in ``_accept`` (and, now and then, when a draft model's cache counts
+        its own waste: batch.py). Timings wait for nothing (StepClock).
         """
-        B, dev = len(self.rows), self.target.device
+        phase = self.profile.phase
+        shaping = self.grammars.shaping([r.matcher for r in self.rows], self.profile)
+        inputs = self._inputs(shaping)
+        clock = StepClock(self.target.device)
+        with phase("propose"):
+            draft = self._propose(inputs, shaping)
+            clock.mark()
+        with phase("verify"):
+            logits, start = self._verify(draft, shaping)  # [B, n + 1, V], its first slot
+            clock.mark()
+        with phase("accept"):
+            accepted, tokens, waste = self._accept(logits, draft, start, inputs)
+        with phase("upkeep"):
+            self._commit(accepted, tokens, waste, shaping)
+        t_draft, t_verify = clock.phases()
+        return Step(draft.g, draft.num_draft, accepted, t_draft, t_verify, draft.verify_tokens,
+                    tokens, clock.elapsed(), forced=draft.forced, t_mask=shaping.seconds())
+
+    def _inputs(self, shaping: Shaping) -> DraftInputs:
+        """What the drafter may read of the batch: its tokens and sampling parameters."""
         params = self._params(self.rows)  # seeds, temperature, top_k, top_p
-        matchers = [r.matcher for r in self.rows]
-        shaped = any(m is not None for m in matchers)
-        masks = DraftMasks(self.grammars, matchers) if shaped else None
-        inputs = DraftInputs([r.tokens for r in self.rows], *params,
-                             greedy=bool((params[1] <= 0).all()), grammar=masks)
-        lap = self.profile.lap
-        lap("host")
-        clock = StepClock(dev)
-        mask_before = self.grammars.mask_seconds
+        return DraftInputs([r.tokens for r in self.rows], *params,
+                           greedy=bool((params[1] <= 0).all()), grammar=shaping.draft_masks)
+
+    def _propose(self, inputs: DraftInputs, shaping: Shaping) -> Draft:
+        """This step's g and proposal, cut where a grammar refuses it, on the device. Prompt
+        lookup may find less than g anywhere, a grammar's forced tokens be more."""
         try:
             g, prop, forced = self.drafting.draft(inputs, self.rows, self.kv.packed)
-        finally:
-            if masks is not None:
-                masks.rewind()
-        if shaped:
-            lap("propose")
-            forced = self._cut(prop, forced, matchers)
-            lap("mask")
-        # prompt lookup may find less than g anywhere, a grammar's forced tokens be more
+        finally:  # a draft model advanced the matchers as it drafted, or failed half-way
+            shaping.rewind()
+        forced = shaping.before_verify(prop, forced)
         n = int(prop.num_draft.max()) if prop.token_ids.shape[1] else 0
-        draft_ids = upload(prop.token_ids[:, :n], dev)  # [B, n]
-        draft_probs = None if prop.probs is None else prop.probs[:, :n]  # [B, n, V]
-        num_draft = upload(prop.num_draft, dev)  # [B]
-        clock.mark()
-        lap("propose")
+        dev = self.target.device
+        return Draft(g, upload(prop.token_ids[:, :n], dev), upload(prop.num_draft, dev),
+                     None if prop.probs is None else prop.probs[:, :n],
+                     prop.num_draft.tolist(), forced)
 
-        ids = torch.cat([self.last[:, None].to(dev), draft_ids], 1)  # [B, n + 1]
+    def _verify(self, draft: Draft, shaping: Shaping) -> tuple[torch.Tensor, int]:
+        """One target pass over each row's last token and its drafts, every position masked
+        by its row's grammar. -> (logits [B, n + 1, V], the pass's first cache slot)"""
+        (B, n), dev = draft.ids.shape, self.target.device
+        ids = torch.cat([self.last[:, None].to(dev), draft.ids], 1)  # [B, n + 1]
         valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev),
-                           torch.arange(n, device=dev)[None] < num_draft[:, None]], 1)
+                           torch.arange(n, device=dev)[None] < draft.num[:, None]], 1)
         start = self.kv.length
         logits = self.kv.forward(ids, valid)  # [B, n + 1, V]
-        lap("verify")
-        dead: list[int] = []
-        if shaped:  # each verified position under the grammar state it follows
-            drafts = [d[:k] for d, k in zip(draft_ids.tolist(), prop.num_draft.tolist())]
-            dead = self._shape(logits, matchers, drafts, n + 1, self.rows)
-            lap("mask")
-        clock.mark()
-        out, accepted = self._accept(logits, draft_ids, num_draft, draft_probs, params,
-                                     inputs.greedy)  # [B, n + 1], [B]
+        shaping.mask(logits)  # each verified position under the grammar state it follows
+        return logits, start
+
+    def _accept(self, logits: torch.Tensor, draft: Draft, start: int, inputs: DraftInputs
+                ) -> tuple[list[int], list[list[int]], int]:
+        """Accept or reject each row's drafts (``_judge``) and keep the accepted in the
+        target's cache; then the step's one sync. -> (accepted per row, tokens per row: the
+        accepted drafts then the recovered or bonus token, the cache's waste)"""
+        out, accepted = self._judge(logits, draft, inputs)  # [B, n + 1], [B]
         self.kv.keep(start, accepted + 1)  # the last token and the accepted drafts stay
         self.last = out.gather(1, accepted[:, None])[:, 0]  # [B] recovered or bonus token
-
-        waste = self.kv.waste_on_device().expand(B)  # read with the rest: compaction's cue
+        waste = self.kv.waste_on_device().expand(len(self.rows))  # compaction's cue
         host = torch.cat([accepted[:, None], waste[:, None], out], 1).tolist()  # the one sync
         accepted_l = [row[0] for row in host]
         tokens = [row[2 : k + 3] for row, k in zip(host, accepted_l)]
-        lap("accept")
-        if shaped:
-            self._advance(self.rows, matchers, tokens, dead)
-            lap("mask")
-        self.drafter.update(accepted_l, tokens)
-        self.kv.compact(waste=host[0][1])  # both compact only when enough holes piled up
+        return accepted_l, tokens, host[0][1]
+
+    def _commit(self, accepted: list[int], tokens: list[list[int]], waste: int,
+                shaping: Shaping) -> None:
+        """The step's tokens advance the rows' grammars and the drafter; both caches compact
+        only when enough holes piled up."""
+        shaping.after_accept(self.rows, tokens)
+        self.drafter.update(accepted, tokens)
+        self.kv.compact(waste=waste)
         self.drafter.compact()
-        lap("upkeep")
-        t_draft, t_verify = clock.phases()
-        return Step(g, prop.num_draft.tolist(), accepted_l, t_draft, t_verify, n + 1, tokens,
-                    clock.elapsed(), forced=forced,
-                    t_mask=self.grammars.mask_seconds - mask_before)
 
-    def _cut(self, prop: Proposal, forced: list[list[int]], matchers: list
-             ) -> list[list[int]]:
-        """Cut each row's draft at the first token its grammar refuses (prop.num_draft, in
-        place); returns the positions of the forced tokens per row that are left."""
-        t0 = time.perf_counter()
-        drafts = [d[:k] for d, k in zip(prop.token_ids.tolist(), prop.num_draft.tolist())]
-        kept = cut(matchers, drafts)
-        prop.num_draft = torch.minimum(prop.num_draft, torch.tensor(kept, dtype=torch.long))
-        self.grammars.mask_seconds += time.perf_counter() - t0
-        return [[p for p in at if p < k] for at, k in zip(forced, kept)]
-
-    def _shape(self, logits: torch.Tensor, matchers: list, drafts: list[list[int]],
-               width: int, rows: list[Row]) -> list[int]:
-        """Mask logits [B, width, V] in place: row b's position j under its grammar state
-        after drafts[b][:j]. Returns the rows whose grammar allows nothing (left unmasked:
-        they fail once the step is done, ``_advance``)."""
-        if all(m is None for m in matchers):
-            return []
-        bitmask = self.grammars.masks(matchers, drafts, width)  # [B, width, words]
-        dead = dead_ends(matchers, bitmask)
-        # a position that allows nothing: past a draft's EOS (the row ends before it), or
-        # a dead end (the row fails after the step); all allowed keeps its logits finite
-        bitmask[~bitmask.any(-1)] = -1
-        self.grammars.apply(logits, bitmask)
-        return dead
-
-    def _advance(self, rows: list[Row], matchers: list, tokens: list[list[int]],
-                 dead: list[int]) -> None:
-        """Feed each shaped row's matcher the tokens it emitted; a row whose grammar had
-        nothing to allow, or refused them, fails alone."""
-        if all(m is None for m in matchers):
-            return
-        t0 = time.perf_counter()
-        problems = advance(matchers, tokens)
-        self.grammars.mask_seconds += time.perf_counter() - t0
-        for b in dead:
-            problems[b] = matchers[b].get_error() or "no token is allowed"
-        for row, problem in zip(rows, problems):
-            if problem:
-                row.fail(f"response_format: the grammar reached a dead end after "
-                         f"{len(row.generated)} generated tokens ({problem})")
-
-    def _accept(self, logits: torch.Tensor, draft_ids: torch.Tensor, num_draft: torch.Tensor,
-                draft_probs: torch.Tensor | None, params: tuple[torch.Tensor, ...],
-                greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        """Accept or reject each row's draft (rejection.py): (out [B, n + 1], accepted [B]).
-
-        logits: [B, n + 1, V]; draft_ids: [B, n]; num_draft: [B]; draft_probs: [B, n, V]
-        """
-        if greedy:
-            return accept_matching(draft_ids, num_draft, logits.argmax(-1))
-        seeds, temperature, top_k, top_p = params
+    def _judge(self, logits: torch.Tensor, draft: Draft, inputs: DraftInputs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's verdict on each row's drafts (rejection.py): (out [B, n + 1],
+        accepted [B]). logits: [B, n + 1, V]"""
+        if inputs.greedy:
+            return accept_matching(draft.ids, draft.num, logits.argmax(-1))
         dev = logits.device
-        target_probs = logits_to_probs(logits, temperature, top_k, top_p)  # [B, n + 1, V]
+        target_probs = logits_to_probs(logits, inputs.temperature, inputs.top_k,
+                                       inputs.top_p)  # [B, n + 1, V]
         pos = upload(torch.tensor([len(r.tokens) for r in self.rows]), dev)[:, None]
         pos = pos + torch.arange(logits.shape[1], device=dev)  # [B, n + 1] each slot's position
-        seeds = upload(seeds, dev)
+        seeds = upload(inputs.seeds, dev)
         seeded = any(r.request.seed is not None and r.request.temperature > 0
                      for r in self.rows)
-        if draft_probs is not None and not seeded:  # Algorithm 1: the best acceptance
-            return rejection_sample(draft_ids, num_draft, draft_probs, target_probs,
+        if draft.probs is not None and not seeded:  # Algorithm 1: the best acceptance
+            return rejection_sample(draft.ids, draft.num, draft.probs, target_probs,
                                     keyed_uniform(seeds, pos[:, :-1], ACCEPT),
                                     keyed_uniform(seeds, pos, SAMPLE))
-        return accept_matching(draft_ids, num_draft, self._sample(target_probs, seeds, pos))
+        return accept_matching(draft.ids, draft.num, self._sample(target_probs, seeds, pos))
 
     def _sample(self, probs: torch.Tensor, seeds: torch.Tensor,
                 pos: torch.Tensor) -> torch.Tensor:

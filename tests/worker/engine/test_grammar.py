@@ -249,14 +249,56 @@ def test_a_follower_that_raises_mid_chain_leaves_every_matcher_where_it_was(
     assert check_shaped(requests, engine.generate(requests)) == 0
 
 
+class _FailingDraftModel(DraftModel):
+    """A draft model that raises once armed, after its first draft token of a proposal:
+    the rows' grammars have been advanced through that token (grammar.DraftMasks)."""
+
+    armed = False
+
+    def _fit(self, logits):
+        self.calls = getattr(self, "calls", 0) + 1
+        if self.armed and self.calls % 2 == 0:
+            raise RuntimeError("the draft model failed (injected by the test)")
+        return super()._fit(logits)
+
+    def propose(self, batch, g):
+        self.calls = 0
+        return super().propose(batch, g)
+
+
+def test_a_draft_model_that_raises_mid_draft_leaves_every_matcher_where_it_was(
+        tiny_models, tiny_tokenizer, check_shaped):
+    """The step rewinds the draft model's advance of the matchers on the way out of an
+    exception too (speculative._propose): each row's matcher still allows exactly what a
+    fresh one fed the row's tokens allows, and the next generation is the reference's."""
+    requests = shaped_requests(6, seed=5)
+    failing = _FailingDraftModel(tiny_models["noisy"])
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, failing,
+                               max_batch_size=6, draft_length=3, adaptive=False,
+                               grammar_drafts=False)
+    engine.on_step = lambda step: setattr(failing, "armed", True)  # after the first step
+    with pytest.raises(RuntimeError, match="injected by the test"):
+        engine.generate(requests)
+    shaped = [r for r in engine.rows if r.matcher is not None]
+    assert shaped and any(r.generated for r in shaped)
+    for row in shaped:
+        fresh = engine.grammars.matcher(row.request.response_format)
+        assert fresh.consume_tokens(row.generated)
+        assert torch.equal(engine.grammars.mask_now([row.matcher]),
+                           engine.grammars.mask_now([fresh])), row.request.id
+    failing.armed = False
+    engine.on_step = None
+    assert check_shaped(requests, engine.generate(requests)) == 0
+
+
 def test_the_follower_s_proposing_counts_as_drafting_not_masking(
         tiny_models, tiny_tokenizer, monkeypatch):
     """A clock that moves (a second a call) only while the follower proposes: the chains'
     time is all the follower's, none of it the grammar's mask time (counters.mask_time
-    reads it)."""
+    reads it), and the profile books it to propose, not mask."""
     from types import SimpleNamespace
 
-    from specq.worker.engine import grammar as grammar_module
+    from specq.worker.engine import profile as profile_module
 
     clock = SimpleNamespace(now=0.0)
 
@@ -265,14 +307,15 @@ def test_the_follower_s_proposing_counts_as_drafting_not_masking(
             clock.now += 1.0
             return super().propose(batch, g)
 
-    monkeypatch.setattr(grammar_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    # every clock of grammar.py and the profile reads this one (profile.Stopwatch, Profile)
+    monkeypatch.setattr(profile_module, "time", SimpleNamespace(perf_counter=lambda: clock.now))
     requests, engine = _chained(tiny_models, tiny_tokenizer, rows=3, max_new=30)
     engine.drafting.grammar.follow = Slow()
     engine.generate(requests)
-    assert engine.drafting.grammar.following == clock.now >= 1
-    # the engine's cuts and advances (speculative.py) keep the real clock: milliseconds here,
-    # where one follower call counted as masking would add a whole second
-    assert engine.grammars.mask_seconds < 0.5
+    assert engine.drafting.grammar.following.seconds == clock.now >= 1
+    assert engine.grammars.mask_seconds == 0  # one follower call as masking: a whole second
+    assert engine.profile.seconds["propose"] == clock.now
+    assert engine.profile.seconds["mask"] == 0
 
 
 def test_a_row_whose_grammar_dies_fails_alone(tiny_models, tiny_tokenizer, check_shaped):

@@ -9,7 +9,7 @@ import pytest
 
 from specq.worker.engine import profile as profile_mod
 from specq.worker.engine.drafters import DraftModel
-from specq.worker.engine.profile import PHASES, Profile
+from specq.worker.engine.profile import PHASES, Profile, Stopwatch
 from specq.worker.engine.speculative import SpeculativeEngine
 
 
@@ -30,34 +30,58 @@ def clock(monkeypatch):
     return fake
 
 
-def test_laps_book_each_interval_once_and_add_up_to_the_span(clock):
+def test_phases_book_each_second_once_to_the_innermost_and_add_up_to_the_loop(clock):
     p = Profile()
-    p.lap("verify")  # before start: nothing (a calibration's steps)
-    p.start()
-    clock.now += 2
-    p.lap("propose")
-    clock.now += 3
-    p.lap("verify")
-    clock.now += 1
-    p.lap("verify")
-    p.stop()
+    with p.phase("verify"):  # outside a loop: nothing (a calibration's passes)
+        clock.now += 7
+    with p.loop():
+        clock.now += 1  # the loop's own: host
+        with p.phase("propose"):
+            clock.now += 2
+            with p.phase("mask"):  # nested: its seconds are its own, not propose's
+                clock.now += 3
+            clock.now += 1
+        with p.phase("verify"):
+            clock.now += 4
+        with p.phase("verify"):
+            clock.now += 1
     clock.now += 50
-    p.lap("host")  # after stop: nothing
-    assert p.seconds["propose"] == 2 and p.seconds["verify"] == 4
-    assert p.total() == 6 and p.seconds["host"] == 0
-    assert p.shares()["verify"] == pytest.approx(4 / 6)
+    with p.phase("host"):  # after the loop: nothing
+        clock.now += 1
+    assert p.seconds["propose"] == 3 and p.seconds["mask"] == 3
+    assert p.seconds["verify"] == 5 and p.seconds["host"] == 1
+    assert p.total() == 12  # the loop's span, each second once
+    assert p.shares()["verify"] == pytest.approx(5 / 12)
 
 
-def test_an_aside_books_its_block_and_leaves_it_out_of_the_lap_around_it(clock):
+def test_a_phase_left_by_an_exception_still_books_its_seconds(clock):
     p = Profile()
-    p.start()
-    clock.now += 1
-    with p.aside("results"):
+    with pytest.raises(RuntimeError), p.loop(), p.phase("accept"):
+        clock.now += 2
+        raise RuntimeError("the step failed")
+    assert p.seconds["accept"] == 2 and p.total() == 2
+    with p.phase("accept"):  # the loop ended with it
         clock.now += 5
-    clock.now += 1
-    p.lap("upkeep")
-    assert p.seconds["results"] == 5 and p.seconds["upkeep"] == 2
-    assert p.total() == 7  # the span from start to the lap, each second once
+    assert p.total() == 2
+
+
+def test_a_stopwatch_counts_nested_blocks_once_and_paused_blocks_not_at_all(clock):
+    watch = Stopwatch()
+    with watch:
+        clock.now += 1
+        with watch:  # inside another block: counted by the outer one
+            clock.now += 2
+            with watch.paused():  # work on another's behalf
+                clock.now += 10
+        clock.now += 1
+    clock.now += 100  # outside every block
+    with watch.paused():  # outside a block: nothing to leave out
+        clock.now += 1
+    with watch:
+        clock.now += 3
+    assert watch.seconds == 7
+    watch.reset()
+    assert watch.seconds == 0
 
 
 def test_generate_books_every_phase_and_the_callback_apart(tiny_models, tiny_tokenizer,
@@ -80,7 +104,7 @@ def test_generate_books_every_phase_and_the_callback_apart(tiny_models, tiny_tok
         assert seconds[phase] > 0, phase
     # sleep lasts at least its time, so the callbacks' phase holds at least this much
     assert seconds["results"] >= pause * len(requests)
-    assert engine.profile.total() <= wall  # the laps are inside generate's wall time
+    assert engine.profile.total() <= wall  # the phases are inside generate's wall time
     # a second generate adds to the same profile; reset starts again
     before = engine.profile.total()
     engine.generate(requests[:2])
