@@ -166,8 +166,9 @@ class ChunkKeeper:
         keeper's thread: this is one statement whatever is queued, on rows no write holds
         (the queue is not taken while it runs), made only if the run owns a live lease
         (on PostgreSQL the lease's test and the marks are one statement). Written from the
-        caller's thread, now; with the database away the mark is skipped (the chunk's run limit still bounds a poison batch). Raises Stopped
-        when the run should stop, or the mark was refused."""
+        caller's thread, now; with the database away the mark is skipped (the chunk's run
+        limit still bounds a poison batch). Raises Stopped when the run should stop, or the
+        mark was refused."""
         if self.should_stop() or self._overdue():
             raise Stopped
         try:
