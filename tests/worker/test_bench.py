@@ -300,3 +300,17 @@ def test_bench_json_schema_workload(tmp_path, capsys):
     assert runs["+grammar"]["tokens_per_pass"] > runs["shaped"]["tokens_per_pass"]
     assert runs["shaped"]["mask_seconds"] > 0 and runs["free"]["mask_seconds"] == 0
     assert runs["lookup+grammar"]["speedup_vs_no_grammar_drafts"] is not None
+
+
+def test_verify_bench_runs_packed_and_padded_side_by_side(capsys):
+    """The ragged verify pass and plain decoding, packed against padded and transformers'
+    `generate`, on the tiny pair: outputs equal (never a speed asserted)."""
+    from specq.bench import verify_bench
+
+    argv = ["--pair", "tiny", "--batch-sizes", "4", "--plain-batch-sizes", "2",
+            "--context", "16", "--passes", "1", "--rounds", "1", "--prompts-per-row", "1",
+            "--max-new-tokens", "4"]
+    assert verify_bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| 4 | 1 | 8 / 20 |" in out  # one row of four carries 4 drafts: 8 of 20 tokens
+    assert "| 2/2, 2/2 |" in out  # packed and padded engines both equal transformers' greedy

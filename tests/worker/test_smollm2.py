@@ -8,6 +8,7 @@ import torch
 from specq.configs.presets import get_preset
 from specq.configs.settings import Settings
 from specq.schema.generation import Request
+from specq.worker.engine.batch import KVRows, left_pad
 from specq.worker.pairs import CONVERTED, load_pair
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,26 @@ def test_prompt_lookup_greedy_equals_plain_generate(smollm2):
         proposed += res.counters.proposed
     log.warning("smollm2 prompt lookup: accepted %d of %d proposed", accepted, proposed)
     assert accepted > 0
+
+
+def test_the_packed_forward_gives_transformers_logits_on_the_real_model(smollm2):
+    """SmolLM2 runs packed (packed.py); a prefill and a verify step in which one row carries
+    four drafts and the others none give transformers' logits on every carried token."""
+    model, tok = smollm2.target, smollm2.tokenizer
+    fast, ref = KVRows(model), KVRows(model, packed=False)
+    assert fast.packed
+    prompts = [tok(p).input_ids for p in PROMPTS[:4]]
+    with torch.inference_mode():
+        ids, valid = left_pad(prompts, tok.pad_token_id or 0, "cpu")
+        assert torch.allclose(fast.forward(ids, valid)[valid], ref.forward(ids, valid)[valid],
+                              atol=1e-3)
+        words = tok(" the meeting moved to three in the afternoon").input_ids[:5]
+        ids = torch.tensor([words] * 4)  # [4, 5]
+        valid = torch.zeros(4, 5, dtype=torch.bool)
+        valid[:, 0], valid[0] = True, True
+        a, b = fast.forward(ids, valid), ref.forward(ids, valid)
+    assert torch.allclose(a[valid], b[valid], atol=1e-3)
+    assert (a[valid].argmax(-1) == b[valid].argmax(-1)).all()
 
 
 def test_the_client_side_tokenizer_counts_as_the_model_does(smollm2, tmp_path):

@@ -14,6 +14,10 @@ every layer's whole cache at every forward. A row's real columns may sit anywher
 of the columns being written (keys carry their positions from RoPE, and the causal mask
 only orders old columns before new ones), so rows join and leave without shifting
 anyone's columns.
+
+The forward itself is packed.py's for the Llama family (the dense work on the valid tokens
+only, so a row that carries no draft costs one token) and transformers' own for any other
+model; both write the same columns of the same buffers.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ from typing import Any, cast
 import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from specq.worker.engine import packed as packing
 
 MIN_COLUMNS = 64  # a fresh buffer's columns; it doubles from there
 # Compact once the holes (masked columns every pass still attends over) reach a share of the
@@ -107,12 +113,18 @@ class BufferCache(Cache):
 
 
 class KVRows:
-    """A model's cache over the batch rows and the mask of real columns."""
+    """A model's cache over the batch rows and the mask of real columns.
 
-    packed = False  # a verify pass costs what it carries (False: every row pays the widest)
+    ``packed`` is True when a forward costs the tokens the rows carry (packed.py: a Llama
+    family model), False when it costs the padded block (transformers' own forward, for
+    every other model or when SPECQ_PACKED_FORWARD=0). ``packed=False`` asks for the
+    padded forward; ``packed=True`` insists on the packed one (an error if the model has
+    none).
+    """
 
-    def __init__(self, model: PreTrainedModel) -> None:
+    def __init__(self, model: PreTrainedModel, packed: bool | None = None) -> None:
         self.model = model
+        self._packed = _packed_forward(model, packed)
         self.cache: BufferCache | None = None
         self.mask: torch.Tensor | None = None  # [B, L] bool: column holds a real token
         params = inspect.signature(model.forward).parameters
@@ -126,11 +138,11 @@ class KVRows:
     @classmethod
     @torch.inference_mode()
     def from_prefix(cls, model: PreTrainedModel, layers: list[tuple[torch.Tensor, torch.Tensor]],
-                    lengths: list[int]) -> KVRows:
+                    lengths: list[int], packed: bool | None = None) -> KVRows:
         """Rows whose first columns hold the first lengths[b] columns of one sequence's
         keys and values (``layers``: per layer, keys and values [1, heads, >= P, dim]):
         a shared prompt prefix computed once, copied into each row."""
-        kv, P = cls(model), max(lengths)
+        kv, P = cls(model, packed), max(lengths)
         kv.cache = BufferCache()
         for keys, values in layers:
             layer = BufferLayer()
@@ -154,6 +166,11 @@ class KVRows:
                 for layer in self.cache.buffers]
 
     @property
+    def packed(self) -> bool:
+        """True when a forward's cost follows the valid tokens, not the padded block."""
+        return self._packed is not None
+
+    @property
     def device(self) -> torch.device:
         return self.model.device
 
@@ -171,13 +188,18 @@ class KVRows:
         """Append T columns per row and return their logits.
 
         input_ids: [B, T] int64; valid: [B, T] bool (False = padding, masked for good)
-        returns logits [B, T, V], or [B, 1, V] for the last column when ``last_only``
+        returns logits [B, T, V], or [B, 1, V] for the last column when ``last_only``; a
+        padding position's logits are finite and mean nothing (zeros when ``packed``)
         """
         B, T = input_ids.shape
         if self.cache is None:
             self.cache = BufferCache()
             self.mask = torch.zeros(B, 0, dtype=torch.bool, device=self.device)
         assert self.mask is not None  # set with the cache
+        if self._packed is not None:
+            logits = self._packed(self.cache, self.mask, input_ids, valid, last_only)
+            self.mask = torch.cat([self.mask, valid], dim=1)  # [B, L + T]
+            return logits
         L = self.length
         seen = self.mask.sum(1, keepdim=True)  # [B, 1] real tokens so far
         position_ids = (seen + valid.long().cumsum(1) - 1).clamp(min=0)  # [B, T]
@@ -328,6 +350,16 @@ class KVRows:
             layer.length = keep
         self.mask = self.mask.gather(1, idx)
         self._recheck_at = 0
+
+
+def _packed_forward(model: PreTrainedModel,
+                    packed: bool | None) -> packing.PackedForward | None:
+    """The model's packed forward if it is wanted and the model has one (see KVRows)."""
+    if packed is False or (packed is None and not packing.enabled()):
+        return None
+    if packed is None and packing.refusal(model) is not None:
+        return None
+    return packing.PackedForward(model)  # packed=True on a refused model: its error
 
 
 def fill_holes(done: list[bool]) -> list[int]:

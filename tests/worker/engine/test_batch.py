@@ -52,21 +52,29 @@ def test_rows_added_empty_then_replaced_match_a_direct_prefill(tiny_models):
 
 def test_a_draft_model_costs_nothing_while_the_engine_does_not_draft(tiny_models,
                                                                       tiny_tokenizer,
-                                                                      make_requests):
+                                                                      make_requests,
+                                                                      monkeypatch):
     from specq.worker.engine.drafters import DraftModel
     from specq.worker.engine.speculative import SpeculativeEngine
 
     draft = DraftModel(tiny_models["noisy"])
     calls = []
-    forward = draft.kv.model.forward
-    draft.kv.model.forward = lambda *a, **k: calls.append(1) or forward(*a, **k)
-    try:
-        engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, draft,
-                                   max_batch_size=3, draft_length=0, adaptive=False)  # g = 0
-        engine.generate(make_requests(8, seed=11, max_new=10))
-    finally:
-        draft.kv.model.forward = forward
+    forward = KVRows.forward  # every pass of either model, packed or padded, goes here
+
+    def watched(kv, *args, **kwargs):
+        if kv.model is draft.model:
+            calls.append(1)
+        return forward(kv, *args, **kwargs)
+
+    monkeypatch.setattr(KVRows, "forward", watched)
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, draft,
+                               max_batch_size=3, draft_length=0, adaptive=False)  # g = 0
+    engine.generate(make_requests(8, seed=11, max_new=10))
     assert not calls  # no row is prefilled in the draft until a proposal needs it
+    drafting = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, DraftModel(draft.model),
+                                 max_batch_size=3, draft_length=2, adaptive=False)
+    drafting.generate(make_requests(2, seed=11, max_new=4))
+    assert calls  # the watch sees a draft model that does draft
 
 
 def test_compaction_counts_the_waste_only_when_it_could_pass_the_bar(tiny_models):

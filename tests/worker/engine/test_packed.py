@@ -1,0 +1,168 @@
+"""The packed forward (packed.py) against transformers' own forward, its reference: the same
+logits within float tolerance on every preset family it takes, over a prefill, ragged verify
+steps, keep and compaction, with the dense work done on the valid tokens only."""
+
+import pytest
+import torch
+from transformers import (
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from specq.worker.engine import packed
+from specq.worker.engine.batch import KVRows, left_pad
+
+ATOL = 1e-4  # float32 logits: sums in another order, nothing more
+SMALL = dict(vocab_size=300, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+             num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
+             attn_implementation="sdpa")
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 100000.0, "factor": 8.0,
+               "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+def _jitter(model, seed: int):
+    """Every weight and bias moved off its initial value (biases start at zero), so a
+    forward that skipped one would show."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    return model.eval()
+
+
+def _family(name: str):
+    """A tiny model of each family a preset names that the packed forward takes: SmolLM2's
+    shape (llama, tied head, GQA), Llama 3's (rope scaling), Qwen2's (q/k/v biases)."""
+    torch.manual_seed(0)
+    if name == "smollm2":
+        cfg = LlamaConfig(**SMALL, tie_word_embeddings=True, rope_theta=100000.0)
+        return _jitter(LlamaForCausalLM(cfg), 1)
+    if name == "llama3":
+        cfg = LlamaConfig(**{**SMALL, "num_key_value_heads": 3}, rope_parameters=LLAMA3_ROPE,
+                          tie_word_embeddings=False)
+        return _jitter(LlamaForCausalLM(cfg), 2)
+    cfg = Qwen2Config(**SMALL, use_sliding_window=False, tie_word_embeddings=False)
+    return _jitter(Qwen2ForCausalLM(cfg), 3)
+
+
+FAMILIES = ["smollm2", "llama3", "qwen2"]
+
+
+def _verify_step(gen: torch.Generator, B: int, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [B, T] and valid [B, T] of a ragged verify step: each row carries its last token
+    and 0..T-1 drafts (row 0 none, row 1 all)."""
+    ids = torch.randint(3, 290, (B, T), generator=gen)
+    carried = torch.randint(1, T + 1, (B,), generator=gen)
+    carried[0], carried[1] = 1, T
+    valid = torch.arange(T)[None] < carried[:, None]  # [B, T]
+    return ids, valid
+
+
+def _alone(model, tokens: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([tokens])).logits[0]  # [len, V]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_logits_equal_transformers_forward(family):
+    model = _family(family)
+    fast, ref = KVRows(model), KVRows(model, packed=False)
+    assert fast.packed and not ref.packed
+    gen = torch.Generator().manual_seed(7)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [20, 21], [30, 31, 32, 33], [40]]
+    seqs = [list(p) for p in prompts]
+    with torch.inference_mode():
+        ids, valid = left_pad(prompts, 0, "cpu")
+        a, b = fast.forward(ids, valid), ref.forward(ids, valid)
+        assert torch.allclose(a[valid], b[valid], atol=ATOL)
+        for step in range(12):
+            ids, valid = _verify_step(gen, len(seqs), 5)
+            start = fast.length
+            a, b = fast.forward(ids, valid), ref.forward(ids, valid)
+            assert torch.allclose(a[valid], b[valid], atol=ATOL), step
+            assert torch.isfinite(a).all() and (a[~valid] == 0).all()  # never used
+            kept = (torch.rand(len(seqs), generator=gen) * valid.sum(1)).long() + 1  # [B]
+            for kv in (fast, ref):
+                kv.keep(start, kept)
+            for r, k in enumerate(kept.tolist()):
+                seqs[r] += ids[r, :k].tolist()
+            if step % 4 == 3:
+                fast.compact(force=True)
+                ref.compact(force=True)
+            assert torch.equal(fast.mask, ref.mask)
+        last = torch.tensor([[50], [51], [52], [53]])
+        one = torch.ones(4, 1, dtype=torch.bool)
+        a = fast.forward(last, one, last_only=True)  # [B, 1, V]
+        b = ref.forward(last, one, last_only=True)
+    assert torch.allclose(a, b, atol=ATOL)
+    for r, seq in enumerate(seqs):  # and the model alone, on each row's real tokens
+        assert torch.allclose(a[r, 0], _alone(model, seq + [50 + r])[-1], atol=ATOL), r
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefix_rows_refills_and_removals_stay_exact_when_packed(family):
+    """from_prefix, extend, select and replace act on the buffers the packed forward
+    writes: rows that went through them give the logits of their sequences alone."""
+    model = _family(family)
+    with torch.inference_mode():
+        one = KVRows(model)
+        one.forward(torch.tensor([[9, 8, 7, 6, 5]]), torch.ones(1, 5, dtype=torch.bool))
+        kv = KVRows.from_prefix(model, one.columns(0, 0, 5), [5, 3])
+        kv.forward(*left_pad([[60, 61], [62]], 0, "cpu"))
+        seqs = [[9, 8, 7, 6, 5, 60, 61], [9, 8, 7, 62]]
+        late = KVRows(model)
+        late.forward(*left_pad([[70, 71, 72, 73, 74, 75, 76, 77, 78]], 0, "cpu"))
+        kv.extend(late)
+        seqs.append([70, 71, 72, 73, 74, 75, 76, 77, 78])
+        kv.select([2, 0])
+        seqs = [seqs[2], seqs[0]]
+        ids = torch.tensor([[80, 81, 82], [83, 84, 85]])
+        valid = torch.tensor([[True, False, False], [True, True, True]])
+        logits = kv.forward(ids, valid)
+    assert kv.packed
+    assert torch.allclose(logits[0, 0], _alone(model, seqs[0] + [80])[-1], atol=ATOL)
+    assert torch.allclose(logits[1], _alone(model, seqs[1] + [83, 84, 85])[-3:], atol=ATOL)
+
+
+def test_the_dense_parts_see_only_the_tokens_the_rows_carry():
+    """A verify pass where one row carries 5 tokens and three carry 1: the MLPs and the
+    head run on 8 tokens, not 4 * 5 (the cost follows what the rows carry)."""
+    model = _family("smollm2")
+    seen: list[int] = []
+    hooks = [m.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[:-1].numel()))
+             for m in (model.model.layers[0].mlp, model.lm_head)]
+    kv = KVRows(model)
+    try:
+        with torch.inference_mode():
+            kv.forward(*left_pad([[5, 6, 7], [8], [9, 10], [11]], 0, "cpu"))
+            seen.clear()
+            valid = torch.tensor([[True] * 5] + [[True] + [False] * 4] * 3)  # [4, 5]
+            kv.forward(torch.randint(3, 290, (4, 5)), valid)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert seen == [8, 8]  # layer 0's MLP, then the head
+
+
+def test_other_architectures_keep_transformers_forward(monkeypatch):
+    torch.manual_seed(0)
+    neox = GPTNeoXForCausalLM(GPTNeoXConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=512)).eval()
+    windowed = Qwen2ForCausalLM(Qwen2Config(**SMALL, use_sliding_window=True, sliding_window=8,
+                                            max_window_layers=0)).eval()
+    assert "gpt_neox" in (packed.refusal(neox) or "")
+    assert "sliding" in (packed.refusal(windowed) or "")
+    assert not KVRows(neox).packed and not KVRows(windowed).packed
+    with pytest.raises(ValueError, match="no packed forward"):
+        KVRows(neox, packed=True)
+    llama = _family("smollm2")
+    assert packed.refusal(llama) is None and KVRows(llama).packed
+    monkeypatch.setenv(packed.ENV, "0")  # the switch to compare against the padded forward
+    assert not KVRows(llama).packed
+    assert KVRows(llama, packed=True).packed

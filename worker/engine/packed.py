@@ -1,0 +1,186 @@
+"""A packed forward for the Llama family: the dense work runs on the tokens rows carry.
+
+KVRows.forward takes a padded block [B, T] (a verify step pads every row to the longest
+draft). transformers' forward pays for all B * T positions. Here the embeddings, the
+q/k/v/o projections, the MLP, the norms and the head run on the N valid tokens only,
+flattened to [N, hidden], so a row that carries no draft costs one token. Attention stays
+padded per row ([B, heads, T, L + T] over the row's own cache columns, its mask of real
+columns and the causal order of the new ones): at the context lengths of offline jobs the
+dense parts dominate a pass, as in gpt-fast's and vLLM's own Llama forwards.
+
+The weights, the RoPE module (with the model's rope scaling), the norms and the MLP are the
+loaded transformers model's own modules; only the wiring between them is ours. New keys and
+values go into the BufferLayers at the very columns transformers' forward writes them
+(padding columns hold zeros), so every other KVRows operation is unchanged.
+
+``refusal`` says why a model cannot take this path (another architecture, a sliding
+window, query/key norms, ...): such a model keeps transformers' forward, which is also the
+reference the tests hold this one to. SPECQ_PACKED_FORWARD=0 forces that fallback for
+every model (for comparison).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+
+ENV = "SPECQ_PACKED_FORWARD"  # "0", "false", "off" or "no": transformers' forward always
+FAMILIES = ("llama", "qwen2")  # model_type values whose layers have the shape below
+LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
+ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def enabled() -> bool:
+    """False when the environment turns the packed forward off for every model."""
+    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def refusal(model: PreTrainedModel) -> str | None:
+    """Why ``model`` cannot run packed, or None when it can.
+
+    Checked, not assumed: the model type, the modules the forward below calls, and the
+    config features it does not implement (sliding windows, norms on q and k, extra
+    attention inputs).
+    """
+    cfg = model.config
+    if cfg.model_type not in FAMILIES:
+        return f"model type {cfg.model_type!r} is not one of {FAMILIES}"
+    if model.training:
+        return "the model is in training mode (dropout)"
+    base = getattr(model, "model", None)
+    parts = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if base is None or not all(hasattr(base, p) for p in parts) or not hasattr(model, "lm_head"):
+        return "the model lacks the Llama layout (model.embed_tokens, layers, norm, lm_head)"
+    if getattr(cfg, "sliding_window", None) is not None or getattr(cfg, "use_sliding_window",
+                                                                   False):
+        return "sliding-window attention"
+    if any(t != "full_attention" for t in getattr(cfg, "layer_types", None) or []):
+        return "a layer type other than full attention"
+    for layer in base.layers[: cfg.num_hidden_layers]:
+        attn = getattr(layer, "self_attn", None)
+        if not all(hasattr(layer, p) for p in LAYER_PARTS) or attn is None:
+            return "a decoder layer without the Llama parts"
+        if not all(isinstance(getattr(attn, p, None), nn.Linear) for p in ATTENTION_PARTS):
+            return "attention projections that are not plain linear layers"
+        if not (hasattr(attn, "head_dim") and hasattr(attn, "scaling")):
+            return "attention without head_dim and scaling"
+        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+            return "norms on queries and keys"
+        if getattr(attn, "sliding_window", None) is not None:
+            return "sliding-window attention"
+        if (attn.q_proj.out_features != cfg.num_attention_heads * attn.head_dim
+                or attn.k_proj.out_features != cfg.num_key_value_heads * attn.head_dim
+                or cfg.num_attention_heads % cfg.num_key_value_heads):
+            return "head counts that do not match the config"
+    return None
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE as transformers' Llama applies it (rotate_half).
+
+    x: [N, heads, D]; cos, sin: [N, 1, D]
+    """
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def row_mask(mask: torch.Tensor, valid: torch.Tensor, groups: int = 1) -> torch.Tensor:
+    """Which columns each new position attends to: [B, 1, groups * T, L + T] bool.
+
+    mask: [B, L] the row's real columns; valid: [B, T]. A new position sees the row's real
+    columns and its own valid new columns up to itself. It always sees itself, so a padding
+    position's softmax has a column (its output is never used, but stays finite). The
+    ``groups`` query heads that share a key head take the same rows, one after the other.
+    """
+    B, T = valid.shape
+    order = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()  # [T, T]
+    new = order[None] & valid[:, None, :]  # [B, T, T]
+    new |= torch.eye(T, dtype=torch.bool, device=valid.device)[None]
+    old = mask[:, None, :].expand(B, T, mask.shape[1])  # [B, T, L]
+    allowed = torch.cat([old, new], dim=2)  # [B, T, L + T]
+    S = allowed.shape[-1]
+    return allowed[:, None, None].expand(B, 1, groups, T, S).reshape(B, 1, groups * T, S)
+
+
+def _spread(x: torch.Tensor, index: torch.Tensor, B: int, T: int) -> torch.Tensor:
+    """Packed rows [N, ...] back to their padded places [B, T, ...], zeros between."""
+    out = x.new_zeros(B * T, *x.shape[1:])
+    return out.index_copy_(0, index, x).view(B, T, *x.shape[1:])
+
+
+class PackedForward:
+    """The forward pass of a Llama-family model over packed tokens, into a KVRows cache."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        reason = refusal(model)
+        if reason is not None:
+            raise ValueError(f"no packed forward for this model: {reason}")
+        self.model = model
+        base = model.model
+        self.embed, self.norm, self.rope = base.embed_tokens, base.norm, base.rotary_emb
+        self.layers = list(base.layers[: model.config.num_hidden_layers])
+        self.head = model.lm_head
+        cfg = model.config
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads  # queries per key
+
+    @torch.inference_mode()
+    def __call__(self, cache: Cache, mask: torch.Tensor, input_ids: torch.Tensor,
+                 valid: torch.Tensor, last_only: bool = False) -> torch.Tensor:
+        """Append T columns per row to ``cache`` and return their logits.
+
+        mask: [B, L] bool, the real columns before this pass; input_ids, valid: [B, T].
+        Returns logits [B, T, V] (zeros where not valid), or [B, 1, V] for the last column
+        when ``last_only``. Reads N = valid.sum() on the host (a device sync).
+        """
+        B, T = input_ids.shape
+        seen = mask.sum(1, keepdim=True)  # [B, 1] real tokens so far
+        positions = seen + valid.long().cumsum(1) - 1  # [B, T]
+        index = valid.reshape(-1).nonzero()[:, 0]  # [N] flat places of the valid tokens
+        x = self.embed(input_ids.reshape(-1)[index])  # [N, hidden]
+        cos, sin = self.rope(x, positions.reshape(-1)[index][None])  # [1, N, D] each
+        cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]
+        allowed = row_mask(mask, valid, self.groups)  # [B, 1, groups * T, L + T]
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cache, i,
+                                    index, (B, T), cos, sin, allowed)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = self.norm(x)  # [N, hidden]
+        if last_only:
+            last = _spread(x, index, B, T)[:, -1:]  # [B, 1, hidden]
+            return self.head(last)  # [B, 1, V]
+        return _spread(self.head(x), index, B, T)  # [B, T, V]
+
+    @staticmethod
+    def _attention(attn: Any, h: torch.Tensor, cache: Cache, layer: int,
+                   index: torch.Tensor, shape: tuple[int, int], cos: torch.Tensor,
+                   sin: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """One layer's attention for packed tokens h [N, hidden]; returns [N, hidden].
+
+        The new keys and values are written at the cache's next T columns; the queries,
+        padded to [B, heads, T, D], attend over each row's columns as ``allowed`` says
+        ([B, 1, groups * T, L + T], row_mask). Grouped-query heads go without copying the
+        keys: the query heads that share a key head are laid along the query axis of that
+        head ([B, kv_heads, groups * T, D]).
+        """
+        B, T = shape
+        D = attn.head_dim
+        q = rotate(attn.q_proj(h).unflatten(-1, (-1, D)), cos, sin)  # [N, heads, D]
+        k = rotate(attn.k_proj(h).unflatten(-1, (-1, D)), cos, sin)  # [N, kv_heads, D]
+        v = attn.v_proj(h).unflatten(-1, (-1, D))  # [N, kv_heads, D]
+        H, Hkv = q.shape[1], k.shape[1]
+        G = H // Hkv
+        keys, values = cache.update(_spread(k, index, B, T).transpose(1, 2),
+                                    _spread(v, index, B, T).transpose(1, 2),
+                                    layer)  # [B, kv_heads, L + T, D] each
+        q = _spread(q, index, B, T).transpose(1, 2).reshape(B, Hkv, G * T, D)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
+                                             scale=attn.scaling)  # [B, kv_heads, G * T, D]
+        out = out.reshape(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
+        return attn.o_proj(out.index_select(0, index))  # [N, hidden]
