@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from specq.worker.engine import calibration
+from specq.worker.engine.batch import KVRows
 from specq.worker.engine.drafters import DraftModel, PromptLookup
 from specq.worker.engine.policy import (
     CONFIDENCE_DECAY,
@@ -234,20 +235,22 @@ def test_calibration_measures_costs_and_leaves_the_engine_exact(
 
 
 @pytest.mark.parametrize("kind", ["draft model", "prompt lookup"])
-def test_calibration_runs_a_bounded_number_of_forward_passes(kind, tiny_models, tiny_tokenizer):
+def test_calibration_runs_a_bounded_number_of_forward_passes(kind, tiny_models, tiny_tokenizer,
+                                                             monkeypatch):
     """A worker's start waits for calibration: at each of a few batch sizes, a prefill and
     REPEATS passes at each of three widths of the target, and REPEATS draft steps."""
     target, draft = tiny_models["target"], tiny_models["near"]
     drafter = DraftModel(draft) if kind == "draft model" else PromptLookup()
     engine = SpeculativeEngine(target, tiny_tokenizer, drafter, max_batch_size=300)
     calls = {"target": 0, "draft": 0}
-    hooks = [m.register_forward_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
-             for k, m in (("target", target), ("draft", draft))]
-    try:
-        engine.calibrate()
-    finally:
-        for h in hooks:
-            h.remove()
+    forward = KVRows.forward
+
+    def counted(kv, *args, **kwargs):  # every pass of either model goes through its KVRows
+        calls["target" if kv.model is target else "draft"] += 1
+        return forward(kv, *args, **kwargs)
+
+    monkeypatch.setattr(KVRows, "forward", counted)
+    engine.calibrate()
     assert calibration.batch_sizes(300) == [1, 16, 256, 300]
     assert calibration.batch_sizes(16) == [1, 16] and calibration.batch_sizes(1) == [1]
     assert calls["target"] == calibration.forwards(4, 3) == 4 * (1 + 3 * calibration.REPEATS)
