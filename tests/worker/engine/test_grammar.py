@@ -237,6 +237,12 @@ def test_a_follower_that_raises_mid_chain_leaves_every_matcher_where_it_was(
     engine.on_step = lambda step: setattr(failing, "armed", True)  # after the first step
     with pytest.raises(RuntimeError, match="injected by the test"):
         engine.generate(requests)
+    _left_where_they_were(engine, requests, failing, check_shaped)
+
+
+def _left_where_they_were(engine, requests, failing, check_shaped) -> None:
+    """After a raise mid-step: each shaped row's matcher allows exactly what a fresh one fed
+    the row's tokens allows, and, disarmed, the engine's next generation is the reference's."""
     shaped = [r for r in engine.rows if r.matcher is not None]
     assert shaped and any(r.generated for r in shaped)
     for row in shaped:
@@ -279,16 +285,7 @@ def test_a_draft_model_that_raises_mid_draft_leaves_every_matcher_where_it_was(
     engine.on_step = lambda step: setattr(failing, "armed", True)  # after the first step
     with pytest.raises(RuntimeError, match="injected by the test"):
         engine.generate(requests)
-    shaped = [r for r in engine.rows if r.matcher is not None]
-    assert shaped and any(r.generated for r in shaped)
-    for row in shaped:
-        fresh = engine.grammars.matcher(row.request.response_format)
-        assert fresh.consume_tokens(row.generated)
-        assert torch.equal(engine.grammars.mask_now([row.matcher]),
-                           engine.grammars.mask_now([fresh])), row.request.id
-    failing.armed = False
-    engine.on_step = None
-    assert check_shaped(requests, engine.generate(requests)) == 0
+    _left_where_they_were(engine, requests, failing, check_shaped)
 
 
 def test_the_follower_s_proposing_counts_as_drafting_not_masking(
