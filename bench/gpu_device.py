@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,7 +37,6 @@ from specq.worker.attempts import ChunkItem, generate_with_retries
 from specq.worker.device import DeviceLost, is_device_lost
 from specq.worker.engine.drafters import NoDraft
 from specq.worker.engine.speculative import SpeculativeEngine
-from specq.worker.keeper import ChunkKeeper
 
 if TYPE_CHECKING:
     from specq.bench.gpu_pair import Size
@@ -137,7 +136,7 @@ def _items(reqs: list[Request]) -> list[ChunkItem]:
 
 def _generate(engine: SpeculativeEngine, items: list[ChunkItem]) -> Recorder:
     keeper = Recorder()
-    generate_with_retries(engine, items, {}, "bench-gpu", cast(ChunkKeeper, keeper),
+    generate_with_retries(engine, items, {}, "bench-gpu", keeper,
                           Settings(retry_backoff=0.01, retry_backoff_max=0.01))
     return keeper
 

@@ -9,10 +9,11 @@ busy with a chunk does not answer it.
 In Redis, namespaced by the queue prefix:
 
 - ``PREFIX:workers:PAIR``: a set of the hostnames that announced themselves for PAIR;
-- ``PREFIX:worker:PAIR:HOSTNAME``: one key per live worker, expiring ``PRESENCE_TTL``
-  seconds after its last refresh (a worker killed with SIGKILL vanishes then; one that
-  shuts down deletes its key at once). Expiry is Redis's own clock, so hosts whose clocks
-  disagree still agree on who is alive;
+- ``PREFIX:worker:PAIR:HOSTNAME``: one key per live worker naming its process id, expiring
+  ttl(settings) seconds after its last refresh (a worker killed with SIGKILL vanishes then;
+  one that shuts down deletes its key at once). Expiry is Redis's own clock, so hosts whose
+  clocks disagree still agree on who is alive. The key lapses before a dead worker's chunk
+  lease can run out, so a takeover knows that run's process is gone (alive, below);
 - ``PREFIX:start-failed:PAIR``: why the last worker that tried to start for PAIR could not
   (cleared by the next one that starts), so a job nobody serves says why.
 """
@@ -31,9 +32,15 @@ from specq.configs.settings import Settings
 
 log = logging.getLogger(__name__)
 
-PRESENCE_TTL = 15  # seconds a worker's key outlives its last refresh
-REFRESH_EVERY = PRESENCE_TTL / 3
+PRESENCE_TTL = 15  # seconds a worker's key outlives its last refresh, at most
 START_FAILURE_TTL = 7 * 24 * 3600  # how long a failed start is remembered
+
+
+def ttl(settings: Settings) -> float:
+    """Seconds a worker's key outlives its last refresh: PRESENCE_TTL, or half a lease if
+    that is shorter. A killed worker's lease runs out two thirds of a lease after its death
+    at the soonest (renewed every third), so its key is gone by then."""
+    return min(PRESENCE_TTL, settings.lease_seconds / 2)
 
 
 def members_key(settings: Settings, pair: str) -> str:
@@ -49,11 +56,12 @@ def start_failure_key(settings: Settings, pair: str) -> str:
 
 
 def announce(client: redis.Redis, settings: Settings, pair: str, hostname: str) -> None:
-    """Say that ``hostname`` serves ``pair`` for the next PRESENCE_TTL seconds."""
+    """Say that ``hostname`` serves ``pair`` for the next ttl(settings) seconds."""
     value = json.dumps({"pid": os.getpid(), "at": time.time()})
     with client.pipeline() as pipe:
         pipe.sadd(members_key(settings, pair), hostname)
-        pipe.set(worker_key(settings, pair, hostname), value, ex=PRESENCE_TTL)
+        pipe.set(worker_key(settings, pair, hostname), value,
+                 px=max(1, int(ttl(settings) * 1000)))
         pipe.execute()
 
 
@@ -75,6 +83,28 @@ def present(client: redis.Redis, settings: Settings, pair: str) -> list[str]:
     if dead:
         client.srem(members_key(settings, pair), *dead)
     return [n for n, v in zip(names, alive) if v is not None]
+
+
+def alive(client: redis.Redis, settings: Settings, pair: str, owners: list[str]) -> set[str]:
+    """Those of ``owners`` (chunk lease owners, HOSTNAME/PID/TOKEN: worker/run.py) whose
+    process is still announced: its hostname's key is live and names its pid. A worker
+    restarted under the same hostname announces another pid, so its dead run is not."""
+    named = {}
+    for owner in owners:
+        parts = owner.rsplit("/", 2)
+        if len(parts) == 3 and parts[1].isdigit():
+            named[owner] = (parts[0], int(parts[1]))
+    if not named:
+        return set()
+    found = client.mget([worker_key(settings, pair, host) for host, _ in named.values()])
+    out = set()
+    for (owner, (_, pid)), raw in zip(named.items(), found):
+        try:
+            if raw is not None and json.loads(raw).get("pid") == pid:
+                out.add(owner)
+        except (ValueError, AttributeError):
+            continue
+    return out
 
 
 def record_start_failure(client: redis.Redis, settings: Settings, pair: str, hostname: str,
@@ -127,13 +157,14 @@ class Heartbeat:
         try:
             withdraw(self.client, self.settings, self.pair, self.hostname)
         except redis.RedisError as exc:  # it expires by itself
-            log.info("presence: not withdrawn (%s); it expires in %d s", exc, PRESENCE_TTL)
+            log.info("presence: not withdrawn (%s); it expires in %.0f s", exc,
+                     ttl(self.settings))
         finally:
             self.client.close()
 
     def _run(self) -> None:
         failing = False
-        while not self.stopped.wait(REFRESH_EVERY):
+        while not self.stopped.wait(ttl(self.settings) / 3):
             try:
                 announce(self.client, self.settings, self.pair, self.hostname)
             except redis.RedisError as exc:

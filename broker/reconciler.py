@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -109,10 +110,10 @@ def reconcile(settings: Settings, *, job_id: int | None = None,
     Raises if the database or the broker cannot be reached. What it did is counted on the
     broker (count_actions)."""
     report = _reconcile(settings, job_id=job_id, sessions=sessions, app=app)
-    if report.broker_read or report.settled:  # else it had nothing to do, nor a broker to see
-        count_actions(settings, runs=1, resent=len(report.resent), refilled=len(report.fed),
-                      abandoned=len(report.abandoned),
-                      settled=sum(JobStatus(v).finished for v in report.settled.values()))
+    # every pass is a run, idle or not: the count is how often the deployment looked
+    count_actions(settings, runs=1, resent=len(report.resent), refilled=len(report.fed),
+                  abandoned=len(report.abandoned),
+                  settled=sum(JobStatus(v).finished for v in report.settled.values()))
     return report
 
 
@@ -222,7 +223,9 @@ def reconcile_if_due(settings: Settings, **kwargs: Any) -> ReconcileReport | Non
 
 
 class Background:
-    """reconcile_if_due every ``reconcile_every`` seconds in a daemon thread."""
+    """reconcile_if_due every ``reconcile_every`` seconds in a daemon thread, at a fixed
+    rate: a tick is due ``reconcile_every`` after the last one started, not after it ended,
+    so a slow pass does not stretch the period (a pass longer than it delays the next)."""
 
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
@@ -241,7 +244,10 @@ class Background:
 
         app = make_app(self.settings, tasks=False)
         sessions = session_factory(self.settings.sqlalchemy_url, self.settings.db_timeout)
-        while not self.stopped.wait(self.settings.reconcile_every):
+        every = self.settings.reconcile_every
+        due = time.monotonic() + every
+        while not self.stopped.wait(max(0.0, due - time.monotonic())):
+            due = max(due + every, time.monotonic())  # a late tick is not made up twice
             try:
                 reconcile_if_due(self.settings, sessions=sessions, app=app)
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:

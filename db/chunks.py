@@ -74,6 +74,25 @@ def _charged(price: float | None, since_now: bool = True) -> dict[str, Any]:
     return values
 
 
+@dataclass(frozen=True)
+class Lease:
+    """A chunk's lease as a takeover finds it: its owner, and the seconds since it ran out
+    (negative while it runs), on the database's clock."""
+
+    owner: str
+    lapsed: float
+
+
+def lease(session: Session, *, job_id: int, start: int) -> Lease | None:
+    """The chunk's lease, None if no run holds one (or the chunk does not exist)."""
+    c = Chunk.__table__.c
+    row = session.execute(select(c.lease_owner, db_now() - c.lease_until)
+                          .where(c.job_id == job_id, c.start == start)).first()
+    if row is None or row[0] is None:
+        return None
+    return Lease(row[0], float(row[1]) if row[1] is not None else 0.0)
+
+
 def claim(session: Session, *, job_id: int, start: int, owner: str, ttl: float,
           price: float | None = None) -> int | None:
     """Take the chunk's lease for ``ttl`` seconds unless another live lease holds it.

@@ -391,12 +391,13 @@ def mark_owner(launch: str) -> str:
 
 
 def record_crash(session: Session, *, job_id: int, start: int, indices: list[int],
-                 why: str) -> list[tuple[int, int, int]]:
+                 why: str, attempt: bool = True) -> list[tuple[int, int, int]]:
     """A worker died (killed, crashed, its device lost) with these pending items in its
     batch. Each counts a crash and keeps an error that says how many; alone in the batch,
     the item was the cause beyond doubt, and it counts an attempt too (an item fails for
-    good at max_attempts: worker/attempts.py). Their launch marks are cleared and the fault
-    is counted on the chunk. Returns (index, crashes, attempts) of each, after."""
+    good at max_attempts: worker/attempts.py), unless ``attempt`` is False (the death is not
+    proven: worker/run.py). Their launch marks are cleared and the fault is counted on the
+    chunk. Returns (index, crashes, attempts) of each, after."""
     why = storable(why)
     chunks.add_fault(session, job_id=job_id, start=start,
                      error=f"worker died with items {_listed(indices)} in flight: {why}")
@@ -406,9 +407,10 @@ def record_crash(session: Session, *, job_id: int, start: int, indices: list[int
         .with_for_update()
     ).all() if indices else []
     alone = len(rows) == 1
+    charged = alone and attempt
     out = []
     for index, crashes, attempts in rows:
-        crashes, attempts = crashes + 1, attempts + alone
+        crashes, attempts = crashes + 1, attempts + charged
         company = "alone in its batch" if alone else f"with {len(rows) - 1} others in its batch"
         times = f"{crashes} time{'s' * (crashes > 1)}"
         error = f"killed or crashed its worker {times} (last {company}: {why})"

@@ -12,9 +12,10 @@ A fault fails nothing on its first occurrence. There are two kinds:
   - anything else (and out of memory with a single row): each item that was in the batch
     when it struck counts an attempt, stored with the error.
 - A worker that died (killed, crashed) with items in flight. Every batch the engine starts
-  is marked on its items first (ChunkKeeper.launch), so the next run of the chunk, on any
-  worker, finds the marks of the dead run (tasks.py: _open) and counts a crash on each of
-  those items; an item that was alone in its batch counts an attempt too.
+  is marked on its items first (Run.launch), so the next run of the chunk, on any worker,
+  finds the marks of the dead run and counts a crash on each of those items; an item that
+  was alone in its batch counts an attempt too, where the death is proven (worker/run.py's
+  glossary: crash).
 
 An item a fault struck, in this run or an earlier one, is a suspect: suspects run alone,
 after the rest of the chunk, the least struck first, after a pause that doubles each time
@@ -31,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -42,9 +43,10 @@ from specq.schema.generation import Request, merge
 from specq.worker import device, metrics
 from specq.worker.engine.result import Result
 from specq.worker.engine.speculative import SpeculativeEngine
-from specq.worker.keeper import ChunkKeeper, Stopped
+from specq.worker.keeper import Stopped
 
-__all__ = ["ChunkItem", "Stopped", "Tally", "generate_with_retries", "item_outcome", "storable"]
+__all__ = ["ChunkItem", "Run", "Stopped", "Tally", "generate_with_retries", "item_outcome",
+           "storable"]
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +70,24 @@ class ChunkItem:
         return self.attempts, self.crashes
 
 
+class Run(Protocol):
+    """Where generation reports what happens to a chunk's items: its run (worker/run.py:
+    ChunkRun, which writes them only while it holds the chunk's lease)."""
+
+    def launch(self, indices: list[int], generation: int) -> None: ...
+
+    def put(self, outcome: Outcome) -> None: ...
+
+    def failed(self, indices: list[int], error: str, generation: int | None = None
+               ) -> None: ...
+
+    def out_of_memory(self, error: str) -> None: ...
+
+    def crashed(self, indices: list[int], why: str) -> None: ...
+
+    def should_stop(self) -> bool: ...
+
+
 @dataclass
 class Tally:
     """What a chunk's generation came to."""
@@ -81,12 +101,12 @@ def generate_with_retries(
     items: list[ChunkItem],
     params: dict[str, Any],
     hostname: str,
-    keeper: ChunkKeeper,
+    run: Run,
     settings: Settings,
     on_item: Callable[[], object] | None = None,
     job: int | None = None,
 ) -> Tally:
-    """Generate every item once (each outcome goes to the keeper as it finishes).
+    """Generate every item once (each outcome goes to ``run`` as it finishes).
     ``job`` names the items' job to the engine (a suffix drafter's index is per job)."""
     tally = Tally()
     started = utcnow()
@@ -95,7 +115,7 @@ def generate_with_retries(
     requests: dict[int, Request] = {}
     for it in items:
         if it.attempts >= limit[it.index]:  # its last run's worker died with it alone
-            keeper.put(item_outcome(it.index, Result(id=it.index, error=it.error or
+            run.put(item_outcome(it.index, Result(id=it.index, error=it.error or
                                                      f"failed {it.attempts} times"),
                                     hostname, started, started))
             tally.failed += 1
@@ -104,7 +124,7 @@ def generate_with_retries(
             requests[it.index] = Request(id=it.index, prompt=it.prompt, messages=it.messages,
                                          **merge(params, it.params))
         except ValidationError as exc:
-            keeper.put(item_outcome(it.index, Result(id=it.index, error=str(exc)), hostname,
+            run.put(item_outcome(it.index, Result(id=it.index, error=str(exc)), hostname,
                                     started, started))
     finished: set[int] = set()
     alone: set[int] = set()  # the suspect running alone now
@@ -112,11 +132,11 @@ def generate_with_retries(
     def seen(result: Result) -> None:
         index = int(result.id)
         finished.add(index)
-        keeper.put(item_outcome(index, result, hostname, started, utcnow(),
+        run.put(item_outcome(index, result, hostname, started, utcnow(),
                                 isolated=index in alone))
         if on_item:
             on_item()
-        if keeper.should_stop():
+        if run.should_stop():
             raise Stopped
 
     full = engine.max_batch_size
@@ -135,7 +155,7 @@ def generate_with_retries(
                     engine.max_batch_size = batch
 
                     def admitted(ids: list, g: int = generation) -> None:
-                        keeper.launch([int(i) for i in ids], g)
+                        run.launch([int(i) for i in ids], g)
 
                     engine.generate([requests[i] for i in group], on_result=seen, job=job,
                                     on_admit=admitted)
@@ -152,23 +172,23 @@ def generate_with_retries(
                 remaining = [i for i in remaining if i not in finished]
                 error = f"{type(exc).__name__}: {exc}"[:2000]
                 if device.is_device_lost(exc):
-                    keeper.crashed(active, error)
+                    run.crashed(active, error)
                     raise device.DeviceLost(str(exc)) from exc
                 if device.is_out_of_memory(exc) and min(batch, len(active)) > 1:
                     batch = max(1, min(batch, len(active)) // 2)
-                    keeper.out_of_memory(error)
+                    run.out_of_memory(error)
                     metrics.active().oom_halvings.inc()
                     log.warning("out of memory at %d rows (%s); retrying %d items at batch "
                                 "size %d", len(active), error, len(remaining), batch)
                     continue
                 log.warning("engine failure on items %s (%s); %d items left", active, error,
                             len(remaining), exc_info=not device.is_out_of_memory(exc))
-                keeper.failed(active, error, generation)
+                run.failed(active, error, generation)
                 for i in active:
                     attempts, crashes = struck.get(i, (0, 0))
                     struck[i] = (attempts + 1, crashes)
                     if attempts + 1 >= limit[i]:
-                        keeper.put(item_outcome(i, Result(id=i, error=error), hostname,
+                        run.put(item_outcome(i, Result(id=i, error=error), hostname,
                                                 started, utcnow()))
                         finished.add(i)
                         tally.failed += 1

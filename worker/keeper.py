@@ -1,8 +1,7 @@
-"""The keeper of a running chunk: its lease and its writes, in a thread beside the engine.
+"""The keeper of a chunk's run (worker/run.py, whose glossary names the terms used here):
+its lease and its writes, in threads beside the engine.
 
-One run of a chunk (a worker's lease on it, from claim to release) is the only writer of
-the chunk's launch marks, fault records and outcomes while it holds the lease: every
-write is made in a transaction that first finds the run still owning the lease
+Every write is made in a transaction that first finds the run still owning the lease
 (db/chunks.py: holds), and a write found superseded is refused, counted
 (KeeperReport.refused), and stops the run. While the engine generates, the keeper
 - renews the lease every third of its length (a worker killed mid-chunk stops renewing,
@@ -348,18 +347,19 @@ class ChunkKeeper:
     def _record(self, fault: _Fault) -> None:
         """Record a fault; one the database refuses (anything but an outage, which
         raises) is logged and dropped: the outcomes behind it are written."""
-        where = {"job_id": self.job_id, "start": self.start_index}
+        job_id, start = self.job_id, self.start_index
         try:
             with self.sessions.begin() as s:
                 if not self._owned(s):
                     return
                 if fault.kind == "error":
-                    repo.record_failures(s, **where, indices=fault.indices, error=fault.error,
-                                         launch=fault.launch)
+                    repo.record_failures(s, job_id=job_id, start=start, indices=fault.indices,
+                                         error=fault.error, launch=fault.launch)
                 elif fault.kind == "crash":
-                    repo.record_crash(s, **where, indices=fault.indices, why=fault.error)
+                    repo.record_crash(s, job_id=job_id, start=start, indices=fault.indices,
+                                      why=fault.error)
                 else:
-                    chunks.add_fault(s, **where, error=fault.error)
+                    chunks.add_fault(s, job_id=job_id, start=start, error=fault.error)
             self.report.failures += 1
         except UNREACHABLE:
             raise

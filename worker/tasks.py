@@ -1,9 +1,10 @@
 """Thin tasks: a chunk reference in → its pending items → the engine → outcomes out.
 
 The same run_chunk serves the Celery task (one worker per GPU) and the embedded
-`specq run` (in-process, chunk after chunk). A chunk runs under a lease; its outcomes
-are written as items finish (worker/keeper.py). Engine failures are transient until they
-repeat (worker/attempts.py); a device that is gone makes the worker exit.
+`specq run` (in-process, chunk after chunk): open a run of the chunk, generate through
+faults, close the run. What a run is, and the words of the job path, are worker/run.py's.
+Engine failures are transient until they repeat (worker/attempts.py); a device that is
+gone makes the worker exit.
 """
 
 from __future__ import annotations
@@ -12,9 +13,7 @@ import logging
 import os
 import socket
 import time
-import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, NoReturn
 
@@ -24,48 +23,25 @@ from sqlalchemy.orm import Session, sessionmaker
 from specq.broker import dispatch, presence
 from specq.broker.app import app
 from specq.broker.names import GENERATE_TASK, WORKER_PAIR_ENV
-from specq.broker.reconciler import fail_pending
 from specq.configs.presets import PairError, PresetError, UnknownPair, get_preset
 from specq.configs.settings import Settings, get_settings
 from specq.db import chunks
 from specq.db import repository as repo
-from specq.db.models import ItemStatus, JobStatus
+from specq.db.models import ItemStatus
 from specq.db.session import session_factory
 from specq.schema.generation import Request
 from specq.worker import metrics, threads
-from specq.worker.attempts import ChunkItem, Stopped, generate_with_retries
-from specq.worker.backoff import Backoff, retry_db
+from specq.worker.attempts import Stopped, generate_with_retries
 from specq.worker.costs import CostCache, start_costs
 from specq.worker.device import DeviceLost, is_device_lost
 from specq.worker.engine.speculative import SpeculativeEngine
-from specq.worker.keeper import ChunkKeeper
 from specq.worker.pairs import Pair, cache_tokenizer, load_pair, resolve_device
+from specq.worker.run import BrokerLives, ChunkReport, ChunkRun, Lives
 
 log = logging.getLogger(__name__)
 
 EXIT_DEVICE_LOST = 75  # the worker's exit status when its device is unusable (EX_TEMPFAIL)
 EXIT_START_FAILED = 1  # ... when its pair cannot be loaded for any other reason
-
-
-@dataclass
-class ChunkReport:
-    job_id: int
-    start: int
-    end: int
-    written: int = 0  # outcomes written by this run
-    skipped: int = 0  # items already written (a redelivered chunk) or not pending
-    cancelled: int = 0
-    failed: int = 0  # items this run failed for good (after max_attempts engine failures)
-    faults: int = 0  # engine failures met (and retried or counted)
-    resumed: bool = False  # an earlier run left items of it pending (a lost lease)
-    crashed: int = 0  # items an earlier run's worker died with in flight (they run again)
-    released: int = 0  # items an earlier run had in flight when it gave its lease up alive
-    refused: int = 0  # this run's writes refused: another run held the lease
-    job_status: str = ""
-    note: str = ""
-
-    def as_dict(self) -> dict[str, Any]:
-        return self.__dict__.copy()
 
 
 # -- the pair, loaded once per worker process ------------------------------------------
@@ -256,7 +232,7 @@ def generate_chunk(self, job_id: int, start: int, end: int) -> dict[str, Any]:
             engine=worker_engine(), pair=worker_pair().preset.name, job_id=job_id,
             start=start, end=end,
             hostname=self.request.hostname or socket.gethostname(), settings=settings,
-            send_next=True, lives=BrokerLives(settings),
+            send_next=True, lives=BrokerLives(settings, worker_pair().preset.name),
         )
         save_costs(worker_pair().preset.name)
     except DeviceLost as exc:
@@ -288,44 +264,6 @@ def _note_failure(settings: Settings, job_id: int, start: int, end: int,
 # -- the chunk ---------------------------------------------------------------------------
 
 
-class Lives:
-    """Where runs that gave their leases up alive say so, and takeovers look (the embedded
-    mode's: nowhere; no other process takes its chunks over while it lives)."""
-
-    def record_give_up(self, owner: str) -> None:
-        return None
-
-    def gave_up(self, owners: list[str]) -> set[str]:
-        return set()
-
-
-class BrokerLives(Lives):
-    """A worker's: on the broker (broker/presence.py), which a worker whose database path
-    stalls still reaches. A takeover that cannot read it charges crashes, as before."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-
-    def record_give_up(self, owner: str) -> None:
-        client = dispatch.broker_client(self.settings)
-        try:
-            presence.record_give_up(client, self.settings, owner)
-        finally:
-            client.close()
-
-    def gave_up(self, owners: list[str]) -> set[str]:
-        try:
-            client = dispatch.broker_client(self.settings)
-            try:
-                return presence.gave_up(client, self.settings, owners)
-            finally:
-                client.close()
-        except Exception as exc:  # noqa: BLE001 (the broker's errors vary by transport)
-            log.warning("give-ups not read from the broker (%s); the items in flight of "
-                        "runs %s are charged a crash", exc, owners)
-            return set()
-
-
 def run_chunk(
     *,
     sessions: sessionmaker[Session],
@@ -340,60 +278,30 @@ def run_chunk(
     send_next: bool = False,
     lives: Lives | None = None,
 ) -> ChunkReport:
-    """Claim the chunk's lease, generate its pending items (retrying engine faults) and
-    write their outcomes as they finish. Database outages are waited out (db_patience).
-    Raises DeviceLost when the device is gone (the outcomes finished so far are written
-    and the lease given back first). ``send_next`` (the Celery task): the chunk's first
-    run sends its job's next chunk to the broker, taking the turn this one's message had.
-    ``lives``: where runs that gave their leases up alive say so (BrokerLives, a worker's)."""
+    """One run of the chunk (worker/run.py): open it, generate its pending items through
+    faults, close it. Database outages are waited out (db_patience). Raises DeviceLost when
+    the device is gone (the outcomes finished so far are written and the lease given back
+    first). ``send_next`` (the Celery task): the chunk's first run sends its job's next
+    chunk, taking the turn this one's message had. ``lives``: what a takeover knows of
+    earlier runs (BrokerLives, a worker's)."""
     settings = settings or get_settings()
-    report = ChunkReport(job_id, start, end)
-    owner = f"{hostname}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
-    where = f"job {job_id}: chunk [{start}, {end})"
-    backoff = Backoff.from_settings(settings)
-    price = device_hour_price(settings, pair)
-    lives = lives or Lives()
-    leased_at = time.monotonic()
-
-    def claim() -> tuple[dict[str, Any], list[ChunkItem], list[chunks.ChunkRef]] | None:
-        nonlocal leased_at
-        leased_at = time.monotonic()  # the lease runs lease_seconds from its commit
-        return _open(sessions, settings, report, pair, owner, send_next, price, lives)
-
-    opened = retry_db(claim, backoff=backoff, what=where)
-    counts = metrics.active()
-    counts.items_failed.inc(report.failed)  # abandoned: failed without reaching the engine
-    counts.chunks_resumed.inc(report.resumed)
-    counts.items_retried.inc(report.crashed)
-    if opened is None:
-        log.info("%s: %s", where, report.note or report.job_status)
-        return report
-    params, items, turn = opened
-    _send_next(turn, sessions, settings, where)
-    keeper = ChunkKeeper(sessions, settings, job_id, start, end, owner, price,
-                         leased_at=leased_at, on_give_up=lives.record_give_up).start()
+    run = ChunkRun(sessions=sessions, settings=settings, pair=pair, job_id=job_id,
+                   start=start, end=end, hostname=hostname,
+                   price=device_hour_price(settings, pair), lives=lives)
+    work = run.open(send_next=send_next)
+    if work is None:
+        return run.report
+    _send_next(work.turn, sessions, settings, run.where)
     tally = None
     try:
-        tally = generate_with_retries(engine, items, params, hostname, keeper, settings,
-                                        on_item, job=job_id)
+        tally = generate_with_retries(engine, work.items, work.params, hostname, run,
+                                      settings, on_item, job=job_id)
     except Stopped:
-        pass  # the lease went to another worker, or the job is being cancelled
+        pass  # the lease went to another worker or was given up, or the job is cancelling
     finally:
-        kept = keeper.close()  # raises only if the database stays away past patience
-        report.written, report.failed = kept.written, tally.failed if tally else 0
-        report.faults = tally.faults if tally else kept.failures
-        report.skipped = (end - start) - len(items) + kept.unwritten
-        report.refused = kept.refused
-        report.job_status = kept.job_status
-    if keeper.cancelling.is_set():
-        report.cancelled, report.job_status = retry_db(
-            lambda: _cancel(sessions, job_id, start, end), backoff=backoff, what=where)
-    elif keeper.lost.is_set():
-        report.note = "lease taken over by another worker"
-    elif keeper.gave_up.is_set():
-        report.note = "lease given up (no renewal for two thirds of it)"
-    counts.chunks_run.inc()
-    log.info("%s: %d written, %d skipped, %d failed, %d faults%s; job %s", where,
+        report = run.close(tally)
+    metrics.active().chunks_run.inc()
+    log.info("%s: %d written, %d skipped, %d failed, %d faults%s; job %s", run.where,
              report.written, report.skipped, report.failed, report.faults,
              f", {report.note}" if report.note else "", report.job_status)
     return report
@@ -410,77 +318,6 @@ def device_hour_price(settings: Settings, pair: str) -> float | None:
         return None
 
 
-def _open(sessions: sessionmaker[Session], settings: Settings, report: ChunkReport, pair: str,
-          owner: str, send_next: bool, price: float | None = None, lives: Lives | None = None
-          ) -> tuple[dict[str, Any], list[ChunkItem], list[chunks.ChunkRef]] | None:
-    """In one transaction: the job's state, the chunk's lease, its pending items, and
-    (``send_next``) the job's next chunk to send when this is the chunk's first run (its
-    message took one of the job's turns on the queue: the next takes its place); None when
-    there is nothing to generate (the report says why)."""
-    job_id, start, end = report.job_id, report.start, report.end
-    with sessions.begin() as s:
-        job = repo.get_job(s, job_id=job_id)
-        if job is None:
-            report.note = "job not found; chunk dropped"
-            return None
-        status = JobStatus(job.status)
-        if status == JobStatus.cancelling:
-            report.cancelled, report.job_status = _cancel_in(s, job_id, start, end)
-            return None
-        if status.finished:  # e.g. a chunk re-sent after its job ended
-            chunks.mark_done(s, job_id=job_id, start=start)
-            report.skipped, report.job_status = end - start, status.value
-            return None
-        if job.pair != pair:
-            raise RuntimeError(f"job {job_id} is for pair {job.pair!r}; this worker: {pair!r}")
-        runs = chunks.claim(s, job_id=job_id, start=start, owner=owner,
-                            ttl=settings.lease_seconds, price=price)
-        if runs is None:
-            report.skipped, report.job_status = end - start, status.value
-            report.note = "another worker holds the chunk's lease"
-            return None
-        _settle_in_flight(s, report, lives or Lives())
-        rows = repo.pending_items(s, job_id=job_id, start=start, end=end)
-        report.resumed = runs > 1 and bool(rows)
-        if runs > settings.max_chunk_runs and rows:
-            _abandon(s, job_id, rows, runs)
-            report.failed = len(rows)
-            chunks.release(s, job_id=job_id, start=start, end=end, owner=owner, price=price)
-            report.job_status = repo.settle_job(s, job_id=job_id).value
-            report.note = f"abandoned after {runs - 1} runs that never finished"
-            return None
-        repo.start_job(s, job_id=job_id)
-        items = [ChunkItem(it.index, it.prompt, it.messages, it.params, it.attempts,
-                           it.retries, it.crashes, it.error) for it in rows]
-        turn = chunks.take_unsent(s, job_id=job_id, n=1) if send_next and runs == 1 else []
-        return dict(job.params), items, turn
-
-
-def _settle_in_flight(s: Session, report: ChunkReport, lives: Lives) -> None:
-    """The items an earlier run of the chunk left marked in flight (it held the lease, and
-    ended without writing them): released where that run gave its lease up alive (it said
-    so on the broker), charged a crash each otherwise (its worker died: killed, crashed)."""
-    job_id, start, end = report.job_id, report.start, report.end
-    marked = repo.died_in_flight(s, job_id=job_id, start=start, end=end)
-    if not marked:
-        return
-    alive = lives.gave_up(sorted({repo.mark_owner(launch) for launch in marked}))
-    for launch, indices in marked.items():
-        if repo.mark_owner(launch) in alive:
-            log.info("job %d: chunk [%d, %d): items %s were in flight in a run that gave its "
-                     "lease up alive (%s); released, not charged", job_id, start, end,
-                     indices, launch)
-            repo.clear_launches(s, job_id=job_id, start=start, end=end,
-                                owner=repo.mark_owner(launch))
-            report.released += len(indices)
-            continue
-        log.warning("job %d: chunk [%d, %d): a worker died with items %s in flight "
-                    "(%s); they run alone", job_id, start, end, indices, launch)
-        repo.record_crash(s, job_id=job_id, start=start, indices=indices,
-                          why="the worker process died (killed, or crashed)")
-        report.crashed += len(indices)
-
-
 def _send_next(refs: list[chunks.ChunkRef], sessions: sessionmaker[Session],
                settings: Settings, where: str) -> None:
     """Send the job's next chunk (its turn taken with this chunk's lease). A broker error
@@ -490,28 +327,6 @@ def _send_next(refs: list[chunks.ChunkRef], sessions: sessionmaker[Session],
     except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
         log.warning("%s: the job's next chunk was not sent (%s: %s); the reconciler sends "
                     "it", where, type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
-
-
-def _abandon(s: Session, job_id: int, rows: list, runs: int) -> None:
-    """Fail the pending items of a chunk that took ``runs`` leases and never finished
-    (each of its workers died on it: a prompt that crashes the process, say)."""
-    repo.lock_job(s, job_id=job_id)
-    fail_pending(s, job_id, rows, f"chunk abandoned: {runs - 1} workers took it and none "
-                 f"finished it (killed or crashed while running it)")
-
-
-def _cancel(sessions: sessionmaker[Session], job_id: int, start: int, end: int
-            ) -> tuple[int, str]:
-    with sessions.begin() as s:
-        return _cancel_in(s, job_id, start, end)
-
-
-def _cancel_in(s: Session, job_id: int, start: int, end: int) -> tuple[int, str]:
-    """A cancelling job's chunk: its pending items are cancelled. (count, job status)"""
-    repo.lock_job(s, job_id=job_id)
-    n = repo.cancel_pending(s, job_id=job_id, start=start, end=end)
-    chunks.mark_done(s, job_id=job_id, start=start)
-    return n, repo.settle_job(s, job_id=job_id).value
 
 
 def run_inline(

@@ -6,6 +6,8 @@ database path goes through a TCP proxy that holds every byte (bench/proxy.py).""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 import uuid
@@ -27,7 +29,8 @@ from specq.db.outcomes import Outcome
 from specq.db.session import migrate, session_factory
 from specq.worker.keeper import ChunkKeeper, Stopped
 from specq.worker.pairs import load_pair
-from specq.worker.tasks import BrokerLives, run_chunk
+from specq.worker.run import BrokerLives
+from specq.worker.tasks import run_chunk
 from tests.conftest import fresh_pg_database, wait_until
 from tests.pipeline.conftest import own_deployment
 
@@ -121,7 +124,7 @@ def test_a_stalled_run_gives_its_lease_up_before_a_takeover_which_charges_nothin
         stalled = session_factory(via, own.db_timeout, hold=own.db_timeout)
         job = _job(client)
         a = _owner("a")
-        lives = BrokerLives(own)
+        lives = BrokerLives(own, "tiny")
         gave_up: list[tuple[str, float, int | None]] = []
         t0 = time.monotonic()
         _claim(stalled, job, a, ttl=own.lease_seconds)
@@ -192,11 +195,48 @@ def test_a_dead_runs_items_in_flight_are_charged_unless_it_gave_up(client, own, 
     presence.record_give_up(broker, own, alive)
     broker.close()
     report = run_chunk(sessions=client.sessions, engine=engine, pair="tiny", job_id=job.id,
-                       start=0, end=4, hostname="b", settings=own, lives=BrokerLives(own))
+                       start=0, end=4, hostname="b", settings=own, lives=BrokerLives(own, "tiny"))
     assert (report.crashed, report.released, report.written) == (2, 2, 4)
     rows = _items(client, job)
     assert [r.crashes for r in rows] == [1, 1, 0, 0]
     assert [r.attempts for r in rows] == [0, 0, 0, 0]  # two in the batch: no attempt
+
+
+@pytest.mark.parametrize("case, charged", [
+    ("announced", (1, 0)),  # its process may live: a crash, never an attempt
+    ("not announced", (1, 1)),  # its worker's key lapsed: the death is proven
+    ("restarted", (1, 1)),  # its hostname is announced by another process
+    ("long ago", (1, 1)),  # announced, but its lease ran out over a lease ago
+])
+def test_a_takeover_counts_an_attempt_only_for_a_proven_death(client, own, engine, case,
+                                                               charged):
+    """A run left one item alone in flight and its lease ran out: the run taking the chunk
+    over counts the item a crash, and an attempt only where that run's death is proven."""
+    job = _job(client)
+    host = f"host-{uuid.uuid4().hex[:6]}"
+    pid = os.getpid() + (1 if case == "restarted" else 0)
+    dead = f"{host}/{os.getpid()}/{uuid.uuid4().hex[:8]}"
+    _claim(client.sessions, job, dead, ttl=60)
+    lapse = 2 * own.lease_seconds if case == "long ago" else 1.0
+    with client.sessions.begin() as s:
+        s.execute(update(Chunk).where(Chunk.job_id == job.id)
+                  .values(lease_until=db_now() - lapse))
+        repo.mark_launch(s, job_id=job.id, indices=[0], launch=f"{dead}#2")
+    broker = redis.Redis.from_url(own.broker_url)
+    key = presence.worker_key(own, "tiny", host)
+    if case != "not announced":
+        broker.set(key, json.dumps({"pid": pid, "at": time.time()}), ex=120)
+    try:
+        report = run_chunk(sessions=client.sessions, engine=engine, pair="tiny",
+                           job_id=job.id, start=0, end=4, hostname="b", settings=own,
+                           lives=BrokerLives(own, "tiny"))
+    finally:
+        broker.delete(key)
+        broker.close()
+    assert (report.crashed, report.released, report.written) == (1, 0, 4)
+    rows = _items(client, job)
+    assert (rows[0].crashes, rows[0].attempts) == charged
+    assert [(r.crashes, r.attempts) for r in rows[1:]] == [(0, 0)] * 3
 
 
 def test_a_fault_record_the_database_refuses_is_dropped_and_the_outcomes_behind_it_written(

@@ -177,3 +177,42 @@ def test_a_deployment_reconciles_its_own_jobs_only(settings):
     assert _queued(r, queue, theirs) == {6: [0]}
     r.close()
     job.cancel()
+
+
+def test_the_fleet_reconciles_once_a_period_under_load(settings):
+    """Two workers' reconciler threads beside two CPU-burning processes: the deployment's
+    passes, idle ones included, come once a period (the Redis lock keeps them from coming
+    twice). The bounds are loose below (a loaded machine delays a tick) and exact above."""
+    import multiprocessing
+    import time
+
+    from specq.broker.reconciler import Background, read_actions
+
+    own = own_deployment(settings, "period", reconcile_every=0.5)
+    burners = [multiprocessing.Process(target=_burn, daemon=True) for _ in range(2)]
+    for b in burners:
+        b.start()
+    threads = [Background(own).start() for _ in range(2)]
+    try:
+        t0 = time.monotonic()
+        time.sleep(6.0)
+        for t in threads:
+            t.stop()
+        elapsed = time.monotonic() - t0
+        for t in threads:
+            t.thread.join(timeout=30)
+    finally:
+        for b in burners:
+            b.terminate()
+    r = redis.Redis.from_url(own.broker_url)
+    try:
+        runs = read_actions(r, own)["runs"]
+    finally:
+        r.close()
+    periods = elapsed / own.reconcile_every
+    assert periods / 4 <= runs <= periods / 0.9 + 2, (runs, elapsed)
+
+
+def _burn() -> None:
+    while True:
+        sum(i * i for i in range(10_000))
