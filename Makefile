@@ -25,7 +25,7 @@ services:
 	bash .ci/services
 
 test: venv typecheck services
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # the edit loop: everything but the fleets of worker subprocesses (tests/pipeline) and the
 # real SmolLM2, 30 fuzz mixes instead of 300, two processes; `make test` before a commit

@@ -21,7 +21,28 @@ from specq.worker.tiny import build_tiny_pair
 if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: the cores are shared out, one each
     torch.set_num_threads(1)
 
+# Property tests draw the same cases every run in the suite (a red CI run is a real bug that
+# reproduces); SPECQ_FUZZ_RANDOM=1 draws fresh ones, to look for new bugs.
+DERANDOMIZE = not os.environ.get("SPECQ_FUZZ_RANDOM")
+
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
+
+# The slowest files first. `make test` hands whole files to two xdist processes in
+# collection order (--dist loadfile: a module's fleet or model is set up once), so a slow
+# file collected last would run alone at the end while the other process idles.
+SLOW_FIRST = ("pipeline/test_faults.py", "worker/test_smollm2.py", "worker/engine/test_fuzz.py",
+              "pipeline/test_bench_pipeline.py", "pipeline/test_stall.py",
+              "pipeline/test_poison.py", "pipeline/test_worker_start.py",
+              "worker/test_startup.py", "pipeline/test_http.py")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.path.as_posix()
+        return next((i for i, f in enumerate(SLOW_FIRST) if path.endswith(f"tests/{f}")),
+                    len(SLOW_FIRST))
+
+    items.sort(key=rank)  # stable: each file keeps its own order
 
 T = TypeVar("T")
 

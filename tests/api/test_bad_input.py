@@ -22,9 +22,12 @@ from specq.api.inputs import LINE_FIELDS, InputError
 from specq.configs.settings import Settings, get_settings
 from specq.db.models import Item, Job
 from specq.db.session import migrate
+from specq.schema.generation import SamplingParams
+from tests.conftest import DERANDOMIZE
 
 # BAD_INPUT_EXAMPLES=2000 pytest ... digs deeper than the default run.
 FUZZ = settings(max_examples=int(os.environ.get("BAD_INPUT_EXAMPLES", 60)), deadline=None,
+                derandomize=DERANDOMIZE,
                 suppress_health_check=[HealthCheck.function_scoped_fixture,
                                        HealthCheck.too_slow])
 GOOD = b'{"custom_id": "a", "prompt": "Fix: he go home"}\n'
@@ -189,8 +192,21 @@ def bad_openai_line(draw) -> tuple[str, bytes]:
                                  | st.booleans() | st.floats() | st.text())
         return "body.n", json.dumps(line).encode()
     key = draw(st.sampled_from(["logit_bias", "tools", "response_format", "logprobs"]))
-    line["body"][key] = draw(JSON)
+    # unsupported keys are refused whatever their value; response_format is supported, so
+    # only values it cannot be (null is "not given", and a valid one is served)
+    line["body"][key] = draw(JSON.filter(_not_a_response_format) if key == "response_format"
+                             else JSON)
     return key, json.dumps(line).encode()
+
+
+def _not_a_response_format(value: object) -> bool:
+    if value is None:
+        return False
+    try:
+        SamplingParams.model_validate({"response_format": value})
+    except ValueError:
+        return True
+    return False
 
 
 @st.composite

@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specq.api.inputs import InputError, JsonLine, normalise, open_source
+from tests.conftest import DERANDOMIZE
 
 
 def line(obj) -> JsonLine:
@@ -63,7 +64,7 @@ _JSON = st.recursive(
     max_leaves=20)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300, deadline=None, derandomize=DERANDOMIZE)
 @given(_JSON)
 def test_the_fast_check_of_storable_values_agrees_with_the_full_walk(value):
     """`storable` skips its path-naming walk when `_fine` passes a value: on JSON's own

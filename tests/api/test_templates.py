@@ -19,6 +19,7 @@ from specq.api.templates import BoundedSandbox, RenderLimits, TemplateLimit
 from specq.configs.settings import get_settings
 from specq.db.models import Job
 from tests.api.conftest import spec_file
+from tests.conftest import DERANDOMIZE
 
 HOSTILE = [
     ("{{ 'x' * 30000000 }}", "builds a string of more than 100000 characters"),
@@ -148,6 +149,7 @@ JINJA_PIECES = st.lists(st.sampled_from([
 
 
 @settings(max_examples=int(os.environ.get("BAD_INPUT_EXAMPLES", 150)), deadline=None,
+          derandomize=DERANDOMIZE,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(template=TEMPLATE_TEXT | JINJA_PIECES)
 def test_any_template_renders_or_fails_with_a_spec_error(tmp_path, template):
@@ -181,6 +183,7 @@ SPEC_FIELDS = {
 
 
 @settings(max_examples=int(os.environ.get("BAD_INPUT_EXAMPLES", 100)), deadline=None,
+          derandomize=DERANDOMIZE,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=st.sampled_from(sorted(SPEC_FIELDS)).flatmap(
     lambda f: st.tuples(st.just(f), SPEC_FIELDS[f])))

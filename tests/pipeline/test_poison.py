@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 import threading
 import time
 
@@ -30,6 +31,7 @@ class Supervisor:
         self.workers = [start(settings, PAIR, f"p{i}", faults=faults) for i in range(2)]
         self.started = list(self.workers)
         self.restarts = 0
+        self.shut_down: set[int] = set()  # pids that stop() had to SIGKILL
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -46,10 +48,20 @@ class Supervisor:
                     self.started.append(self.workers[i])
 
     def stop(self) -> None:
+        """All at once, the job over: a warm shutdown each, 10 s at most in all (a worker
+        restarted late may still be loading its pair), then SIGKILL."""
         self._stop.set()
         self._thread.join()
         for w in self.workers:
-            w.stop()
+            if w.proc.poll() is None:
+                w.proc.terminate()
+        deadline = time.monotonic() + 10
+        for w in self.workers:
+            try:
+                w.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.shut_down.add(w.proc.pid)  # killed here, not by the poison
+                w.kill()
 
     def output(self) -> str:
         return "".join(w.output() for w in self.started)
@@ -58,7 +70,8 @@ class Supervisor:
     def killed(self) -> int:
         """Workers that died by the poison's SIGKILL (the supervisor may not have seen the
         last one yet when the job ends)."""
-        return sum(w.proc.poll() == -signal.SIGKILL for w in self.started)
+        return sum(w.proc.poll() == -signal.SIGKILL and w.proc.pid not in self.shut_down
+                   for w in self.started)
 
 
 def test_an_input_that_kills_its_worker_fails_alone_and_its_batch_mates_complete(
