@@ -100,11 +100,12 @@ class Settings(BaseSettings):
         "while running it) before its pending items fail")
     torch_threads: int = Field(
         0, ge=0, le=4096, description="CPU threads of a worker's torch; 0: its share of the "
-        "host's cores (usable cores / specq workers on the host), 2 on a GPU")
+        "host's cores (usable cores / specq workers on the host, less the cores other work "
+        "keeps busy at start), 2 on a GPU")
     calibration_budget: float = Field(
         5.0, ge=0, le=3600, description="seconds a fresh calibration of a pair's step costs "
-        "may take at start (the smallest batch size is always measured; the steps refine "
-        "the rest); a calibration cached in data_dir for this pair, device, dtype, threads, "
+        "may take at start (the smallest batch size is always measured, then the largest "
+        "and the others while they fit; the steps refine the rest); a calibration cached in data_dir for this pair, device, dtype, threads, "
         "torch and host is loaded instead")
     metrics_port: int = Field(
         0, ge=0, le=65535, description="a worker serves Prometheus metrics on this port "

@@ -31,7 +31,7 @@ from specq.worker.engine.speculative import SpeculativeEngine
 log = logging.getLogger(__name__)
 
 FOLDER = "calibration"  # under the data directory
-VERSION = 1  # of the file's layout
+VERSION = 2  # of the file and of what it holds (2: the largest batch size measured too)
 
 
 def cost_key(preset: PairPreset, engine: SpeculativeEngine) -> dict[str, Any]:

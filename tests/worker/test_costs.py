@@ -93,9 +93,11 @@ def test_refined_costs_are_written_back(pair, engine, tmp_path):
 
 
 def test_a_fresh_calibration_keeps_to_its_budget(pair):
-    """The smallest batch size is always measured; a larger one only where the last one's
-    time, scaled by the batch size, fits in what is left of the budget."""
+    """The smallest batch size is always measured, then the largest (on prompts shortened
+    to PREFILL_TOKENS in all) and the others, each where the last one's time, scaled by
+    the tokens, fits in what is left of the budget."""
     big = pair.engine(max_batch_size=4096)
     assert big.calibrate(budget=0.0) == [1]
     assert set(big.policy.snapshot()["t_verify"]) == {1}
     assert pair.engine(max_batch_size=16).calibrate(budget=3600.0) == [1, 16]
+    assert pair.engine(max_batch_size=300).calibrate(budget=3600.0) == [1, 16, 256, 300]

@@ -13,11 +13,33 @@ from specq.worker import threads
 def test_a_worker_takes_its_share_of_the_cores(monkeypatch):
     monkeypatch.setattr(threads, "usable_cores", lambda: 16)
     monkeypatch.setattr(threads, "local_workers", lambda: 4)
+    monkeypatch.setattr(threads, "busy_cores", lambda: 0)
     assert threads.worker_threads(0, "cpu") == 4
     assert threads.worker_threads(0, "cuda") == threads.GPU_THREADS
     assert threads.worker_threads(6, "cpu") == 6  # SPECQ_TORCH_THREADS wins
     monkeypatch.setattr(threads, "local_workers", lambda: 32)
     assert threads.worker_threads(0, "cpu") == 1  # never 0
+
+
+def test_cores_other_work_keeps_busy_are_left_to_it(monkeypatch):
+    """Two threads on two cores that two other processes keep busy spin against them: a
+    worker takes the cores the load leaves (one thread at least)."""
+    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+    monkeypatch.setattr(threads, "local_workers", lambda: 1)
+    monkeypatch.setattr(threads, "runnable_now", lambda: 1)  # this process alone
+    for load, want in ((0.2, 2), (1.6, 2), (2.9, 1), (7.5, 1)):
+        monkeypatch.setattr(threads.os, "getloadavg", lambda load=load: (load, load, load))
+        assert threads.worker_threads(0, "cpu") == want, load
+    monkeypatch.setattr(threads, "usable_cores", lambda: 16)
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (5.0, 5.0, 5.0))
+    assert threads.worker_threads(0, "cpu") == 12  # 16 less the 4 others keep busy
+    monkeypatch.setattr(threads.os, "getloadavg", lambda: (0.1, 0.1, 0.1))
+    monkeypatch.setattr(threads, "runnable_now", lambda: 3)  # two others started just now
+    assert threads.worker_threads(0, "cpu") == 14
+
+
+def test_the_processes_runnable_now_include_this_one():
+    assert threads.runnable_now() >= 1
 
 
 def test_workers_on_this_host_are_counted_from_their_command_lines():

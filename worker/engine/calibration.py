@@ -34,6 +34,7 @@ CALIBRATION_TEXT = (
 )
 BATCH_RATIO = 16  # batch sizes 1, 16, 256, ... and the maximum; costs between are near a line
 PROMPT_TOKENS = 64  # a short prompt's context: a long one's costs are learnt from its steps
+PREFILL_TOKENS = 256  # a large batch's prompts are shortened to this many tokens in all
 REPEATS = 2  # timed runs of each pass, the fastest kept
 
 
@@ -75,9 +76,12 @@ def calibrate(engine: Engine, sizes: Iterable[int] | None = None,
     ``batch_sizes(max_batch_size)``), then forget the data the runs showed. Returns the
     batch sizes measured; none for an engine that does not adapt g.
 
-    ``budget`` (seconds): the smallest batch size is always measured; a larger one only
-    while the time it should take (the last one's, scaled by the batch size) fits in what
-    is left. The policy learns the costs of the others from the steps it runs."""
+    ``budget`` (seconds): the smallest batch size is always measured, then the largest (a
+    batch runs full but for a job's tail: the largest is where the steps spend their time,
+    and a short job may not run long enough to learn it), then the others, each while the
+    time it should take (the last one's, scaled by the tokens it carries) fits in what is
+    left. A large batch's prompts are shortened to PREFILL_TOKENS in all. The policy learns
+    the costs of the others from the steps it runs."""
     policy = engine.policy
     if not policy.adapts:
         return []
@@ -91,27 +95,28 @@ def calibrate(engine: Engine, sizes: Iterable[int] | None = None,
     text = engine.tokenizer(CALIBRATION_TEXT, add_special_tokens=False).input_ids or [1, 2, 3]
     prompt = (text * (L // len(text) + 1))[:L]
     measured: list[int] = []
-    spent_last = 0.0
-    for B in sizes:
+    spent_last, tokens_last = 0.0, 1
+    for B in sizes[:1] + sizes[:0:-1]:  # the ends first, then down from the largest
         spent = time.perf_counter() - t0
+        rows = prompt[:max(widths[-1] + 1, min(L, PREFILL_TOKENS // B))]
+        tokens = B * (len(rows) + repeats * sum(widths))
         if measured and budget is not None:
-            last = measured[-1]
-            if spent + spent_last * B / last > budget:
+            if spent + spent_last * tokens / tokens_last > budget:
                 log.info("calibration: batch size %d left to the steps (budget %.1f s)", B,
                          budget)
                 continue
         start = time.perf_counter()
-        verify = _verify_times(engine, B, prompt, widths, repeats)
-        drafts = _draft_step_times(engine, B, prompt, repeats)
+        verify = _verify_times(engine, B, rows, widths, repeats)
+        drafts = _draft_step_times(engine, B, rows, repeats)
         # the fastest run, weighted as all of them: a calibrated width is trusted at once
         policy.record_costs(B, {n: [min(t)] * repeats for n, t in verify.items()},
                             [min(drafts)] * repeats)
-        spent_last = time.perf_counter() - start
+        spent_last, tokens_last = time.perf_counter() - start, tokens
         measured.append(B)
     policy.forget_data()
     log.info("calibrated at batch sizes %s in %.1f s: %s", measured,
              time.perf_counter() - t0, policy.snapshot()["t_verify"])
-    return measured
+    return sorted(measured)
 
 
 def _verify_times(engine: Engine, B: int, prompt: list[int], widths: list[int],

@@ -71,6 +71,7 @@ class Drafting:
         each row cut to what the step's budget verifies: ``spend``), and the positions of
         the forced tokens in it per row. ``packed``: the verify pass costs the tokens it
         carries (batch.py: KVRows.packed), else every row pays for the widest."""
+        self.policy.packed = packed  # g is priced as the pass will cost (policy.predicted)
         g, full = self.propose(inputs, rows)
         if inputs.grammar is not None:  # a draft model advanced the matchers as it drafted:
             inputs.grammar.rewind()  # what is forced is read at the rows' own states

@@ -284,6 +284,7 @@ class DraftLengthPolicy:
         self.max_g = max(max_g, default)
         self.costs = CostTable()
         self._batch = 1  # batch size of the latest step
+        self.packed = False  # the verify pass costs the tokens it carries (Drafting sets it)
         self.forget_data()
 
     def forget_data(self) -> None:
@@ -318,10 +319,10 @@ class DraftLengthPolicy:
     def predicted(self, g: int) -> float | None:
         """Predicted speedup of g over plain decoding.
 
-        A drafter that proposes for only some rows (prompt lookup) makes a wide verify
-        pass only when at least one of the batch's rows proposes: with share f of rows
-        proposing, a step costs t_verify(g + 1) with probability 1 - (1 - f)^B, else a
-        plain step's t_verify(1).
+        A drafter that proposes for only some rows (prompt lookup), share f of them: a
+        packed pass carries only their drafts, so it costs t_verify(1) + f (t_verify(g + 1)
+        - t_verify(1)); a padded one is wide whenever one of the B rows proposes, with
+        probability 1 - (1 - f)^B, and costs t_verify(g + 1) then, else t_verify(1).
         """
         if g == 0:
             return 1.0
@@ -329,6 +330,8 @@ class DraftLengthPolicy:
         td, t1, tg = self.t_draft, self.t_verify(1), self.t_verify(g + 1)
         if td is None or t1 is None or tg is None:
             return None
+        if self.packed:
+            return measured_speedup(a, g, td, t1, t1 + f * (tg - t1), f)
         wide = 1.0 - (1.0 - f) ** self._batch
         return measured_speedup(a, g, td, t1, wide * tg + (1.0 - wide) * t1, f)
 
