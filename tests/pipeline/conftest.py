@@ -160,10 +160,10 @@ def start_worker(tmp_path_factory):
         return w
 
     yield start
-    for w in started:  # all at once: a warm shutdown each, in parallel, 30 s at most
-        if w.proc.poll() is None:
+    for w in started:  # all at once: a warm shutdown each, in parallel, 10 s at most (the
+        if w.proc.poll() is None:  # session is over: a worker still busy then is killed)
             w.proc.terminate()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 10
     for w in started:
         try:
             w.proc.wait(max(0.1, deadline - time.monotonic()))
