@@ -218,6 +218,10 @@ class ChunkRun:
         if job.pair != self.pair:
             raise RuntimeError(f"job {job_id} is for pair {job.pair!r}; this worker: "
                                f"{self.pair!r}")
+        # the job's row before the chunk's, in the order a cancel takes them (its items,
+        # then every chunk's counts): the other order deadlocked with a cancel of a job
+        # whose first chunk was opening
+        repo.start_job(s, job_id=job_id)
         before = chunks.lease(s, job_id=job_id, start=self.start)
         runs = chunks.claim(s, job_id=job_id, start=self.start, owner=self.owner,
                             ttl=self.settings.lease_seconds, price=self.price)
@@ -238,7 +242,6 @@ class ChunkRun:
             report.job_status = repo.settle_job(s, job_id=job_id).value
             report.note = f"abandoned after {runs - 1} runs that never finished"
             return None
-        repo.start_job(s, job_id=job_id)
         items = [ChunkItem(it.index, it.prompt, it.messages, it.params, it.attempts,
                            it.retries, it.crashes, it.error) for it in rows]
         turn = chunks.take_unsent(s, job_id=job_id, n=1) if send_next and runs == 1 else []
