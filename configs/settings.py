@@ -105,8 +105,9 @@ class Settings(BaseSettings):
     calibration_budget: float = Field(
         5.0, ge=0, le=3600, description="seconds a fresh calibration of a pair's step costs "
         "may take at start (the smallest batch size is always measured, then the largest "
-        "and the others while they fit; the steps refine the rest); a calibration cached in data_dir for this pair, device, dtype, threads, "
-        "torch and host is loaded instead")
+        "and the others while they fit; the steps refine the rest); a calibration cached "
+        "in data_dir for this pair, device, dtype, threads, torch and host is loaded "
+        "instead")
     metrics_port: int = Field(
         0, ge=0, le=65535, description="a worker serves Prometheus metrics on this port "
         "(/metrics); 0: none (`specq run` never serves them)")
