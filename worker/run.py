@@ -182,6 +182,8 @@ class ChunkRun:
         def claim() -> Work | None:
             nonlocal leased_at
             leased_at = time.monotonic()  # the lease runs lease_seconds from its commit
+            # a transaction an outage rolled back counts nothing: each try reports afresh
+            self.report = ChunkReport(self.job_id, self.start, self.end)
             with self.sessions.begin() as s:
                 return self._open_in(s, send_next)
 

@@ -207,6 +207,7 @@ def test_a_dead_runs_items_in_flight_are_charged_unless_it_gave_up(client, own, 
     ("not announced", (1, 1)),  # its worker's key lapsed: the death is proven
     ("restarted", (1, 1)),  # its hostname is announced by another process
     ("long ago", (1, 1)),  # announced, but its lease ran out over a lease ago
+    ("broker away", (1, 0)),  # nothing proven where the broker cannot be read
 ])
 def test_a_takeover_counts_an_attempt_only_for_a_proven_death(client, own, engine, case,
                                                                charged):
@@ -224,12 +225,13 @@ def test_a_takeover_counts_an_attempt_only_for_a_proven_death(client, own, engin
         repo.mark_launch(s, job_id=job.id, indices=[0], launch=f"{dead}#2")
     broker = redis.Redis.from_url(own.broker_url)
     key = presence.worker_key(own, "tiny", host)
-    if case != "not announced":
+    if case not in ("not announced", "broker away"):
         broker.set(key, json.dumps({"pid": pid, "at": time.time()}), ex=120)
+    away = own.model_copy(update={"broker_url": "redis://127.0.0.1:1/0", "broker_timeout": 1.0})
     try:
         report = run_chunk(sessions=client.sessions, engine=engine, pair="tiny",
                            job_id=job.id, start=0, end=4, hostname="b", settings=own,
-                           lives=BrokerLives(own, "tiny"))
+                           lives=BrokerLives(away if case == "broker away" else own, "tiny"))
     finally:
         broker.delete(key)
         broker.close()
