@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import inspect
 import secrets
+import weakref
 from typing import Any, cast
 
 import torch
@@ -127,10 +128,9 @@ class KVRows:
         self._packed = _packed_forward(model, packed)
         self.cache: BufferCache | None = None
         self.mask: torch.Tensor | None = None  # [B, L] bool: column holds a real token
-        params = inspect.signature(model.forward).parameters
-        self._new_api = "cache" in params
-        self._takes_cache_position = "cache_position" in params
-        self._takes_logits_to_keep = "logits_to_keep" in params
+        self._new_api, self._takes_cache_position, self._takes_logits_to_keep = (
+            _forward_takes(type(model)))
+        self.device = model.device  # a KVRows lives within one step or one generation
         # compact() counts the waste (a sync) only from length _recheck_at on; it counted
         # it last at length _counted_at
         self._recheck_at = self._counted_at = 0
@@ -169,10 +169,6 @@ class KVRows:
     def packed(self) -> bool:
         """True when a forward's cost follows the valid tokens, not the padded block."""
         return self._packed is not None
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
 
     @property
     def rows(self) -> int:
@@ -352,14 +348,37 @@ class KVRows:
         self._recheck_at = 0
 
 
+# A model's packed forward, made once: an admission makes several KVRows, and the checks
+# and wiring cost more than a tiny model's prefill (docs/benchmarks.md#2026-12-04-the-admission)
+_PACKED: weakref.WeakKeyDictionary[PreTrainedModel, tuple[bool, packing.PackedForward | None]]
+_PACKED = weakref.WeakKeyDictionary()
+
+
 def _packed_forward(model: PreTrainedModel,
                     packed: bool | None) -> packing.PackedForward | None:
     """The model's packed forward if it is wanted and the model has one (see KVRows)."""
     if packed is False or (packed is None and not packing.enabled()):
         return None
-    if packed is None and packing.refusal(model) is not None:
-        return None
-    return packing.PackedForward(model)  # packed=True on a refused model: its error
+    training, forward = _PACKED.get(model, (None, None))
+    if training is not model.training:  # refusal() reads the mode: checked again on a change
+        forward = None if packing.refusal(model) is not None else packing.PackedForward(model)
+        _PACKED[model] = (model.training, forward)
+    if forward is None and packed:
+        return packing.PackedForward(model)  # packed=True on a refused model: its error
+    return forward
+
+
+_TAKES: dict[type, tuple[bool, bool, bool]] = {}  # model class -> _forward_takes
+
+
+def _forward_takes(model_class: type[PreTrainedModel]) -> tuple[bool, bool, bool]:
+    """Whether the class's forward takes ``cache`` (transformers 5's name; else
+    ``past_key_values``), ``cache_position`` and ``logits_to_keep``; read once a class."""
+    if model_class not in _TAKES:
+        params = inspect.signature(model_class.forward).parameters
+        _TAKES[model_class] = ("cache" in params, "cache_position" in params,
+                               "logits_to_keep" in params)
+    return _TAKES[model_class]
 
 
 def fill_holes(done: list[bool]) -> list[int]:

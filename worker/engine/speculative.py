@@ -41,23 +41,45 @@ def model_context(model: PreTrainedModel) -> int:
 
 def encode_prompt(tokenizer: PreTrainedTokenizerBase, request: Request, context: int) -> list[int]:
     """Token ids of the request's prompt; raises RequestError when it cannot fit."""
-    if request.prompt_token_ids is not None:
-        ids = list(request.prompt_token_ids)
-    elif request.messages is not None:
-        if not tokenizer.chat_template:
-            raise RequestError("messages", "this model's tokenizer has no chat template")
-        msgs = [m.model_dump() for m in request.messages]
-        try:
-            text = tokenizer.apply_chat_template(msgs, tokenize=False,
-                                                 add_generation_prompt=True)
-        except Exception as exc:  # noqa: BLE001 (a model's own Jinja template: anything)
-            raise RequestError("messages", f"the model's chat template refused them: "
-                               f"{type(exc).__name__}: {exc}") from None
-        ids = tokenizer(text, add_special_tokens=False).input_ids
-    else:
-        ids = tokenizer(request.prompt).input_ids
-    check_length(len(ids), request.max_new_tokens, context)
+    ids = encode_prompts(tokenizer, [request], context)[0]
+    if isinstance(ids, RequestError):
+        raise ids
     return ids
+
+
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, requests: list[Request], context: int
+                   ) -> list[list[int] | RequestError]:
+    """Token ids of each request's prompt, or the RequestError that refuses it. Plain
+    prompts go through the tokenizer in one call (a call costs more than a short prompt)."""
+    plain = [b for b, r in enumerate(requests)
+             if r.prompt_token_ids is None and r.messages is None]
+    batched = dict(zip(plain, tokenizer([requests[b].prompt for b in plain]).input_ids
+                       if plain else []))
+    out: list[list[int] | RequestError] = []
+    for b, request in enumerate(requests):
+        try:
+            ids = list(batched[b]) if b in batched else _encode_one(tokenizer, request)
+            check_length(len(ids), request.max_new_tokens, context)
+            out.append(ids)
+        except RequestError as exc:
+            out.append(exc)
+    return out
+
+
+def _encode_one(tokenizer: PreTrainedTokenizerBase, request: Request) -> list[int]:
+    """The ids of a request that is not a plain prompt: its own, or its chat messages
+    through the model's template."""
+    if request.prompt_token_ids is not None:
+        return list(request.prompt_token_ids)
+    if not tokenizer.chat_template:
+        raise RequestError("messages", "this model's tokenizer has no chat template")
+    msgs = [m.model_dump() for m in request.messages or []]
+    try:
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 (a model's own Jinja template: anything)
+        raise RequestError("messages", f"the model's chat template refused them: "
+                           f"{type(exc).__name__}: {exc}") from None
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
 @dataclass
@@ -230,21 +252,33 @@ class SpeculativeEngine:
         return [r.request.id for r in getattr(self, "rows", [])] + list(
             getattr(self, "joining", []))
 
+    def _take(self, waiting: deque, hand_back: Callable[[int, Result], None]
+              ) -> list[tuple[int, Row]]:
+        """Rows for the batch's free places from the waiting requests, as (request index,
+        row); a request that cannot be served (too long, a grammar refused) is handed back
+        failed and the next one takes its place."""
+        new: list[tuple[int, Row]] = []
+        while waiting and len(self.rows) + len(new) < self.max_batch_size:
+            free = self.max_batch_size - len(self.rows) - len(new)
+            taken = [waiting.popleft() for _ in range(min(free, len(waiting)))]
+            encoded = encode_prompts(self.tokenizer, [req for _, req in taken], self.context)
+            for (i, req), ids in zip(taken, encoded):
+                try:
+                    if isinstance(ids, RequestError):
+                        raise ids
+                    matcher = self.grammars.matcher(req.response_format)
+                except (RequestError, GrammarError) as exc:
+                    hand_back(i, Result(id=req.id, error=str(exc)))
+                    continue
+                row = Row(req, ids, self.eos_ids, self.tokenizer)
+                row.matcher = matcher
+                new.append((i, row))
+        return new
+
     def _admit(self, waiting: deque, hand_back: Callable[[int, Result], None],
                on_admit: Callable[[list[int | str]], None] | None = None) -> None:
         """Prefill waiting requests into free rows; the prefill yields each first token."""
-        new: list[tuple[int, Row]] = []
-        while waiting and len(self.rows) + len(new) < self.max_batch_size:
-            i, req = waiting.popleft()
-            try:
-                ids = encode_prompt(self.tokenizer, req, self.context)
-                matcher = self.grammars.matcher(req.response_format)
-            except (RequestError, GrammarError) as exc:
-                hand_back(i, Result(id=req.id, error=str(exc)))
-                continue
-            row = Row(req, ids, self.eos_ids, self.tokenizer)
-            row.matcher = matcher
-            new.append((i, row))
+        new = self._take(waiting, hand_back)
         if not new:
             return
         rows = [r for _, r in new]
@@ -263,18 +297,36 @@ class SpeculativeEngine:
                              pos)[:, 0]
         first_list = first.tolist()
         shaping.after_accept(rows, [[t] for t in first_list])
-        self.drafter.admit([list(p) for p in prompts], first_list)
-        self.kv.extend(kv)
+        for row, tok in zip(rows, first_list):
+            row.emit([tok])
+        # a row that its first token ended (max_new_tokens 1, EOS) leaves at once: it takes
+        # no place in the batch's cache and the drafter never sees it
+        live = [b for b, row in enumerate(rows) if not row.ended]
+        if len(live) < len(rows):
+            first = first[upload(torch.tensor(live, dtype=torch.long), first.device)]
+        if live:
+            if len(live) < len(rows):
+                kv.select(live)
+            self.drafter.admit([rows[b].tokens[:rows[b].prompt_len] for b in live],
+                               [first_list[b] for b in live])
+            self.kv.extend(kv)
         self.prefill_seconds += time.perf_counter() - t0
         share = (time.perf_counter() - t0) / len(rows)
-        for row, tok in zip(rows, first_list):
+        for (i, row) in new:
             row.result.counters.target_passes += 1
             row.result.counters.verify_time += share
-            row.emit([tok])
-        self.rows += rows
+            if row.ended:
+                self._leave(i, row, hand_back)
+        self.rows += [rows[b] for b in live]
         self.joining = []
-        self.order += [i for i, _ in new]
+        self.order += [new[b][0] for b in live]
         self.last = torch.cat([self.last.to(first.device), first])
+
+    def _leave(self, i: int, row: Row, hand_back: Callable[[int, Result], None]) -> None:
+        """Hand back the finished row of request ``i``; its text teaches the drafter."""
+        if row.result.error is None:  # a failed row teaches the drafter nothing
+            self.drafter.finish(row.tokens)
+        hand_back(i, row.finish())
 
     def _retire(self, hand_back: Callable[[int, Result], None]) -> None:
         """Hand back finished rows and drop them from the batch and both caches."""
@@ -283,9 +335,7 @@ class SpeculativeEngine:
             return
         for b, row in enumerate(self.rows):
             if row.ended:
-                if row.result.error is None:  # a failed row teaches the drafter nothing
-                    self.drafter.finish(row.tokens)
-                hand_back(self.order[b], row.finish())
+                self._leave(self.order[b], row, hand_back)
         keep = fill_holes(finished)  # rows from the end take the leavers' places
         idx = torch.tensor(keep, dtype=torch.long)
         self.kv.select(idx)

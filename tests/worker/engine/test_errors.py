@@ -61,3 +61,39 @@ def test_size_shortcut_never_passes_a_prompt_that_does_not_fit(tiny_tokenizer):
                     assert n + max_new <= context, (text[:10], max_new)
     assert fits_by_size(Request(prompt="short", max_new_tokens=8), context)
     assert not fits_by_size(Request(prompt="x" * 500, max_new_tokens=8), context)
+
+
+def test_prompts_encoded_together_are_the_ones_encoded_alone(tiny_tokenizer):
+    """An admission tokenizes its plain prompts in one call: each gets the ids (or the
+    refusal) it gets alone, beside chat messages, given token ids and prompts too long."""
+    from specq.schema.generation import Request, RequestError, check_length
+    from specq.worker.engine.speculative import encode_prompts
+
+    requests = [
+        Request(id=0, prompt="Fix the grammar: he go home", max_new_tokens=8),
+        Request(id=1, messages=[{"role": "user", "content": "Summarise: a b c"}],
+                max_new_tokens=8),
+        Request(id=2, prompt="é ü " * 300, max_new_tokens=8),  # too long for 512
+        Request(id=3, prompt_token_ids=[5, 6, 7], max_new_tokens=8),
+        Request(id=4, prompt="x", max_new_tokens=600),  # max_new_tokens past the context
+        Request(id=5, prompt="a\n\tb  ", max_new_tokens=4),
+        Request(id=6, prompt="Label the sentiment: fine", max_new_tokens=1),
+    ]
+    together = encode_prompts(tiny_tokenizer, requests, 512)
+    for req, got in zip(requests, together):
+        if req.prompt is not None:
+            alone = tiny_tokenizer(req.prompt).input_ids  # the tokenizer, one prompt a call
+        elif req.messages is not None:
+            text = tiny_tokenizer.apply_chat_template([m.model_dump() for m in req.messages],
+                                                      tokenize=False, add_generation_prompt=True)
+            alone = tiny_tokenizer(text, add_special_tokens=False).input_ids
+        else:
+            alone = list(req.prompt_token_ids)
+        try:
+            check_length(len(alone), req.max_new_tokens, 512)
+        except RequestError as exc:
+            assert isinstance(got, RequestError) and str(got) == str(exc), req.id
+            continue
+        assert got == alone, req.id
+    assert [isinstance(g, RequestError) for g in together] == [False, False, True, False,
+                                                               True, False, False]

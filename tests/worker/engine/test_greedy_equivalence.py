@@ -119,3 +119,33 @@ def test_refills_wait_for_a_group_and_share_its_prefill(tiny_models, tiny_tokeni
     assert min(sizes[3][:full_until]) >= 8 - 3 + 1
     assert SpeculativeEngine(tiny_models["target"], tiny_tokenizer, max_batch_size=16
                              ).admit_group == 4  # by default a quarter of the batch
+
+
+def test_a_row_its_first_token_ends_never_joins_the_batch(tiny_models, tiny_tokenizer,
+                                                           make_requests, check_greedy):
+    """Requests of one new token (labelling jobs) end at their prefill: they take no place
+    in the batch's cache and the draft model never prefills them, while the longer
+    requests admitted with them run on, greedy exactly as the target alone."""
+    requests = make_requests(20, seed=3)
+    for b, req in enumerate(requests):
+        if b % 3 != 2:  # two in three: one token
+            req.max_new_tokens = 1
+    drafter = DraftModel(tiny_models["near"])
+    admitted: list[int] = []
+    admit = drafter.admit
+
+    def counting(prompts, first_tokens):
+        admitted.append(len(prompts))
+        admit(prompts, first_tokens)
+
+    drafter.admit = counting
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, drafter,
+                               max_batch_size=8, draft_length=3, adaptive=False)
+    widest = []
+    engine.on_step = lambda step: widest.append(len(engine.rows))
+    results = engine.generate(requests)
+    assert check_greedy(requests, results) == 0
+    went_on = sum(1 for r in results if r.counters.new_tokens > 1)  # EOS may end one too
+    assert 0 < went_on < len(requests) // 2
+    assert sum(admitted) == went_on  # the drafter saw only the rows that went on
+    assert max(widest) <= went_on
