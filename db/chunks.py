@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import bindparam, case, func, insert, or_, select, update
+from sqlalchemy import Connection, bindparam, case, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from specq.db.clock import db_now, statement_now
@@ -135,7 +135,7 @@ def renew(session: Session, *, job_id: int, start: int, owner: str, ttl: float,
     )))
 
 
-def holds(session: Session, *, job_id: int, start: int, owner: str,
+def holds(session: Session | Connection, *, job_id: int, start: int, owner: str,
           live: bool = False) -> bool:
     """Whether ``owner`` holds the chunk's lease now: the guard of every write of a run
     (worker/keeper.py). The chunk's row is locked for share until the transaction ends, so
@@ -379,12 +379,18 @@ def faults(session: Session, *, job_id: int) -> tuple[int, str | None, int]:
 # -- the sums of the chunks' item counters (what a job's metrics read) -------------------
 
 
-def add_sums(session: Session, *, job_id: int, outcomes: Iterable[Any]) -> None:
+def add_sums(session: Session, *, job_id: int, outcomes: Iterable[Any],
+             charge: tuple[int, float | None] | None = None) -> bool:
     """Add the counters of outcomes (db/outcomes.py) just written to their chunks' sums.
-    Call in the transaction that wrote them; each outcome must be written once."""
+    Call in the transaction that wrote them; each outcome must be written once.
+
+    ``charge`` (start, price): the run holding that chunk's lease, checked in this
+    transaction (holds), is charged up to now in the same UPDATE of the chunk's row; a
+    write's sums and its charge are one statement. Returns whether it was charged (not
+    when no outcome fell in that chunk: then the caller charges)."""
     outcomes = list(outcomes)
     if not outcomes:
-        return
+        return False
     lo, hi = min(o.index for o in outcomes), max(o.index for o in outcomes)
     c = Chunk.__table__.c
     first = select(func.max(c.start)).where(c.job_id == job_id, c.start <= lo)
@@ -404,6 +410,12 @@ def add_sums(session: Session, *, job_id: int, outcomes: Iterable[Any]) -> None:
             more.isolated += o.isolated
     for k, more in sums.items():
         more.into(rows[k])
+    held = next((k for k in sums if charge is not None and rows[k].start == charge[0]), None)
+    if held is None or charge is None:
+        return False
+    for name, value in _charged(charge[1]).items():  # SQL expressions, in the row's UPDATE
+        setattr(rows[held], name, value)
+    return True
 
 
 def recount(session: Session, *, job_id: int, start: int | None = None,

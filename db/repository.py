@@ -15,7 +15,17 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import RowMapping, bindparam, case, func, insert, select, text, update
+from sqlalchemy import (
+    Connection,
+    RowMapping,
+    bindparam,
+    case,
+    func,
+    insert,
+    select,
+    text,
+    update,
+)
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.schema import ScalarElementColumnDefault
@@ -182,6 +192,19 @@ def pending_items(session: Session, *, job_id: int, start: int, end: int) -> lis
     ))
 
 
+def pending_work(session: Session, *, job_id: int, start: int, end: int) -> list[Any]:
+    """pending_items as rows of what a run reads of each (index, prompt, messages, params,
+    attempts, retries, crashes, error), in index order: a chunk's start reads 500 of them,
+    and plain rows cost a fraction of ORM objects."""
+    i = Item.__table__.c
+    return list(session.execute(
+        select(i.index, i.prompt, i.messages, i.params, i.attempts, i.retries, i.crashes,
+               i.error)
+        .where(i.job_id == job_id, i.index >= start, i.index < end, i.status == PENDING)
+        .order_by(i.index)
+    ))
+
+
 def write_outcomes(session: Session, *, job_id: int, outcomes: list[Outcome]) -> int:
     """Write each outcome to its item, once.
 
@@ -191,8 +214,11 @@ def write_outcomes(session: Session, *, job_id: int, outcomes: list[Outcome]) ->
     return len(store_outcomes(session, job_id=job_id, outcomes=outcomes))
 
 
-def store_outcomes(session: Session, *, job_id: int, outcomes: list[Outcome]) -> list[Outcome]:
+def store_outcomes(session: Session, *, job_id: int, outcomes: list[Outcome],
+                   charge: tuple[int, str, float | None] | None = None) -> list[Outcome]:
     """write_outcomes, returning the outcomes written (a worker counts them: worker/metrics.py).
+    ``charge`` (start, owner, price): charge that owner's run of the chunk at ``start`` up
+    to now (chunks.charge), with the sums' own UPDATE where it can.
 
     An item listed twice is written once, with its first outcome. On PostgreSQL each
     call is one UPDATE over arrays of the outcomes that returns the items it wrote:
@@ -200,13 +226,16 @@ def store_outcomes(session: Session, *, job_id: int, outcomes: list[Outcome]) ->
     pending test is checked again on the row it waited for), so the chunk sums below
     count each item once. Elsewhere the pending items are read, then updated one by one."""
     unique = _first_each(outcomes)
-    if not unique:
-        return []
-    if session.get_bind().dialect.name == "postgresql":
+    written: list[Outcome] = []
+    if unique and session.get_bind().dialect.name == "postgresql":
         written = _store_set(session, job_id, unique)
-    else:
+    elif unique:
         written = _store_each(session, job_id, unique)
-    chunks.add_sums(session, job_id=job_id, outcomes=written)
+    held = None if charge is None else (charge[0], charge[2])
+    if not chunks.add_sums(session, job_id=job_id, outcomes=written,
+                           charge=held) and charge is not None:
+        chunks.charge(session, job_id=job_id, start=charge[0], owner=charge[1],
+                      price=charge[2])
     return written
 
 
@@ -229,7 +258,9 @@ def _store_set(session: Session, job_id: int, outcomes: list[Outcome]) -> list[O
     for c in OUTCOME_COLUMNS:  # JSON as text (None as JSON's null, as the ORM stores it)
         params[c] = ([json.dumps(r[c]) for r in rows] if c in _JSON_COLUMNS
                      else [r[c] for r in rows])
-    done = set(session.scalars(_set_update(), params))
+    # the driver's own execute: SQLAlchemy's bind processing of some forty array parameters
+    # cost more than the statement (docs/benchmarks.md#2026-12-04-the-admission)
+    done = {i for (i,) in session.connection().exec_driver_sql(_set_update(), params)}
     return [o for o in outcomes if o.index in done]
 
 
@@ -238,21 +269,22 @@ _JSON_COLUMNS = frozenset(c for c in OUTCOME_COLUMNS
 
 
 @functools.cache
-def _set_update() -> Any:
-    """UPDATE items FROM unnest(one array per outcome column): PostgreSQL's."""
+def _set_update() -> str:
+    """UPDATE items FROM unnest(one array per outcome column): PostgreSQL's, in the
+    driver's parameter style (psycopg: %(name)s)."""
     from sqlalchemy.dialects import postgresql
 
     def pg_type(c: str) -> str:
         return str(Item.__table__.c[c].type.compile(dialect=postgresql.dialect()))
 
-    arrays = ", ".join(f"CAST(:{c} AS {pg_type(c)}[])" for c in OUTCOME_COLUMNS)
+    arrays = ", ".join(f"CAST(%({c})s AS {pg_type(c)}[])" for c in OUTCOME_COLUMNS)
     sets = ", ".join(f"{c} = given.{c}" for c in OUTCOME_COLUMNS)
-    return text(
+    return (
         f"UPDATE items SET writes = items.writes + 1, launch = NULL, {sets} "
-        f"FROM unnest(CAST(:b_index AS INTEGER[]), {arrays}) "
+        f"FROM unnest(CAST(%(b_index)s AS INTEGER[]), {arrays}) "
         f"AS given(b_index, {', '.join(OUTCOME_COLUMNS)}) "
-        "WHERE items.job_id = :job_id AND items.index >= :lo AND items.index <= :hi "
-        "AND items.index = given.b_index AND items.status = :pending "
+        "WHERE items.job_id = %(job_id)s AND items.index >= %(lo)s AND items.index <= %(hi)s "
+        "AND items.index = given.b_index AND items.status = %(pending)s "
         "RETURNING items.index")
 
 
@@ -330,13 +362,17 @@ def mark_launch(session: Session, *, job_id: int, indices: list[int], launch: st
     )
 
 
-def mark_launch_held(session: Session, *, job_id: int, start: int, owner: str,
+def mark_launch_held(session: Session | Connection, *, job_id: int, start: int, owner: str,
                      indices: list[int], launch: str, finished: Collection[int] = ()) -> bool:
     """mark_launch, if ``owner`` holds a live lease on the chunk at ``start`` (db/chunks.py:
     holds, its row locked for share); whether it held. On PostgreSQL one statement finds
     the lease, marks, and lets the commit skip its WAL flush (a launch waits on it on the
-    engine's thread, once per batch)."""
-    if session.get_bind().dialect.name != "postgresql":
+    engine's thread, once per batch): given a connection in autocommit mode, the statement
+    is its own transaction and the launch one round trip. Elsewhere ``session`` is a
+    Session."""
+    dialect = session.dialect if isinstance(session, Connection) else session.get_bind().dialect
+    if dialect.name != "postgresql":
+        assert isinstance(session, Session), "a launch off PostgreSQL takes a Session"
         if not chunks.holds(session, job_id=job_id, start=start, owner=owner, live=True):
             return False
         mark_launch(session, job_id=job_id, indices=indices, launch=launch, finished=finished)

@@ -7,7 +7,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any, cast
 
-from sqlalchemy import CursorResult, Engine, Result, create_engine, event
+from sqlalchemy import Connection, CursorResult, Engine, Result, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -100,6 +100,19 @@ def session_factory(url: str, timeout: float = 10.0,
                     hold: float | None = None) -> sessionmaker[Session]:
     """Sessions on ``url`` (get_engine: ``timeout``, ``hold``)."""
     return sessionmaker(get_engine(url, timeout, hold), expire_on_commit=False)
+
+
+def autocommit(sessions: sessionmaker[Session]) -> Connection:
+    """A connection of the sessions' engine on which each statement commits by itself: a
+    write that is one statement costs one round trip (no BEGIN, no COMMIT). The caller
+    closes it."""
+    engine: Engine = sessions.kw["bind"]
+    return engine.connect().execution_options(isolation_level="AUTOCOMMIT")
+
+
+def dialect_name(sessions: sessionmaker[Session]) -> str:
+    """The name of the sessions' database dialect: postgresql, sqlite, ..."""
+    return cast(Engine, sessions.kw["bind"]).dialect.name
 
 
 def migrate(url: str, revision: str = "head") -> None:

@@ -39,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
+from sqlalchemy import Connection
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -47,6 +48,7 @@ from specq.db import chunks
 from specq.db import repository as repo
 from specq.db.models import JobStatus
 from specq.db.outcomes import Outcome, storable
+from specq.db.session import autocommit, dialect_name
 from specq.worker import metrics
 from specq.worker.backoff import UNREACHABLE, Backoff, retry_db, short_error
 
@@ -97,6 +99,8 @@ class ChunkKeeper:
         least ``lease_seconds`` from then); ``on_give_up(owner)``: says on the broker that
         the run gave its lease up alive (worker/tasks.py)."""
         self.sessions, self.settings, self.owner = sessions, settings, owner
+        self._postgres = dialect_name(sessions) == "postgresql"
+        self._launcher: Connection | None = None  # launches' autocommit connection (_mark)
         self.price = price  # per device-hour: the run's held time is charged at it
         self.job_id, self.start_index, self.end = job_id, start, end
         self.report = KeeperReport()
@@ -171,19 +175,46 @@ class ChunkKeeper:
         if self.should_stop() or self._overdue():
             raise Stopped
         try:
-            with self._marking, self.sessions.begin() as s:
+            with self._marking:
                 with self._cond:
                     finished = sorted(self._queued)
-                if not repo.mark_launch_held(s, job_id=self.job_id, start=self.start_index,
-                                             owner=self.owner, indices=indices,
-                                             launch=repo.launch_mark(self.owner, generation),
-                                             finished=finished):
+                if not self._mark(indices, repo.launch_mark(self.owner, generation), finished):
                     self._refuse(len(indices))
         except UNREACHABLE as exc:
             log.warning("%s: items %s not marked in flight (%s)", self._where, indices,
                         short_error(exc))
         if self.should_stop():
             raise Stopped
+
+    def _mark(self, indices: list[int], launch: str, finished: list[int]) -> bool:
+        """The launch's one write (repo.mark_launch_held); whether the run held the lease.
+        On PostgreSQL one statement on the run's own connection in autocommit: one round
+        trip on the engine's thread, no BEGIN, COMMIT or pool check-out. A connection that
+        fails is dropped, and the next launch takes a fresh one."""
+        def mark(on: Session | Connection) -> bool:
+            return repo.mark_launch_held(on, job_id=self.job_id, start=self.start_index,
+                                         owner=self.owner, indices=indices, launch=launch,
+                                         finished=finished)
+
+        if not self._postgres:
+            with self.sessions.begin() as s:
+                return mark(s)
+        if self._launcher is None:
+            self._launcher = autocommit(self.sessions)
+        try:
+            return mark(self._launcher)
+        except BaseException:
+            self._drop_launcher()
+            raise
+
+    def _drop_launcher(self) -> None:
+        launcher, self._launcher = self._launcher, None
+        if launcher is not None:
+            try:
+                launcher.close()
+            except Exception as exc:  # noqa: BLE001 (a broken connection: nothing to keep)
+                log.debug("%s: the launch connection did not close cleanly (%s)", self._where,
+                          short_error(exc))
 
     def should_stop(self) -> bool:
         return self.lost.is_set() or self.gave_up.is_set() or self.cancelling.is_set()
@@ -205,6 +236,7 @@ class ChunkKeeper:
         with self._cond:
             self._stop = True
             self._cond.notify()
+        self._drop_launcher()  # the engine's thread, which launches, is the one closing
         try:  # the watcher watches to the end: a close stuck in a stall gives up on time
             if self._thread is not None:
                 self._thread.join()
@@ -375,9 +407,9 @@ class ChunkKeeper:
                 if not self._owned(s, len(outcomes)):
                     self.report.unwritten += len(outcomes)
                     return
-                written = repo.store_outcomes(s, job_id=self.job_id, outcomes=outcomes)
-                chunks.charge(s, job_id=self.job_id, start=self.start_index, owner=self.owner,
-                              price=self.price)
+                written = repo.store_outcomes(
+                    s, job_id=self.job_id, outcomes=outcomes,
+                    charge=(self.start_index, self.owner, self.price))  # the lease is ours
             metrics.active().written(written)
             n = len(written)
         except UNREACHABLE:

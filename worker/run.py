@@ -232,7 +232,7 @@ class ChunkRun:
             report.note = "another worker holds the chunk's lease"
             return None
         self._settle(s, before)
-        rows = repo.pending_items(s, job_id=job_id, start=self.start, end=self.end)
+        rows = repo.pending_work(s, job_id=job_id, start=self.start, end=self.end)
         report.resumed = runs > 1 and bool(rows)
         if runs > self.settings.max_chunk_runs and rows:
             repo.lock_job(s, job_id=job_id)

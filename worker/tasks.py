@@ -15,6 +15,7 @@ import socket
 import time
 from collections.abc import Callable
 from functools import lru_cache
+from pathlib import Path
 from typing import Any, NoReturn
 
 from celery import bootsteps
@@ -312,8 +313,18 @@ def device_hour_price(settings: Settings, pair: str) -> float | None:
     the pair preset's; None where neither says."""
     if settings.device_hour_price is not None:
         return settings.device_hour_price
+    extra = settings.presets_file
+    try:  # read once per version of the presets file, not once per chunk
+        stamp = Path(extra).stat().st_mtime_ns if extra else None
+    except OSError:
+        stamp = None
+    return _preset_price(pair, extra, stamp)
+
+
+@lru_cache(maxsize=16)
+def _preset_price(pair: str, extra: Path | None, stamp: int | None) -> float | None:
     try:
-        return get_preset(pair, settings.presets_file).device_hour_price
+        return get_preset(pair, extra).device_hour_price
     except (UnknownPair, PresetError):  # a pair no preset names (a test's): unpriced
         return None
 

@@ -126,6 +126,8 @@ CALLS: dict[str, tuple[Callable[[Any, int], Any], int]] = {
     # name: (the call, the most rows of items and chunks it may read)
     "a chunk's pending items": (
         lambda s, j: repo.pending_items(s, job_id=j, start=START, end=START + CHUNK), CHUNK),
+    "a run's reading of them": (
+        lambda s, j: repo.pending_work(s, job_id=j, start=START, end=START + CHUNK), CHUNK),
     "write-once outcomes": (
         lambda s, j: repo.write_outcomes(s, job_id=j, outcomes=[_done(START + 1),
                                                                  _done(START + 2)]), 4),

@@ -58,3 +58,31 @@ def test_a_launch_writes_no_outcome_and_unmarks_the_finished(sessions):
     assert report.written == 2
     assert [(it.status, it.output) for it in items()][:2] == [("completed", "a"),
                                                               ("completed", "b")]
+
+
+def test_a_launch_after_its_connection_died_marks_on_a_fresh_one(pg_url):
+    """On PostgreSQL a run's launches share one autocommit connection (one round trip a
+    launch). The server ending that connection costs one mark (an outage's rule: the launch
+    goes on unmarked, logged) and never the next: it takes a fresh connection."""
+    from sqlalchemy import text
+
+    migrate(pg_url)
+    sessions = session_factory(pg_url)
+    job_id = _job(sessions, 6)
+    with sessions.begin() as s:
+        assert chunks.claim(s, job_id=job_id, start=0, owner="host/2/efgh", ttl=600)
+    keeper = ChunkKeeper(sessions, get_settings(), job_id, 0, 6, "host/2/efgh")
+    keeper.launch([0, 1], generation=1)
+    launcher = keeper._launcher
+    assert launcher is not None
+    backend = launcher.exec_driver_sql("SELECT pg_backend_pid()").scalar()
+    with sessions.begin() as s:  # as a server restart or an idle timeout would
+        s.execute(text("SELECT pg_terminate_backend(:pid)"), {"pid": backend})
+    keeper.launch([2, 3], generation=2)  # unmarked: the connection was gone
+    keeper.launch([4, 5], generation=3)  # a fresh connection
+    assert keeper._launcher is not None and keeper._launcher is not launcher
+    with sessions() as s:
+        marks = [s.get(Item, (job_id, i)).launch for i in range(6)]
+    assert marks == ["host/2/efgh#1"] * 2 + [None] * 2 + ["host/2/efgh#3"] * 2
+    keeper.close()
+    assert keeper._launcher is None  # closed with the run
