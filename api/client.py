@@ -458,10 +458,11 @@ class Client:
         broker_timeout."""
         import redis
 
-        from specq.broker import dispatch, presence
+        from specq.broker import presence
+        from specq.broker.connection import broker_client
 
         try:
-            client = dispatch.broker_client(self.settings)
+            client = broker_client(self.settings)
             try:
                 workers = presence.present(client, self.settings, pair)
                 failure = None if workers else presence.start_failure(client, self.settings,

@@ -38,7 +38,7 @@ from sqlalchemy import and_, false, func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from specq.api.retention import read_swept
-from specq.broker import dispatch
+from specq.broker import connection
 from specq.broker.reconciler import ACTIONS, read_actions
 from specq.configs.settings import Settings, get_settings
 from specq.db import webhooks
@@ -104,7 +104,7 @@ class ControlPlane:
             self.errors["database"] += 1
             db_up, rows, jobs, hooks = 0, None, None, None
         try:
-            client = dispatch.broker_client(self.settings)
+            client = connection.broker_client(self.settings)
             try:
                 actions = read_actions(client, self.settings)
                 swept = read_swept(client, self.settings)

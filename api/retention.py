@@ -19,7 +19,7 @@ from datetime import datetime, timedelta
 import redis
 from sqlalchemy.orm import Session, sessionmaker
 
-from specq.broker import dispatch
+from specq.broker import connection
 from specq.configs.settings import Settings
 from specq.db import retention
 from specq.db.models import utcnow
@@ -138,7 +138,7 @@ def _unlink(settings: Settings, openai_id: str) -> None:
 def count_swept(settings: Settings, report: SweepReport) -> None:
     """Add to the deployment's sweep counts on the broker, best effort."""
     try:
-        client = dispatch.broker_client(settings)
+        client = connection.broker_client(settings)
         try:
             with client.pipeline(transaction=False) as pipe:
                 for name, n in report.as_dict().items():

@@ -293,10 +293,10 @@ def _flatness(samples: list[tuple[float, float]]) -> dict[str, float | None]:
 
 
 def _redis_peak_mb(settings: Settings) -> float | None:
-    from specq.broker import dispatch
+    from specq.broker import connection
 
     try:
-        client = dispatch.broker_client(settings)
+        client = connection.broker_client(settings)
         return client.info("memory")["used_memory_peak"] / 2**20
     except Exception:  # noqa: BLE001 (a figure only)
         return None

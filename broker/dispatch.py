@@ -94,12 +94,6 @@ def send(app: Celery, refs: Iterable[ChunkRef], settings: Settings,
     return n
 
 
-def broker_client(settings: Settings) -> redis.Redis:
-    """A plain Redis client on the broker, every call bounded by broker_timeout."""
-    return redis.Redis.from_url(settings.broker_url, socket_timeout=settings.broker_timeout,
-                                socket_connect_timeout=settings.broker_timeout)
-
-
 def queue_keys(queue: str, settings: Settings) -> list[str]:
     """The Redis lists of ``queue``, one per priority step, highest priority first."""
     prefix = broker_keyprefix(settings)

@@ -134,7 +134,7 @@ class Heartbeat:
     """Keeps one worker's announcement alive from a daemon thread; stop() withdraws it."""
 
     def __init__(self, settings: Settings, pair: str, hostname: str) -> None:
-        from specq.broker.dispatch import broker_client
+        from specq.broker.connection import broker_client
 
         self.settings, self.pair, self.hostname = settings, pair, hostname
         self.client = broker_client(settings)

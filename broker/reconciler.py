@@ -37,7 +37,7 @@ from sqlalchemy import select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from specq.broker import dispatch
+from specq.broker import connection, dispatch
 from specq.broker.names import PRIORITY_RESENT
 from specq.configs.settings import Settings
 from specq.db import chunks
@@ -83,7 +83,7 @@ def count_actions(settings: Settings, **counts: int) -> None:
     """Add to the deployment's reconciler counts, best effort (a broker away loses them:
     the exporter says the broker is down)."""
     try:
-        client = dispatch.broker_client(settings)
+        client = connection.broker_client(settings)
         try:
             with client.pipeline(transaction=False) as pipe:
                 for name, n in counts.items():
@@ -137,7 +137,7 @@ def _reconcile(settings: Settings, *, job_id: int | None,
     if not queues:
         return report
     # the broker first: a message taken by a worker after this read shows as its lease
-    client = dispatch.broker_client(settings)
+    client = connection.broker_client(settings)
     try:
         held = dispatch.held(client, queues, recent=settings.reconcile_grace,
                              settings=settings)
@@ -212,7 +212,7 @@ def lock_key(settings: Settings) -> str:
 def reconcile_if_due(settings: Settings, **kwargs: Any) -> ReconcileReport | None:
     """reconcile() unless another process of the fleet ran it in the last
     ``reconcile_every`` seconds (a Redis key that expires); None when skipped."""
-    client = dispatch.broker_client(settings)
+    client = connection.broker_client(settings)
     try:
         ttl_ms = max(1, int(settings.reconcile_every * 900))  # 90 %: the next tick finds it gone
         if not client.set(lock_key(settings), "1", nx=True, px=ttl_ms):

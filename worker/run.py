@@ -52,7 +52,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from specq.broker import dispatch, presence
+from specq.broker import connection, presence
 from specq.broker.reconciler import fail_pending
 from specq.configs.settings import Settings
 from specq.db import chunks
@@ -125,7 +125,7 @@ class BrokerLives(Lives):
         self.settings, self.pair = settings, pair
 
     def record_give_up(self, owner: str) -> None:
-        client = dispatch.broker_client(self.settings)
+        client = connection.broker_client(self.settings)
         try:
             presence.record_give_up(client, self.settings, owner)
         finally:
@@ -140,7 +140,7 @@ class BrokerLives(Lives):
 
     def _read(self, read: Any, otherwise: set[str], owners: list[str]) -> set[str]:
         try:
-            client = dispatch.broker_client(self.settings)
+            client = connection.broker_client(self.settings)
             try:
                 return set(read(client))
             finally:

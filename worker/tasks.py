@@ -21,7 +21,7 @@ from typing import Any, NoReturn
 from celery import bootsteps
 from sqlalchemy.orm import Session, sessionmaker
 
-from specq.broker import dispatch, presence
+from specq.broker import connection, dispatch, presence
 from specq.broker.app import app
 from specq.broker.names import GENERATE_TASK, WORKER_PAIR_ENV
 from specq.configs.presets import PairError, PresetError, UnknownPair, get_preset
@@ -195,7 +195,7 @@ def _on_broker(settings: Settings, call: Callable[[Any], None], failed: str) -> 
     """call(a Redis client on the broker), best effort: a broker away costs a note in
     `specq status`, not the worker its start (``failed`` is logged)."""
     try:
-        client = dispatch.broker_client(settings)
+        client = connection.broker_client(settings)
         try:
             call(client)
         finally:

@@ -16,7 +16,7 @@ import redis
 from sqlalchemy import select, update
 
 from specq.api.client import Client
-from specq.broker import dispatch
+from specq.broker import connection, dispatch
 from specq.broker.names import queue_name
 from specq.broker.reconciler import reconcile
 from specq.db.models import Chunk, Item, Job, JobStatus
@@ -42,7 +42,7 @@ def test_a_worker_that_cannot_load_its_pair_exits_without_consuming(settings, tm
     assert "pair tiny-lookup cannot start" in text and "built without CUDA" in text
     assert " ready." not in text and "ready in" not in text  # neither Celery's nor ours
     # the chunk's message is still waiting, untouched, and the job says why nothing runs
-    r = dispatch.broker_client(own)
+    r = connection.broker_client(own)
     assert (job.id, 0) in dispatch.held(r, [queue_name("tiny-lookup", own)], 0, own)
     r.close()
     with client.sessions() as s:
