@@ -8,13 +8,14 @@ and paged by an object's id (``after``), as OpenAI pages them.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import and_, func, or_, select, true, update
+from sqlalchemy import and_, bindparam, func, or_, select, true, update
 from sqlalchemy.orm import Session
 
 from specq.db import views, webhooks
@@ -161,16 +162,36 @@ def read_batches(session: Session, *, tenant_id: int, openai_id: str | None = No
                  batch_ids: Sequence[int] = ()) -> list[BatchRead]:
     """The tenant's batch ``openai_id`` (or those of ``batch_ids``, newest first), each
     with its job's figures, its files and its input's line count: one statement, so one
-    snapshot and one round trip however busy the job. The job's figures are summed from
-    its chunks (a few rows per thousand requests), on PostgreSQL in a LATERAL subquery
-    fenced by OFFSET 0, so that it sums only that job's chunks (unfenced, it would sum
-    every job's and join after)."""
+    snapshot and one round trip however busy the job (_read_statement)."""
     if openai_id is not None and not could_be_id(openai_id):
         return []
+    one = openai_id is not None
+    stmt = _read_statement(session.get_bind().dialect.name, one)
+    params: dict[str, Any] = {"tenant_id": tenant_id}
+    if one:
+        params["openai_id"] = openai_id
+    else:
+        params["batch_ids"] = list(batch_ids)
+    out = []
+    for row in session.execute(stmt, params):
+        batch, *values, output_id, error_id, n = row
+        job = dict(zip(SHOWN_FIGURES, values, strict=True))
+        out.append(BatchRead(batch, job if job["job_id"] is not None else None, output_id,
+                             error_id, n))
+    return out
+
+
+@functools.cache
+def _read_statement(dialect: str, one: bool) -> Any:
+    """read_batches' statement, built once (a GET polls it: building its subqueries cost
+    more than running it); ``one``: by openai_id, else by the ids in ``batch_ids``. The
+    job's figures are summed from its chunks (a few rows per thousand requests), on
+    PostgreSQL in a LATERAL subquery fenced by OFFSET 0, so that it sums only that job's
+    chunks (unfenced, it would sum every job's and join after)."""
     view = views.job_metrics
     shown = select(*(view.c[name] for name in SHOWN_FIGURES))
     figures: Any
-    if session.get_bind().dialect.name == "postgresql":
+    if dialect == "postgresql":
         figures = shown.where(view.c.job_id == Batch.job_id).offset(0).lateral("figures")
         on = true()
     else:  # SQLite has no LATERAL (nor a fleet's tables)
@@ -186,18 +207,12 @@ def read_batches(session: Session, *, tenant_id: int, openai_id: str | None = No
                                       File.openai_id == Batch.input_file_id)
              .scalar_subquery())
     stmt = (select(Batch, *figures.c, file_of("output"), file_of("error"), lines)
-            .outerjoin(figures, on).where(Batch.tenant_id == tenant_id))
-    if openai_id is not None:
-        stmt = stmt.where(Batch.openai_id == openai_id)
+            .outerjoin(figures, on).where(Batch.tenant_id == bindparam("tenant_id")))
+    if one:
+        stmt = stmt.where(Batch.openai_id == bindparam("openai_id"))
     else:
-        stmt = stmt.where(Batch.id.in_(list(batch_ids)))
-    out = []
-    for row in session.execute(stmt.order_by(Batch.id.desc())):
-        batch, *values, output_id, error_id, n = row
-        job = dict(zip(SHOWN_FIGURES, values, strict=True))
-        out.append(BatchRead(batch, job if job["job_id"] is not None else None, output_id,
-                             error_id, n))
-    return out
+        stmt = stmt.where(Batch.id.in_(bindparam("batch_ids", expanding=True)))
+    return stmt.order_by(Batch.id.desc())
 
 
 def by_idempotency_key(session: Session, *, tenant_id: int, key: str) -> Batch | None:
