@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-from collections.abc import Collection, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from datetime import datetime
 from typing import Any, cast
 
@@ -29,7 +29,7 @@ from sqlalchemy import (
 from sqlalchemy.exc import DBAPIError
 from sqlalchemy.orm import Session
 from sqlalchemy.sql.schema import ScalarElementColumnDefault
-from sqlalchemy.types import JSON
+from sqlalchemy.types import JSON, DateTime, Float
 
 from specq.db import chunks, views, webhooks
 from specq.db.models import RUNNING, UNFINISHED, Chunk, Item, ItemStatus, Job, JobStatus, utcnow
@@ -248,41 +248,56 @@ def _first_each(outcomes: list[Outcome]) -> list[Outcome]:
 
 
 def _store_set(session: Session, job_id: int, outcomes: list[Outcome]) -> list[Outcome]:
-    """One UPDATE over the outcomes given as one array per column (unnest): the outcomes
-    of pending items, written. Its text is the same for any number of outcomes, so the
-    connection prepares it once."""
-    rows = [o.row() for o in outcomes]
-    indices = [o.index for o in outcomes]
-    params: dict[str, Any] = {"job_id": job_id, "lo": min(indices), "hi": max(indices),
-                              "pending": PENDING, "b_index": indices}
-    for c in OUTCOME_COLUMNS:  # JSON as text (None as JSON's null, as the ORM stores it)
-        params[c] = ([json.dumps(r[c]) for r in rows] if c in _JSON_COLUMNS
-                     else [r[c] for r in rows])
-    # the driver's own execute: SQLAlchemy's bind processing of some forty array parameters
-    # cost more than the statement (docs/benchmarks.md#2026-12-04-the-admission)
+    """One UPDATE over the outcomes, given as one JSON document of rows (each value as the
+    text its column's type reads, so every value arrives as exactly as the ORM would store
+    it): the outcomes of pending items, written. Its text is the same for any number of
+    outcomes, so the connection prepares it once; one text parameter is encoded in C, where
+    an array per column cost the driver's Python a pass over every value."""
+    rows = [[o.index, *(text(r[c]) for c, text in _AS_TEXT.items())]
+            for o, r in ((o, o.row()) for o in outcomes)]
+    params = {"job_id": job_id, "lo": min(o.index for o in outcomes),
+              "hi": max(o.index for o in outcomes), "pending": PENDING,
+              "rows": json.dumps(rows, ensure_ascii=False)}
+    # the driver's own execute: SQLAlchemy's bind processing cost more than the statement
+    # (docs/benchmarks.md#2026-12-04-the-admission)
     done = {i for (i,) in session.connection().exec_driver_sql(_set_update(), params)}
     return [o for o in outcomes if o.index in done]
 
 
-_JSON_COLUMNS = frozenset(c for c in OUTCOME_COLUMNS
-                          if isinstance(Item.__table__.c[c].type, JSON))
+def _as_text(column: str) -> Callable[[Any], str | None]:
+    """How an outcome column's value travels in _store_set's document: JSON columns as
+    their JSON text (None as JSON's null, as the ORM stores it), times in ISO 8601, floats
+    by repr (exact, NaN and infinities included), the rest as JSON has them."""
+    kind = Item.__table__.c[column].type
+    if isinstance(kind, JSON):
+        return json.dumps
+    if isinstance(kind, DateTime):
+        return lambda v: None if v is None else v.isoformat()
+    if isinstance(kind, Float):
+        return lambda v: None if v is None else repr(float(v))
+    return lambda v: v
+
+
+_AS_TEXT = {c: _as_text(c) for c in OUTCOME_COLUMNS}
 
 
 @functools.cache
 def _set_update() -> str:
-    """UPDATE items FROM unnest(one array per outcome column): PostgreSQL's, in the
-    driver's parameter style (psycopg: %(name)s)."""
+    """UPDATE items FROM the rows of a JSON document: PostgreSQL's, in the driver's
+    parameter style (psycopg: %(name)s). Each value is read from its text by its column's
+    type, as an array's elements were."""
     from sqlalchemy.dialects import postgresql
 
     def pg_type(c: str) -> str:
         return str(Item.__table__.c[c].type.compile(dialect=postgresql.dialect()))
 
-    arrays = ", ".join(f"CAST(%({c})s AS {pg_type(c)}[])" for c in OUTCOME_COLUMNS)
+    columns = ", ".join(f"CAST(e->>{k} AS {pg_type(c)}) AS {c}"
+                        for k, c in enumerate(OUTCOME_COLUMNS, start=1))
     sets = ", ".join(f"{c} = given.{c}" for c in OUTCOME_COLUMNS)
     return (
         f"UPDATE items SET writes = items.writes + 1, launch = NULL, {sets} "
-        f"FROM unnest(CAST(%(b_index)s AS INTEGER[]), {arrays}) "
-        f"AS given(b_index, {', '.join(OUTCOME_COLUMNS)}) "
+        f"FROM (SELECT CAST(e->>0 AS INTEGER) AS b_index, {columns} "
+        "FROM json_array_elements(CAST(%(rows)s AS json)) AS e) AS given "
         "WHERE items.job_id = %(job_id)s AND items.index >= %(lo)s AND items.index <= %(hi)s "
         "AND items.index = given.b_index AND items.status = %(pending)s "
         "RETURNING items.index")

@@ -179,22 +179,31 @@ def _mixed_outcomes():
             Outcome.failure(1, "boom", worker="w", started_at=when, finished_at=when),
             Outcome(2, ItemStatus.completed, output=storable("a\x00b\ud800"), token_ids=[],
                     finish_reason="stop", prompt_tokens=0, counters=Counters(), worker="w",
-                    started_at=when, finished_at=when)]
+                    started_at=when, finished_at=when),
+            # text that quoting gets wrong, floats at their edges, a time with microseconds
+            # and another zone, a large id
+            Outcome(3, ItemStatus.completed, output='{"a", b}\\ \n\t NULL \u00e9\U0001F600',
+                    token_ids=[2**31 - 1, 0], finish_reason="stop", prompt_tokens=2**20,
+                    counters=Counters(draft_time=0.1, verify_time=1e-300, mask_time=float("inf"),
+                                      accepted_by_position=[0]),
+                    worker='h,"q"', started_at=datetime(2026, 1, 2, 3, 4, 5, 678901,
+                                                        tzinfo=timezone.utc),
+                    finished_at=datetime.fromisoformat("2026-01-02T05:04:06.000001+02:00"))]
 
 
 def test_one_statement_writes_what_one_per_item_writes(db_url, sessions, monkeypatch):
-    """PostgreSQL writes a batch of outcomes in one statement over arrays: every column it
-    stores (NULLs, JSON, times, text made storable) equals what one UPDATE per item
-    stores, and the writes and sums bookkeeping too."""
+    """PostgreSQL writes a batch of outcomes in one statement over a JSON document: every
+    column it stores (NULLs, JSON, times, floats, text made storable or hard to quote)
+    equals what one UPDATE per item stores, and the writes and sums bookkeeping too."""
     if not db_url.startswith("postgresql"):
         pytest.skip("the one-statement write is PostgreSQL's")
-    one_by_one = _job(sessions, n=3, chunk_size=3)
-    at_once = _job(sessions, n=3, chunk_size=3)
+    one_by_one = _job(sessions, n=4, chunk_size=4)
+    at_once = _job(sessions, n=4, chunk_size=4)
     with sessions.begin() as s:
         monkeypatch.setattr(repo, "_store_set", repo._store_each)
-        assert repo.write_outcomes(s, job_id=one_by_one, outcomes=_mixed_outcomes()) == 3
+        assert repo.write_outcomes(s, job_id=one_by_one, outcomes=_mixed_outcomes()) == 4
         monkeypatch.undo()
-        assert repo.write_outcomes(s, job_id=at_once, outcomes=_mixed_outcomes()) == 3
+        assert repo.write_outcomes(s, job_id=at_once, outcomes=_mixed_outcomes()) == 4
     assert _item_columns(sessions, at_once) == _item_columns(sessions, one_by_one)
     failures = _job(sessions, n=2, chunk_size=2)  # every counter column all NULL
     with sessions.begin() as s:
