@@ -461,12 +461,10 @@ def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 
 def left_pad(seqs: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Ragged token lists -> ids [B, T] and valid [B, T], padded on the left."""
+    """Ragged token lists -> ids [B, T] and valid [B, T], padded on the left (built from
+    lists in one call each: a copy per row cost more than the prefill of a short prompt)."""
     T = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), T), pad_id, dtype=torch.long)
-    valid = torch.zeros(len(seqs), T, dtype=torch.bool)
-    for i, s in enumerate(seqs):
-        if s:
-            ids[i, T - len(s) :] = torch.tensor(s)
-            valid[i, T - len(s) :] = True
+    ids = torch.tensor([[pad_id] * (T - len(s)) + list(s) for s in seqs], dtype=torch.long)
+    lengths = torch.tensor([len(s) for s in seqs], dtype=torch.long)
+    valid = torch.arange(T) >= (T - lengths)[:, None]
     return upload(ids, device), upload(valid, device)

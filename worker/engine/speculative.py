@@ -33,6 +33,7 @@ from specq.worker.engine.step import Step
 
 log = logging.getLogger(__name__)
 ADMIT_SHARE = 4  # refills wait for 1 / ADMIT_SHARE of the batch: one prefill, not a stall a row
+ONE_TOKEN_TOKENS = 4096  # prompt tokens an admission may prefill for one-token rows past a batch
 
 
 def model_context(model: PreTrainedModel) -> int:
@@ -256,19 +257,35 @@ class SpeculativeEngine:
               ) -> list[tuple[int, Row]]:
         """Rows for the batch's free places from the waiting requests, as (request index,
         row); a request that cannot be served (too long, a grammar refused) is handed back
-        failed and the next one takes its place."""
+        failed and the next one takes its place.
+
+        A request of one new token ends at the first token, which the prefill yields: it
+        takes no place, so past a batch's worth of rows more of them join the same prefill
+        while the rows past it hold ONE_TOKEN_TOKENS prompt tokens in all (classification
+        and scoring jobs: one pass for many rows, its size still bounded)."""
         new: list[tuple[int, Row]] = []
-        while waiting and len(self.rows) + len(new) < self.max_batch_size:
-            free = self.max_batch_size - len(self.rows) - len(new)
-            taken = [waiting.popleft() for _ in range(min(free, len(waiting)))]
+        places = self.max_batch_size - len(self.rows)
+        spare = ONE_TOKEN_TOKENS
+        while waiting and places > 0 and spare > 0:
+            taken: list[tuple[int, Request]] = []
+            while waiting and places > 0 and len(taken) < self.max_batch_size:
+                taken.append(waiting.popleft())
+                places -= taken[-1][1].max_new_tokens > 1
             encoded = encode_prompts(self.tokenizer, [req for _, req in taken], self.context)
-            for (i, req), ids in zip(taken, encoded):
+            for k, ((i, req), ids) in enumerate(zip(taken, encoded)):
+                if len(new) >= self.max_batch_size and isinstance(ids, list):
+                    spare -= len(ids)  # rows past a batch's worth: one-token ones, mostly
+                    if spare < 0:
+                        waiting.extendleft(reversed(taken[k:]))
+                        places += sum(r.max_new_tokens > 1 for _, r in taken[k:])
+                        break
                 try:
                     if isinstance(ids, RequestError):
                         raise ids
                     matcher = self.grammars.matcher(req.response_format)
                 except (RequestError, GrammarError) as exc:
                     hand_back(i, Result(id=req.id, error=str(exc)))
+                    places += req.max_new_tokens > 1
                     continue
                 row = Row(req, ids, self.eos_ids, self.tokenizer)
                 row.matcher = matcher

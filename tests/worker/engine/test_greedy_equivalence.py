@@ -4,6 +4,7 @@ import logging
 
 import pytest
 
+from specq.worker.engine import speculative
 from specq.worker.engine.batch import LAZY_SHARE, MIN_WASTE, WASTE_SHARE, KVRows
 from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine
@@ -119,6 +120,31 @@ def test_refills_wait_for_a_group_and_share_its_prefill(tiny_models, tiny_tokeni
     assert min(sizes[3][:full_until]) >= 8 - 3 + 1
     assert SpeculativeEngine(tiny_models["target"], tiny_tokenizer, max_batch_size=16
                              ).admit_group == 4  # by default a quarter of the batch
+
+
+def test_one_token_rows_share_a_prefill_within_its_token_bound(tiny_models, tiny_tokenizer,
+                                                              make_requests, check_greedy,
+                                                              monkeypatch):
+    """Requests of one new token take no place, so many of them join one prefill past the
+    batch's places; the rows past a batch's worth hold at most ONE_TOKEN_TOKENS prompt tokens,
+    and each answer is the target's own first greedy token."""
+    requests = make_requests(40, seed=4)
+    for req in requests:
+        req.max_new_tokens = 1
+    tokens = {req.id: len(req.prompt_token_ids) for req in requests}
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, max_batch_size=4)
+    assert check_greedy(requests, engine.generate(requests)) == 0
+    assert engine.admissions == 1  # 40 short prompts: one pass, not ten
+
+    bound = sum(sorted(tokens.values())[-5:])  # at least the five longest prompts
+    monkeypatch.setattr(speculative, "ONE_TOKEN_TOKENS", bound)
+    groups: list[list] = []
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, max_batch_size=4)
+    assert check_greedy(requests, engine.generate(requests, on_admit=groups.append)) == 0
+    assert [i for g in groups for i in g] == [req.id for req in requests]  # in order, once
+    assert all(sum(tokens[i] for i in g[4:]) <= bound for g in groups)
+    assert all(len(g) > 4 for g in groups[:-1])  # every full prefill went past the batch
+    assert engine.admissions == len(groups) < 40 // 4
 
 
 def test_a_row_its_first_token_ends_never_joins_the_batch(tiny_models, tiny_tokenizer,
