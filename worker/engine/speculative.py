@@ -33,7 +33,7 @@ from specq.worker.engine.step import Step
 
 log = logging.getLogger(__name__)
 ADMIT_SHARE = 4  # refills wait for 1 / ADMIT_SHARE of the batch: one prefill, not a stall a row
-ONE_TOKEN_TOKENS = 4096  # prompt tokens an admission may prefill for one-token rows past a batch
+ONE_TOKEN_TOKENS = 256  # prompt tokens of one-token rows past a batch, per place of the batch
 
 
 def model_context(model: PreTrainedModel) -> int:
@@ -261,11 +261,12 @@ class SpeculativeEngine:
 
         A request of one new token ends at the first token, which the prefill yields: it
         takes no place, so past a batch's worth of rows more of them join the same prefill
-        while the rows past it hold ONE_TOKEN_TOKENS prompt tokens in all (classification
-        and scoring jobs: one pass for many rows, its size still bounded)."""
+        while the rows past it hold ONE_TOKEN_TOKENS prompt tokens per place of the batch
+        (classification and scoring jobs: one pass for many rows; a batch halved after an
+        out-of-memory error halves these rows too)."""
         new: list[tuple[int, Row]] = []
         places = self.max_batch_size - len(self.rows)
-        spare = ONE_TOKEN_TOKENS
+        spare = ONE_TOKEN_TOKENS * self.max_batch_size
         while waiting and places > 0 and spare > 0:
             taken: list[tuple[int, Request]] = []
             while waiting and places > 0 and len(taken) < self.max_batch_size:

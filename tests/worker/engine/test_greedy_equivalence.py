@@ -126,8 +126,8 @@ def test_one_token_rows_share_a_prefill_within_its_token_bound(tiny_models, tiny
                                                               make_requests, check_greedy,
                                                               monkeypatch):
     """Requests of one new token take no place, so many of them join one prefill past the
-    batch's places; the rows past a batch's worth hold at most ONE_TOKEN_TOKENS prompt tokens,
-    and each answer is the target's own first greedy token."""
+    batch's places; the rows past a batch's worth hold at most ONE_TOKEN_TOKENS prompt tokens
+    per place, and each answer is the target's own first greedy token."""
     requests = make_requests(40, seed=4)
     for req in requests:
         req.max_new_tokens = 1
@@ -136,8 +136,9 @@ def test_one_token_rows_share_a_prefill_within_its_token_bound(tiny_models, tiny
     assert check_greedy(requests, engine.generate(requests)) == 0
     assert engine.admissions == 1  # 40 short prompts: one pass, not ten
 
-    bound = sum(sorted(tokens.values())[-5:])  # at least the five longest prompts
-    monkeypatch.setattr(speculative, "ONE_TOKEN_TOKENS", bound)
+    per_place = -(-sum(sorted(tokens.values())[-5:]) // 4)  # the 5 longest fit 4 places
+    monkeypatch.setattr(speculative, "ONE_TOKEN_TOKENS", per_place)
+    bound = 4 * per_place
     groups: list[list] = []
     engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, max_batch_size=4)
     assert check_greedy(requests, engine.generate(requests, on_admit=groups.append)) == 0
