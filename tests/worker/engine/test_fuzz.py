@@ -205,6 +205,7 @@ def test_every_mix_gives_what_each_request_gives_alone(case, tiny_models, tiny_t
     def on_step(_) -> None:
         nonlocal steps
         steps += 1
+        assert engine.kv.packed  # the tiny target is a Llama: the fuzz runs the packed forward
         if steps == case.oom_at:
             raise torch.OutOfMemoryError("CUDA out of memory (injected by the fuzz)")
 
