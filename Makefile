@@ -28,9 +28,10 @@ services:
 # idle while they wait on workers and leases, and a cold mypy (about 50 s) fills most of it.
 # Its verdict counts as before: the target fails when either fails.
 test: venv services
-	@$(PY) -m mypy > .mypy.out 2>&1 & mypy=$$!; \
+	@start=$$(date +%s); $(PY) -m mypy > .mypy.out 2>&1 & mypy=$$!; \
 	$(PY) -m pytest -q -n 2 --dist loadfile; tests=$$?; \
 	wait $$mypy; typed=$$?; echo "mypy:"; cat .mypy.out; rm -f .mypy.out; \
+	echo "the suite (pytest beside mypy): $$(( $$(date +%s) - start )) s"; \
 	[ $$tests -eq 0 ] && [ $$typed -eq 0 ]
 
 # the edit loop: everything but the fleets of worker subprocesses (tests/pipeline) and the
