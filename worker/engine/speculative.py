@@ -36,6 +36,12 @@ ADMIT_SHARE = 4  # refills wait for 1 / ADMIT_SHARE of the batch: one prefill, n
 ONE_TOKEN_TOKENS = 256  # prompt tokens of one-token rows past a batch, per place of the batch
 
 
+def _takes_place(request: Request) -> bool:
+    """Whether the request stays in the batch after its prefill: one of a single new token
+    ends at the token the prefill yields."""
+    return request.max_new_tokens > 1
+
+
 def model_context(model: PreTrainedModel) -> int:
     return context_length(model.config.get_text_config().to_dict())
 
@@ -271,14 +277,14 @@ class SpeculativeEngine:
             taken: list[tuple[int, Request]] = []
             while waiting and places > 0 and len(taken) < self.max_batch_size:
                 taken.append(waiting.popleft())
-                places -= taken[-1][1].max_new_tokens > 1
+                places -= _takes_place(taken[-1][1])
             encoded = encode_prompts(self.tokenizer, [req for _, req in taken], self.context)
             for k, ((i, req), ids) in enumerate(zip(taken, encoded)):
                 if len(new) >= self.max_batch_size and isinstance(ids, list):
                     spare -= len(ids)  # rows past a batch's worth: one-token ones, mostly
                     if spare < 0:
                         waiting.extendleft(reversed(taken[k:]))
-                        places += sum(r.max_new_tokens > 1 for _, r in taken[k:])
+                        places += sum(_takes_place(r) for _, r in taken[k:])
                         break
                 try:
                     if isinstance(ids, RequestError):
@@ -286,7 +292,7 @@ class SpeculativeEngine:
                     matcher = self.grammars.matcher(req.response_format)
                 except (RequestError, GrammarError) as exc:
                     hand_back(i, Result(id=req.id, error=str(exc)))
-                    places += req.max_new_tokens > 1
+                    places += _takes_place(req)
                     continue
                 row = Row(req, ids, self.eos_ids, self.tokenizer)
                 row.matcher = matcher
