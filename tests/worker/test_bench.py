@@ -103,7 +103,9 @@ def test_bench_workloads_table(tmp_path, capsys):
         assert {r["draft"] for r in runs} == {"preset:suffix", "lookup"}
         for r in runs:  # (None: an adaptive run that never drafted)
             assert r["tokens_per_step"] >= 1
-            assert r["propose_share"] is None or 0 <= r["propose_share"] < 1
+            # a ratio of two timings, with no bound above: beside a tiny target's pass the
+            # suffix drafter's Python can take as long as the pass (a fresh clone: 1.01)
+            assert r["propose_share"] is None or 0 <= r["propose_share"] < float("inf")
             assert r["propose_share"] is not None or r["method"] != FIXED
         for r in report["runs"]:
             cells = f"{name}  {r['draft'] or '-'}  {r['method']}"
