@@ -153,7 +153,7 @@ def _timed(call: Any) -> tuple[float, Any]:
 def _cli_seconds(settings: Settings, *argv: str) -> float:
     """Wall seconds of a `specq` command, start-up included."""
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "specq.api.cli", *argv], env=subprocess_env(settings),
+    subprocess.run([sys.executable, "-m", "specq", *argv], env=subprocess_env(settings),
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, check=True)
     return time.perf_counter() - t0
 

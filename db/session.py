@@ -12,6 +12,8 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from specq.db.timeouts import pg_timeouts
+
 log = logging.getLogger(__name__)
 
 ALEMBIC_INI = Path(__file__).with_name("alembic.ini")
@@ -80,20 +82,6 @@ def _session_ended(ctx: Any) -> None:
         ctx.is_disconnect = True
         raise OperationalError(ctx.statement, ctx.parameters, orig,
                                connection_invalidated=True) from orig
-
-
-def pg_timeouts(timeout: float) -> dict[str, int]:
-    """libpq's bounds on one call, from ``timeout`` seconds: connecting takes at most that
-    (2 s at least: libpq's floor), data the server leaves unacknowledged fails after it
-    (tcp_user_timeout), and a silent idle server is noticed by keepalives within it. A cut
-    network is then an error a worker retries, never a hang. (A path that acknowledges
-    and then holds the data, a stalled proxy, is bounded by no socket option: the keeper
-    gives its lease up on time instead, worker/keeper.py.)"""
-    idle = max(1, int(timeout / 3))
-    interval = max(1, int(timeout / 6))
-    return {"connect_timeout": max(2, round(timeout)), "keepalives": 1,
-            "keepalives_idle": idle, "keepalives_interval": interval, "keepalives_count": 3,
-            "tcp_user_timeout": int(timeout * 1000)}
 
 
 def session_factory(url: str, timeout: float = 10.0,
