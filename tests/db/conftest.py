@@ -34,6 +34,19 @@ def sessions(db_url):
     return session_factory(db_url)
 
 
+def queued_job(sessions, n=10, chunk_size=4, queue="q.tiny") -> int:
+    """A queued job of n prompts p0, p1, ... on pair tiny, its chunks stored; its id."""
+    with sessions.begin() as s:
+        job = repo.create_job(s, pair="tiny", params={}, chunk_size=chunk_size, source=None,
+                              queue=queue)
+        rows = ({"index": i, "custom_id": None, "prompt": f"p{i}", "messages": None,
+                 "params": None} for i in range(n))
+        job.total = repo.insert_items(s, job_id=job.id, rows=rows)
+        job.status = JobStatus.queued.value
+        chunks.insert_chunks(s, job_id=job.id, total=n, chunk_size=chunk_size)
+        return job.id
+
+
 # Jobs with known outcomes, written through db/repository.py as workers write them: what the
 # views and the worked queries of docs/database.md are checked against.
 

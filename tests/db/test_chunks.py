@@ -14,18 +14,7 @@ from specq.db.models import Chunk, Item, ItemStatus, JobStatus
 from specq.db.outcomes import Outcome
 from specq.schema.counters import Counters
 from tests.conftest import live_leases, wait_until
-
-
-def _job(sessions, n=10, chunk_size=4, queue="q.tiny"):
-    with sessions.begin() as s:
-        job = repo.create_job(s, pair="tiny", params={}, chunk_size=chunk_size, source=None,
-                              queue=queue)
-        rows = ({"index": i, "custom_id": None, "prompt": f"p{i}", "messages": None,
-                 "params": None} for i in range(n))
-        job.total = repo.insert_items(s, job_id=job.id, rows=rows)
-        job.status = JobStatus.queued.value
-        chunks.insert_chunks(s, job_id=job.id, total=n, chunk_size=chunk_size)
-        return job.id
+from tests.db.conftest import queued_job as _job
 
 
 def test_the_database_clock_is_seconds_since_the_epoch(sessions):

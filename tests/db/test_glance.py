@@ -19,6 +19,7 @@ from specq.db.models import ItemStatus, Job, JobStatus
 from specq.db.outcomes import Outcome
 from specq.db.session import migrate
 from specq.schema.counters import Counters
+from tests.db.conftest import queued_job
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -34,15 +35,7 @@ def client(request, monkeypatch, tmp_path):
 
 
 def _job(client, n=10, chunk_size=4) -> int:
-    with client.sessions.begin() as s:
-        job = repo.create_job(s, pair="tiny", params={}, chunk_size=chunk_size, source=None,
-                              queue="q.tiny")
-        rows = ({"index": i, "custom_id": None, "prompt": f"p{i}", "messages": None,
-                 "params": None} for i in range(n))
-        job.total = repo.insert_items(s, job_id=job.id, rows=rows)
-        job.status = JobStatus.queued.value
-        chunks.insert_chunks(s, job_id=job.id, total=n, chunk_size=chunk_size)
-        return job.id
+    return queued_job(client.sessions, n=n, chunk_size=chunk_size)
 
 
 def _outcome(i: int, status: ItemStatus) -> Outcome:
