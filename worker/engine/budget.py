@@ -10,12 +10,16 @@ tokens by survival.
 
 What one more token costs depends on the verify pass:
 
-- packed (batch.py: KVRows.packed): a pass costs what it carries. One more token costs
-  m = (t(2) - t(1)) / B seconds, the measured slope of a pass at this batch size. Tokens
-  are ranked by survival over all rows and kept while the step's expected tokens per
-  second grows: a token of survival s stays while s / m beats (B + the kept survivals) /
-  (t(1) + m x the kept tokens). The ranking keeps each row's tokens a prefix: survival
-  never grows along a row.
+- packed (batch.py: KVRows.packed): a pass costs what it carries, and its attention and
+  cache columns what its widest row carries. Once the policy has fitted the two parts at
+  this batch size (policy.PassFit: seconds per token carried and per column of the widest
+  row, from the passes it ran), TwoPart tries each width and keeps, within it, the tokens
+  likeliest to survive while they raise tokens per second. Until then one more token costs
+  m = (t(2) - t(1)) / B seconds, the measured slope of a pass at this batch size (Packed):
+  tokens are ranked by survival over all rows and kept while the step's expected tokens
+  per second grows, a token of survival s staying while s / m beats (B + the kept
+  survivals) / (t(1) + m x the kept tokens). Either way the ranking keeps each row's tokens
+  a prefix: survival never grows along a row.
 - padded: every row pays for the widest row, a pass over w drafts costs t(w + 1). The step
   takes the width w with the most expected tokens per second, (B + survivals within w) /
   t(w + 1); each row keeps its first w tokens, less a tail that cannot survive
@@ -103,6 +107,47 @@ class Packed:
             tokens += s
             seconds += self.per_token
         return kept
+
+
+@dataclass
+class TwoPart:
+    """A packed verify pass priced in its two parts, as measured (policy.PassFit): ``plain``
+    seconds for one token a row, ``per_token`` for each draft token carried, and
+    ``per_column`` for each column the widest row adds: attention stays padded to the
+    widest row, and every row's cache gets its columns, so a lone wide row costs more than
+    the same tokens spread over many rows (docs/benchmarks.md, "where the batch-16 gap is":
+    0.155 ms a row and column beside 1.7 ms a token at batch 16 on a CPU).
+
+    Each width w is tried: the pass pays for its columns, and within it tokens are kept in
+    order of survival while they raise tokens per second; the width with the most tokens
+    per second wins (w = 0: a plain pass)."""
+
+    plain: float
+    per_token: float
+    per_column: float
+    batch: int
+
+    def allot(self, survivals: list[list[float]]) -> list[int]:
+        ranked = sorted(((s, b, j) for b, row in enumerate(survivals)
+                         for j, s in enumerate(row)), key=lambda t: (-t[0], t[1], t[2]))
+        best, best_rate = [0] * len(survivals), self.batch / self.plain
+        widest = max((len(row) for row in survivals), default=0)
+        for w in range(1, widest + 1):
+            kept = [0] * len(survivals)
+            tokens, carried = float(self.batch), 0
+            columns = self.plain + self.per_column * w
+            for s, b, j in ranked:
+                if j >= w or j != kept[b]:  # past the width, or a row's prefix ended
+                    continue
+                if s <= 0 or s * (columns + self.per_token * carried) <= self.per_token * tokens:
+                    break
+                kept[b] += 1
+                tokens += s
+                carried += 1
+            seconds = self.plain + self.per_token * carried + self.per_column * max(kept)
+            if tokens / seconds > best_rate:
+                best, best_rate = kept, tokens / seconds
+        return best
 
 
 def _alive(row: list[float]) -> int:

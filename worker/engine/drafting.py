@@ -109,7 +109,7 @@ class Drafting:
     def observe(self, step: Step, rows: list[Row], emitted: list[list[int]]) -> None:
         """What the step did (after the rows took its tokens: ``emitted`` per row)."""
         self.policy.observe(step.g, *own(step), step.t_draft, step.t_verify,
-                            step.verify_tokens)
+                            step.verify_tokens, carried=sum(step.num_draft))
 
 
 class ShadowedDrafting(Drafting):

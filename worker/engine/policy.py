@@ -49,6 +49,8 @@ HISTORY = 1024  # g of the latest steps kept, for benchmarks and logs (a worker 
 CONFIDENCE_BINS = 10  # a drafter's confidence in [0, 1] is judged in this many equal bins
 CONFIDENCE_DECAY = 0.99  # per verdict in a bin: acceptance at a confidence follows the job
 CONFIDENCE_PRIOR = 2.0  # verdicts a bin starts with: the drafter taken at its word at first
+FIT_DECAY = 0.98  # a pass's weight against the next in PassFit: a line wants more points
+FIT_READY = 8.0  # ragged passes (decayed) before PassFit prices the budget
 
 
 def expected_tokens(alpha: float, g: int, propose_rate: float = 1.0) -> float:
@@ -86,6 +88,57 @@ class _Decayed:
         return self.total / self.weight
 
 
+class PassFit:
+    """A packed verify pass's seconds at one batch size B as plain + per_token x draft
+    tokens carried + per_column x (the widest row's tokens - 1), by least squares over
+    the passes measured, each decayed (FIT_DECAY) and capped at STALL_CLIP times what the
+    fit predicted for it. Passes in which every row carries as many tokens (calibration's)
+    cannot tell a token from a column, B tokens coming with each column: the fit prices
+    nothing (None) until FIT_READY ragged passes came."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.xtx = [[0.0] * 3 for _ in range(3)]
+        self.xty = [0.0] * 3
+        self.ragged = 0.0
+
+    def add(self, carried: int, width: int, seconds: float) -> None:
+        """A pass that carried ``carried`` draft tokens, its widest row ``width`` tokens."""
+        x = (1.0, float(carried), float(width - 1))
+        fit = self.solve()
+        if fit is not None:
+            seconds = min(seconds, STALL_CLIP * sum(c * v for c, v in zip(fit, x)))
+        for i in range(3):
+            self.xty[i] = self.xty[i] * FIT_DECAY + x[i] * seconds
+            for k in range(3):
+                self.xtx[i][k] = self.xtx[i][k] * FIT_DECAY + x[i] * x[k]
+        self.ragged = self.ragged * FIT_DECAY + float(carried != self.batch * (width - 1))
+
+    def solve(self) -> tuple[float, float, float] | None:
+        """(plain, per_token, per_column) seconds, or None (too few ragged passes, or a fit
+        that says a plain pass costs nothing). Negative slopes are noise: taken as 0."""
+        if self.ragged < FIT_READY:
+            return None
+        a, y = self.xtx, self.xty
+        det = _det3(a)
+        if abs(det) <= 1e-12 * max(abs(a[0][0]), 1.0) ** 3:
+            return None
+        coef = []
+        for i in range(3):  # Cramer's rule: column i replaced by y
+            m = [[y[r] if c == i else a[r][c] for c in range(3)] for r in range(3)]
+            coef.append(_det3(m) / det)
+        plain, per_token, per_column = coef
+        if plain <= 0:
+            return None
+        return plain, max(per_token, 0.0), max(per_column, 0.0)
+
+
+def _det3(m: list[list[float]]) -> float:
+    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
+            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
+            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+
+
 class CostTable:
     """Seconds of a target pass over n tokens per row, and of a draft token, per batch size.
 
@@ -97,6 +150,7 @@ class CostTable:
     def __init__(self) -> None:
         self.verify: dict[int, dict[int, _Decayed]] = {}  # batch -> tokens per row -> s
         self.draft: dict[int, _Decayed] = {}  # batch -> seconds per draft token
+        self.passes: dict[int, PassFit] = {}  # batch -> packed passes, in two parts
 
     def add(self, batch: int, t_verify: dict[int, list[float]],
             t_draft: Iterable[float] = ()) -> None:
@@ -106,6 +160,19 @@ class CostTable:
                     n, _Decayed(COST_DECAY, STALL_CLIP)).add(t)
         for t in t_draft:
             self.draft.setdefault(batch, _Decayed(COST_DECAY, STALL_CLIP)).add(t)
+        for n, times in t_verify.items():  # every row n tokens: n - 1 drafts each
+            for t in times:
+                self.add_pass(batch, batch * (n - 1), n, t)
+
+    def add_pass(self, batch: int, carried: int, width: int, seconds: float) -> None:
+        """A packed pass at this batch size: ``carried`` draft tokens, the widest row
+        ``width`` tokens (PassFit)."""
+        self.passes.setdefault(batch, PassFit(batch)).add(carried, width, seconds)
+
+    def pass_fit(self, batch: int) -> tuple[float, float, float] | None:
+        """A packed pass at this batch size in two parts (PassFit.solve), or None."""
+        fit = self.passes.get(batch)
+        return None if fit is None else fit.solve()
 
     def state(self) -> dict[str, Any]:
         """The table as JSON (a calibration cache keeps it between processes): per batch
@@ -381,8 +448,9 @@ class DraftLengthPolicy:
         seconds = [self.t_verify(w + 1) for w in range(widest + 1)]
         if any(t is None for t in seconds):
             return list(num_draft)
-        cost = budget.verify_cost([t for t in seconds if t is not None], len(num_draft),
-                                  packed)
+        fit = self.costs.pass_fit(len(num_draft)) if packed else None
+        cost = budget.TwoPart(*fit, batch=len(num_draft)) if fit else budget.verify_cost(
+            [t for t in seconds if t is not None], len(num_draft), packed)
         return cost.allot(self.survivals(num_draft, forced, confidence))
 
     def survivals(self, num_draft: list[int], forced: list[list[int]],
@@ -426,15 +494,24 @@ class DraftLengthPolicy:
         self.costs.add(batch, t_verify, t_draft)
 
     def observe(self, g: int, num_draft: list[int], num_accepted: list[int],
-                t_draft: float, t_verify: float, verify_tokens: int) -> None:
+                t_draft: float, t_verify: float, verify_tokens: int,
+                carried: int | None = None) -> None:
         """Record one step at draft length g: per-row proposals and acceptances, the
-        drafting time, and the target pass's time over ``verify_tokens`` tokens per row."""
+        drafting time, and the target pass's time over ``verify_tokens`` tokens per row
+        (the widest row's); ``carried``: the draft tokens the pass carried in all, for the
+        packed pass's two-part price (PassFit)."""
         self.steps += 1
         self.history.append(g)
         self._batch = len(num_draft)
         if verify_tokens == 1:
             self._plain_at[self._batch] = self.steps
-        self.costs.add(self._batch, {verify_tokens: [t_verify]}, [t_draft / g] if g else [])
+        self.costs.verify.setdefault(self._batch, {}).setdefault(
+            verify_tokens, _Decayed(COST_DECAY, STALL_CLIP)).add(t_verify)
+        if g:
+            self.costs.draft.setdefault(self._batch, _Decayed(COST_DECAY, STALL_CLIP)).add(
+                t_draft / g)
+        if carried is not None and self.packed:
+            self.costs.add_pass(self._batch, carried, verify_tokens, t_verify)
         if g:
             self._drafted_at = self.steps
             self.acceptance.add(num_draft, num_accepted)

@@ -7,9 +7,9 @@ import pytest
 
 from specq.worker.engine import budget
 from specq.worker.engine.batch import KVRows
-from specq.worker.engine.budget import NEGLIGIBLE, Packed, Padded, chain, verify_cost
+from specq.worker.engine.budget import NEGLIGIBLE, Packed, Padded, TwoPart, chain, verify_cost
 from specq.worker.engine.drafters import DraftModel, PromptLookup
-from specq.worker.engine.policy import DraftLengthPolicy, Pinned, Widths
+from specq.worker.engine.policy import DraftLengthPolicy, PassFit, Pinned, Widths
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.engine.suffix import SuffixDrafter
 
@@ -155,3 +155,49 @@ def test_rows_cut_by_the_budget_stay_lossless(drafter, monkeypatch, tiny_models,
     requests = make_requests(12, seed=3)
     assert check_greedy(requests, engine.generate(requests)) <= 2
     assert any(cuts), "the budget never cut a row: the test shows nothing"
+
+
+def two_part_rate(survivals, kept, cost):
+    tokens = cost.batch + sum(sum(r[:k]) for r, k in zip(survivals, kept))
+    seconds = (cost.plain + cost.per_token * sum(kept)
+               + cost.per_column * max(kept, default=0))
+    return tokens / seconds
+
+
+def test_two_part_prices_a_lone_wide_row_by_its_columns():
+    """A column costs all rows: one row's guess does not pay for it, eight rows' do."""
+    cost = TwoPart(plain=1.0, per_token=0.01, per_column=0.05, batch=8)
+    guess = chain([0.3, 0.3])
+    assert cost.allot([guess] + [[]] * 7) == [0] * 8  # 8.3 tokens in 1.06 s: below 8 in 1
+    assert Packed(1.0, 0.01, 8).allot([guess] + [[]] * 7)[0] == 2  # tokens alone: kept
+    assert cost.allot([guess] * 8) == [1] * 8  # 10.4 tokens in 1.13 s; a second column no
+    assert cost.allot([chain([0.95] * 4)] * 8) == [4] * 8  # sure drafts go wide
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_two_part_allotment_is_near_the_best_of_every_prefix_choice(seed):
+    rng = random.Random(seed)
+    B = rng.randint(1, 3)
+    survivals = [chain([rng.random() ** 0.5 for _ in range(rng.randint(0, 3))])
+                 for _ in range(B)]
+    cost = TwoPart(plain=1.0, per_token=rng.uniform(0.01, 0.3),
+                   per_column=rng.uniform(0.0, 0.3), batch=B)
+    best = max(two_part_rate(survivals, kept, cost)
+               for kept in itertools.product(*(range(len(r) + 1) for r in survivals)))
+    assert two_part_rate(survivals, cost.allot(survivals), cost) >= 0.98 * best
+
+
+def test_the_pass_fit_waits_for_ragged_passes_then_finds_both_parts():
+    fit = PassFit(batch=8)
+
+    def seconds(carried, width):
+        return 0.1 + 0.002 * carried + 0.004 * (width - 1)
+
+    for n in (1, 2, 5) * 4:  # full widths: a token and a column cannot be told apart
+        fit.add(8 * (n - 1), n, seconds(8 * (n - 1), n))
+    assert fit.solve() is None
+    for carried, width in [(1, 2), (3, 2), (2, 3), (4, 5), (1, 5), (6, 3)] * 2:
+        fit.add(carried, width, seconds(carried, width))
+    assert fit.solve() == pytest.approx((0.1, 0.002, 0.004), rel=1e-6)
+    fit.add(2, 3, 50.0)  # a stall: capped at STALL_CLIP times the fit's own prediction
+    assert fit.solve()[0] < 0.2
