@@ -19,7 +19,12 @@ def main(argv: list[str] | None = None) -> int:
 
         text = status_text(int(args[1]))
         if text is not None:
-            print(text)
+            try:
+                print(text, flush=True)
+            except BrokenPipeError:  # `specq status 1 | head -1`: as cli.py ends it
+                from specq.api.cli import _reader_gone
+
+                return _reader_gone()
             return 0
     from specq.api.cli import main as cli_main
 

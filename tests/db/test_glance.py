@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 
 import pytest
 
-from specq.api.client import Client
+from specq.api.client import RUNNABLE, Client
 from specq.configs.settings import Settings
 from specq.db import chunks, glance
 from specq.db import repository as repo
@@ -98,6 +99,45 @@ def test_what_it_cannot_say_exactly_goes_the_clients_way(client, monkeypatch, tm
         monkeypatch.setenv("SPECQ_DATABASE_URL", elsewhere)
         assert glance.job_state(job_id) is None
     assert not (tmp_path / "none.db").exists()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_jobs_read_here_as_the_client_reads_them_or_not_at_all(client, seed):
+    """Random sizes, outcomes, faults, leases and statuses: where the fast read answers it
+    says what the client says (a running job with items pending only under a live lease)."""
+    rng = random.Random(seed)
+    answered = 0
+    for _ in range(8):
+        n, size = rng.randint(1, 12), rng.randint(1, 5)
+        job_id = _job(client, n=n, chunk_size=size)
+        with client.sessions.begin() as s:
+            done = rng.sample(range(n), rng.randint(0, n))
+            repo.write_outcomes(s, job_id=job_id, outcomes=[
+                _outcome(i, rng.choice([ItemStatus.completed, ItemStatus.failed]))
+                for i in done])
+            for start in rng.sample(range(0, n, size), rng.randint(0, 2) if n > size else 0):
+                chunks.add_fault(s, job_id=job_id, start=start, error=f"fault at {start}")
+            leased = rng.random() < 0.5
+            if leased:
+                chunks.claim(s, job_id=job_id, start=0, owner="w", ttl=60)
+            repo.set_job_status(s, job_id=job_id, status=rng.choice(list(JobStatus)))
+            if rng.random() < 0.2:
+                s.get(Job, job_id).error = "a chunk failed on a worker"
+        said = glance.job_state(job_id)
+        if said is None:
+            continue
+        answered += 1
+        assert said == _client_says(client, job_id, check_workers=False)
+        if said["status"] in glance.RUNNABLE and said["pending"]:
+            assert leased
+        else:
+            assert said == _client_says(client, job_id)
+    assert answered, "no job was read here: the test shows nothing"
+
+
+def test_its_status_sets_are_the_clients():
+    assert set(glance.RUNNABLE) == set(RUNNABLE)
+    assert set(glance.FINISHED) == {s.value for s in JobStatus if s.finished}
 
 
 def test_the_database_is_the_one_the_settings_would_pick(tmp_path, monkeypatch):

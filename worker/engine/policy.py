@@ -101,22 +101,26 @@ class PassFit:
         self.xtx = [[0.0] * 3 for _ in range(3)]
         self.xty = [0.0] * 3
         self.ragged = 0.0
+        self._fit: tuple[float, float, float] | None = None  # solved once a pass
 
     def add(self, carried: int, width: int, seconds: float) -> None:
         """A pass that carried ``carried`` draft tokens, its widest row ``width`` tokens."""
         x = (1.0, float(carried), float(width - 1))
-        fit = self.solve()
-        if fit is not None:
-            seconds = min(seconds, STALL_CLIP * sum(c * v for c, v in zip(fit, x)))
+        if self._fit is not None:
+            seconds = min(seconds, STALL_CLIP * sum(c * v for c, v in zip(self._fit, x)))
         for i in range(3):
             self.xty[i] = self.xty[i] * FIT_DECAY + x[i] * seconds
             for k in range(3):
                 self.xtx[i][k] = self.xtx[i][k] * FIT_DECAY + x[i] * x[k]
         self.ragged = self.ragged * FIT_DECAY + float(carried != self.batch * (width - 1))
+        self._fit = self._solve()
 
     def solve(self) -> tuple[float, float, float] | None:
         """(plain, per_token, per_column) seconds, or None (too few ragged passes, or a fit
         that says a plain pass costs nothing). Negative slopes are noise: taken as 0."""
+        return self._fit
+
+    def _solve(self) -> tuple[float, float, float] | None:
         if self.ragged < FIT_READY:
             return None
         a, y = self.xtx, self.xty
@@ -153,21 +157,18 @@ class CostTable:
         self.passes: dict[int, PassFit] = {}  # batch -> packed passes, in two parts
 
     def add(self, batch: int, t_verify: dict[int, list[float]],
-            t_draft: Iterable[float] = ()) -> None:
+            t_draft: Iterable[float] = (), carried: int | None = None) -> None:
+        """Passes over n tokens per row (the widest row's) and draft token steps measured
+        at this batch size. ``carried``: the draft tokens a ragged pass carried in all (one
+        pass in ``t_verify``); None: every row carried n tokens (calibration's passes)."""
         for n, times in t_verify.items():
             for t in times:
                 self.verify.setdefault(batch, {}).setdefault(
                     n, _Decayed(COST_DECAY, STALL_CLIP)).add(t)
+                drafts = batch * (n - 1) if carried is None else carried
+                self.passes.setdefault(batch, PassFit(batch)).add(drafts, n, t)
         for t in t_draft:
             self.draft.setdefault(batch, _Decayed(COST_DECAY, STALL_CLIP)).add(t)
-        for n, times in t_verify.items():  # every row n tokens: n - 1 drafts each
-            for t in times:
-                self.add_pass(batch, batch * (n - 1), n, t)
-
-    def add_pass(self, batch: int, carried: int, width: int, seconds: float) -> None:
-        """A packed pass at this batch size: ``carried`` draft tokens, the widest row
-        ``width`` tokens (PassFit)."""
-        self.passes.setdefault(batch, PassFit(batch)).add(carried, width, seconds)
 
     def pass_fit(self, batch: int) -> tuple[float, float, float] | None:
         """A packed pass at this batch size in two parts (PassFit.solve), or None."""
@@ -505,13 +506,8 @@ class DraftLengthPolicy:
         self._batch = len(num_draft)
         if verify_tokens == 1:
             self._plain_at[self._batch] = self.steps
-        self.costs.verify.setdefault(self._batch, {}).setdefault(
-            verify_tokens, _Decayed(COST_DECAY, STALL_CLIP)).add(t_verify)
-        if g:
-            self.costs.draft.setdefault(self._batch, _Decayed(COST_DECAY, STALL_CLIP)).add(
-                t_draft / g)
-        if carried is not None and self.packed:
-            self.costs.add_pass(self._batch, carried, verify_tokens, t_verify)
+        self.costs.add(self._batch, {verify_tokens: [t_verify]}, [t_draft / g] if g else [],
+                       carried=carried)
         if g:
             self._drafted_at = self.steps
             self.acceptance.add(num_draft, num_accepted)
