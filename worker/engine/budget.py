@@ -10,8 +10,8 @@ tokens by survival.
 
 What one more token costs depends on the verify pass:
 
-- packed (batch.py: KVRows.packed): a pass costs what it carries, and its attention and
-  cache columns what its widest row carries. Once the policy has fitted the two parts at
+- packed (batch.py: KVRows.packed): a pass costs what it carries, and its cache
+  columns (and attention not split per row) what its widest row carries. Once the policy has fitted the two parts at
   this batch size (policy.PassFit: seconds per token carried and per column of the widest
   row, from the passes it ran), TwoPart tries each width and keeps, within it, the tokens
   likeliest to survive while they raise tokens per second. Until then one more token costs
@@ -113,10 +113,11 @@ class Packed:
 class TwoPart:
     """A packed verify pass priced in its two parts, as measured (policy.PassFit): ``plain``
     seconds for one token a row, ``per_token`` for each draft token carried, and
-    ``per_column`` for each column the widest row adds: attention stays padded to the
-    widest row, and every row's cache gets its columns, so a lone wide row costs more than
-    the same tokens spread over many rows (docs/benchmarks.md, "where the batch-16 gap is":
-    0.155 ms a row and column beside 1.7 ms a token at batch 16 on a CPU).
+    ``per_column`` for each column the widest row adds: every row's cache gets its columns,
+    and attention not split per row (packed.split) is as wide as the widest row, so a lone
+    wide row can cost more than the same tokens spread over many rows (docs/benchmarks.md,
+    "where the batch-16 gap is": 0.155 ms a row and column beside 1.7 ms a token at batch 16
+    on a CPU, before the split). The fit learns what the pass costs as it runs.
 
     Each width w is tried: the pass pays for its columns, and within it tokens are kept in
     order of survival while they raise tokens per second; the width with the most tokens

@@ -3,10 +3,12 @@
 KVRows.forward takes a padded block [B, T] (a verify step pads every row to the longest
 draft). transformers' forward pays for all B * T positions. Here the embeddings, the
 q/k/v/o projections, the MLP, the norms and the head run on the N valid tokens only,
-flattened to [N, hidden], so a row that carries no draft costs one token. Attention stays
-padded per row ([B, heads, T, L + T] over the row's own cache columns, its mask of real
-columns and the causal order of the new ones): at the context lengths of offline jobs the
-dense parts dominate a pass, as in gpt-fast's and vLLM's own Llama forwards.
+flattened to [N, hidden], so a row that carries no draft costs one token. Attention runs
+per row over the row's own cache columns, its mask of real columns and the causal order of
+the new ones ([B, heads, T, L + T]); on a CPU, where it costs what it computes, a pass with
+a few wide rows computes the narrow width for every row in one call and the wide rows' other
+queries in a call each (``split``): a lone row of 9 tokens no longer makes all 16 rows'
+attention 9 tokens wide (docs/benchmarks.md, "ragged attention").
 
 The weights, the RoPE module (with the model's rope scaling), the norms and the MLP are the
 loaded transformers model's own modules; only the wiring between them is ours. New keys and
@@ -31,6 +33,10 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 ENV = "SPECQ_PACKED_FORWARD"  # "0", "false", "off" or "no": transformers' forward always
+# what one more attention call costs on a CPU, in row x query x key columns of attention
+# work (measured: an SDPA call of one row is about 50 us, a query column over one key column
+# about 0.08 us on 2 cores; docs/benchmarks.md, "ragged attention")
+CALL_COLUMNS = 600
 FAMILIES = ("llama", "qwen2")  # model_type values whose layers have the shape below
 LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -109,6 +115,24 @@ def row_mask(mask: torch.Tensor, valid: torch.Tensor, groups: int = 1) -> torch.
     return allowed[:, None, None].expand(B, 1, groups, T, S).reshape(B, 1, groups * T, S)
 
 
+def split(extents: list[int], old: int, per_call: int | None = None) -> int:
+    """The width t every row's queries are computed at in one attention call; a row whose
+    valid tokens reach past t (``extents``: per row, the last valid position + 1) takes its
+    queries from t on in a call of its own. Each plan is priced in query x key columns
+    (query j of a pass over ``old`` cache columns sees old + j + 1 of them, rounded to the
+    call's widest) plus ``per_call`` for each call past the first; t = the widest extent
+    is the padded pass of before. ``per_call`` None: CALL_COLUMNS."""
+    per_call = CALL_COLUMNS if per_call is None else per_call
+    B, T = len(extents), max(extents)
+    best, best_cost = T, B * T * (old + T)
+    for t in range(1, T):
+        wide = [e for e in extents if e > t]
+        cost = B * t * (old + t) + sum(per_call + (e - t) * (old + e) for e in wide)
+        if cost < best_cost:
+            best, best_cost = t, cost
+    return best
+
+
 def _spread(x: torch.Tensor, index: torch.Tensor, B: int, T: int) -> torch.Tensor:
     """Packed rows [N, ...] back to their padded places [B, T, ...], zeros between."""
     out = x.new_zeros(B * T, *x.shape[1:])
@@ -147,9 +171,10 @@ class PackedForward:
         cos, sin = self.rope(x, positions.reshape(-1)[index][None])  # [1, N, D] each
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]
         allowed = row_mask(mask, valid, self.groups)  # [B, 1, groups * T, L + T]
+        plan = self._plan(valid, mask.shape[1])
         for i, layer in enumerate(self.layers):
             x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cache, i,
-                                    index, (B, T), cos, sin, allowed)
+                                    index, (B, T), cos, sin, allowed, plan)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = self.norm(x)  # [N, hidden]
         if last_only:
@@ -158,16 +183,34 @@ class PackedForward:
         return _spread(self.head(x), index, B, T)  # [B, T, V]
 
     @staticmethod
+    def _plan(valid: torch.Tensor, old: int) -> tuple[int, list[tuple[int, int]]]:
+        """How the attention of a pass is cut (``split``): the width t of the call over all
+        rows, and (row, extent) for each row whose queries go on past t. On a GPU, and for
+        a pass of one token a row, one padded call (t = T): there a call costs more than
+        the padding it saves."""
+        B, T = valid.shape
+        if T == 1 or valid.device.type != "cpu":
+            return T, []
+        last = torch.arange(1, T + 1, device=valid.device)[None] * valid  # [B, T]
+        extents = [max(e, 1) for e in last.max(1).values.tolist()]
+        t = split(extents, old)
+        return t, [(b, e) for b, e in enumerate(extents) if e > t]
+
+    @staticmethod
     def _attention(attn: Any, h: torch.Tensor, cache: Cache, layer: int,
                    index: torch.Tensor, shape: tuple[int, int], cos: torch.Tensor,
-                   sin: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+                   sin: torch.Tensor, allowed: torch.Tensor,
+                   plan: tuple[int, list[tuple[int, int]]]) -> torch.Tensor:
         """One layer's attention for packed tokens h [N, hidden]; returns [N, hidden].
 
         The new keys and values are written at the cache's next T columns; the queries,
         padded to [B, heads, T, D], attend over each row's columns as ``allowed`` says
         ([B, 1, groups * T, L + T], row_mask). Grouped-query heads go without copying the
         keys: the query heads that share a key head are laid along the query axis of that
-        head ([B, kv_heads, groups * T, D]).
+        head ([B, kv_heads, groups * T, D]). ``plan`` (``_plan``): the first t queries of
+        every row in one call, over the first L + t columns; each row listed, its queries
+        t..extent - 1 in a call of its own over its first L + extent columns (views of the
+        cache, nothing copied); the other queries are padding and never computed.
         """
         B, T = shape
         D = attn.head_dim
@@ -179,8 +222,22 @@ class PackedForward:
         keys, values = cache.update(_spread(k, index, B, T).transpose(1, 2),
                                     _spread(v, index, B, T).transpose(1, 2),
                                     layer)  # [B, kv_heads, L + T, D] each
-        q = _spread(q, index, B, T).transpose(1, 2).reshape(B, Hkv, G * T, D)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed,
-                                             scale=attn.scaling)  # [B, kv_heads, G * T, D]
+        q = _spread(q, index, B, T).transpose(1, 2).reshape(B, Hkv, G, T, D)
+        t, wide = plan
+        if t == T:
+            out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), keys, values,
+                                                 attn_mask=allowed, scale=attn.scaling)
+        else:
+            L = keys.shape[2] - T  # the columns before this pass
+            m = allowed.view(B, 1, G, T, L + T)
+            out = q.new_empty(B, Hkv, G, T, D)  # padding queries: never computed, never read
+            for rows, start, stop in [(slice(None), 0, t)] + [
+                    (slice(b, b + 1), t, e) for b, e in wide]:
+                n, cols = stop - start, L + stop
+                out[rows, :, :, start:stop] = F.scaled_dot_product_attention(
+                    q[rows, :, :, start:stop].reshape(-1, Hkv, G * n, D),
+                    keys[rows, :, :cols], values[rows, :, :cols],
+                    attn_mask=m[rows, :, :, start:stop, :cols].reshape(-1, 1, G * n, cols),
+                    scale=attn.scaling).reshape(-1, Hkv, G, n, D)
         out = out.reshape(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
         return attn.o_proj(out.index_select(0, index))  # [N, hidden]

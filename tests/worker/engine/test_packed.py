@@ -69,7 +69,21 @@ def _alone(model, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_logits_equal_transformers_forward(family):
+@pytest.mark.parametrize("per_call", [packed.CALL_COLUMNS, 0])
+def test_packed_logits_equal_transformers_forward(family, per_call, monkeypatch):
+    """per_call 0: a call costs nothing, so every pass whose rows differ in width is split
+    (packed.split): the attention of the narrow width for all rows, then a call per wider
+    row."""
+    monkeypatch.setattr(packed, "CALL_COLUMNS", per_call)
+    plans: list[bool] = []  # per ragged pass: was it split
+    cut = packed.split
+
+    def split(extents: list[int], old: int) -> int:
+        t = cut(extents, old, per_call)
+        plans.append(t < max(extents))
+        return t
+
+    monkeypatch.setattr(packed, "split", split)
     model = _family(family)
     fast, ref = KVRows(model), KVRows(model, packed=False)
     assert fast.packed and not ref.packed
@@ -102,6 +116,18 @@ def test_packed_logits_equal_transformers_forward(family):
     assert torch.allclose(a, b, atol=ATOL)
     for r, seq in enumerate(seqs):  # and the model alone, on each row's real tokens
         assert torch.allclose(a[r, 0], _alone(model, seq + [50 + r])[-1], atol=ATOL), r
+    assert any(plans) == (per_call == 0)  # the tiny model's short rows: split only when free
+
+
+def test_attention_is_split_where_a_few_rows_are_wide():
+    """One row of 9 tokens among 15 of 1: the 15 rows' attention stays one token wide and
+    the wide row takes a call of its own; rows all as wide, or a short cache where a call
+    costs more than the padding it saves, keep one padded call."""
+    assert packed.split([9] + [1] * 15, old=200) == 1
+    assert packed.split([9, 5, 3, 3, 2, 2, 2, 2] + [1] * 8, old=200) in (1, 2)
+    assert packed.split([5] * 16, old=200) == 5
+    assert packed.split([2] * 15 + [1], old=200) == 2
+    assert packed.split([2, 1, 1, 1], old=4, per_call=600) == 2
 
 
 @pytest.mark.parametrize("family", FAMILIES)
