@@ -39,11 +39,14 @@ from specq.worker.engine import budget
 COST_DECAY = 0.9  # weight of a cost sample against the next one: costs follow the machine's load
 ACCEPTANCE_DECAY = 0.98  # slower: acceptance belongs to the pair and the data, not to the load
 TRUSTED = 1.5  # a cost's weight once measured twice: one sample may be a first call or a stall
+FAST = 0.5  # a full pass under this share of a trusted mean replaces it: a machine can be
+# slowed by others, never sped up, so the mean came from a busier spell (a cached calibration)
 STALL_CLIP = 3.0  # a sample's cap in trusted means: one stall must not stop speculation for good
 PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 2.0  # weak: one unlucky first step must not stop speculation
 PROBE_BUDGET = 0.02  # share of decoding time probes may cost while g = 0 wins (acceptance unseen)
 PROBE_GAP = 32  # steps between probes at least: a draft useful again is found within this many
 PROBE_HOPE = 1.1  # a scored drafter is probed only while it could pay this speedup (Shadowed)
+PROBE_SURVIVAL = 0.5  # a scored drafter is probed only while a first draft token is this likely
 PLAIN_REFRESH = 32  # a plain step at least this often: every g is judged against its cost
 HISTORY = 1024  # g of the latest steps kept, for benchmarks and logs (a worker runs for days)
 CONFIDENCE_BINS = 10  # a drafter's confidence in [0, 1] is judged in this many equal bins
@@ -70,15 +73,19 @@ def measured_speedup(alpha: float, g: int, t_draft: float, t_verify_1: float,
 
 
 class _Decayed:
-    """An exponentially decayed mean; with ``clip``, a sample is first capped at clip times
-    the mean so far, once that mean is trusted."""
+    """An exponentially decayed mean; with ``clip`` (a cost), once the mean is trusted a
+    sample is first capped at clip times the mean so far, and a ``fresh`` one (a pass as
+    wide for every row as the mean's) under FAST times it starts the mean afresh."""
 
     def __init__(self, decay: float, clip: float | None = None) -> None:
         self.decay, self.clip, self.weight, self.total = decay, clip, 0.0, 0.0
 
-    def add(self, value: float, weight: float = 1.0) -> None:
+    def add(self, value: float, weight: float = 1.0, fresh: bool = False) -> None:
         if self.clip is not None and self.weight >= TRUSTED:
-            value = min(value, self.clip * self.total / self.weight)
+            mean = self.total / self.weight
+            value = min(value, self.clip * mean)
+            if fresh and value < FAST * mean:
+                self.weight = self.total = 0.0
         self.weight = self.weight * self.decay + weight
         self.total = self.total * self.decay + value * weight
 
@@ -162,10 +169,10 @@ class CostTable:
         at this batch size. ``carried``: the draft tokens a ragged pass carried in all (one
         pass in ``t_verify``); None: every row carried n tokens (calibration's passes)."""
         for n, times in t_verify.items():
-            for t in times:
+            drafts = batch * (n - 1) if carried is None else carried
+            for t in times:  # a full pass may show the mean was taken on a busier machine
                 self.verify.setdefault(batch, {}).setdefault(
-                    n, _Decayed(COST_DECAY, STALL_CLIP)).add(t)
-                drafts = batch * (n - 1) if carried is None else carried
+                    n, _Decayed(COST_DECAY, STALL_CLIP)).add(t, fresh=drafts == batch * (n - 1))
                 self.passes.setdefault(batch, PassFit(batch)).add(drafts, n, t)
         for t in t_draft:
             self.draft.setdefault(batch, _Decayed(COST_DECAY, STALL_CLIP)).add(t)
@@ -565,10 +572,31 @@ class Shadowed(DraftLengthPolicy):
 class Widths(DraftLengthPolicy):
     """A drafter that scores its own tokens proposes at max_g; the step's budget (``allot``)
     keeps, row by row, the drafts that pay, judged against the calibration its verdicts
-    teach. A plain step judges each row's first token all the same."""
+    teach. A plain step judges each row's first token all the same, so acceptance needs no
+    probe; costs do: while the budget keeps nothing no wider pass is measured, and a price
+    taken on a busy machine (a cached calibration) would keep the budget plain for good.
+    So while nothing was verified for a while and some row's first token is likely
+    (PROBE_SURVIVAL), a probe verifies one token a row (``_probe_due``); a pass far cheaper
+    than the table said replaces what the table held (_Decayed: FAST)."""
 
     def _best(self, confidence: list[list[float]] | None) -> int:
-        return self.max_g if any(confidence or []) else 0
+        if not any(confidence or []):
+            return 0
+        assert confidence is not None  # any() of it was true
+        first = [self.calibration(row[0]) for row in confidence if row]
+        if max(first) >= PROBE_SURVIVAL and self._probe_due(sum(first) / len(confidence)):
+            self.measuring = True  # verified whole: the pass's cost is measured again
+            return 1
+        return self.max_g
+
+    def _probe_due(self, gain: float = 0.0) -> bool:
+        """A probe of one token a row once its extra cost net of the tokens it should
+        yield (``gain`` a row: the first tokens' mean survival) fits in PROBE_BUDGET of the
+        time since the latest step that verified a draft, and at least PROBE_GAP steps
+        after it."""
+        t1, t2, td = self.t_verify(1), self.t_verify(2), self.t_draft
+        extra = max(0.0, (td + t2) / t1 - 1.0 - gain) if t1 and t2 and td is not None else 0.0
+        return self.steps - self._drafted_at >= max(PROBE_GAP, extra / PROBE_BUDGET)
 
 
 class Pinned(DraftLengthPolicy):

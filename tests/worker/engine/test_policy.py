@@ -383,3 +383,41 @@ def test_costs_taken_on_a_busy_machine_do_not_keep_a_scored_drafter_off():
                 policy.observe_acceptance([4] * 4, [hits] * 4)
         assert (sum(1 for g in history[-100:] if g) > 50) is drafts, history
         assert any(history) is drafts
+
+
+def _scored_run(policy, batch, sure, steps, pass_seconds):
+    """``steps`` steps of a scored drafter (confidence 0.9 on 8 tokens a row) whose drafts
+    the target takes all (``sure``) or none of, as drafting.Scored drives its policy: g from
+    choose, the budget's cut (allot), then what the pass cost and what the target said.
+    Returns the draft tokens each step verified."""
+    conf = [[0.9] * 8 for _ in range(batch)]
+    none = [[] for _ in range(batch)]
+    verified = []
+    for _ in range(steps):
+        g = policy.choose(batch=batch, confidence=conf)
+        kept = policy.allot([g] * batch, none, conf, packed=True)
+        accepted = kept if sure else [0] * batch
+        verified.append(sum(kept))
+        policy.observe(g if any(kept) else 0, kept, accepted, 0.0,
+                       pass_seconds(sum(kept)), max(kept) + 1, carried=sum(kept))
+        # a row that verified nothing judges its first token all the same (drafting.verdicts)
+        policy.observe_confidence([(c[:k], a) if k else (c[:1], int(sure))
+                                   for c, k, a in zip(conf, kept, accepted)])
+    return verified
+
+
+def test_costs_taken_on_a_busy_machine_do_not_keep_a_scored_budget_plain():
+    """A scored drafter (the suffix drafter: policy.Widths) whose costs came from a cache
+    taken while another job held the CPU: a pass of two tokens a row at 5x a plain one. The
+    budget keeps nothing at that price, so no wide pass would ever measure it again; probes
+    of one token a row do, and once they show a token costs a twentieth of a plain pass the
+    budget verifies the sure drafts. Drafts the target never takes are not probed for."""
+    for sure in (True, False):
+        policy = Widths(default=4, max_g=8)
+        policy.record_costs(4, {1: [0.10] * 2, 2: [0.50] * 2, 5: [0.60] * 2}, [0.0] * 2)
+        verified = _scored_run(policy, 4, sure, 400,
+                               pass_seconds=lambda carried: 0.10 + 0.005 * carried)
+        if sure:
+            assert sum(verified[-100:]) > 100 * 4, verified
+        else:
+            assert sum(verified[100:]) <= 4 * 5, verified  # a few probes while learning
