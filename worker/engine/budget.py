@@ -10,24 +10,27 @@ tokens by survival.
 
 What one more token costs depends on the verify pass:
 
-- packed (batch.py: KVRows.packed): a pass costs what it carries, and its cache
-  columns (and attention not split per row) what its widest row carries. Once the policy has fitted the two parts at
-  this batch size (policy.PassFit: seconds per token carried and per column of the widest
-  row, from the passes it ran), TwoPart tries each width and keeps, within it, the tokens
-  likeliest to survive while they raise tokens per second. Until then one more token costs
-  m = (t(2) - t(1)) / B seconds, the measured slope of a pass at this batch size (Packed):
-  tokens are ranked by survival over all rows and kept while the step's expected tokens
-  per second grows, a token of survival s staying while s / m beats (B + the kept
-  survivals) / (t(1) + m x the kept tokens). Either way the ranking keeps each row's tokens
-  a prefix: survival never grows along a row.
+- packed (batch.py: KVRows.packed): a pass costs what it carries, and its cache columns
+  (and attention not split per row) what its widest row carries. Once the policy has
+  fitted the two parts at this batch size (policy.PassFit: seconds per token carried and
+  per column of the widest row, from the passes it ran), TwoPart tries each width and
+  keeps, within it, the tokens likeliest to survive while they raise tokens per second.
+  Until then one more token costs m = (t(2) - t(1)) / B seconds, the measured slope of a
+  pass at this batch size (Packed): tokens are ranked by survival over all rows and kept
+  while the step's expected tokens per second grows, a token of survival s staying while s
+  / m beats (B + the kept survivals) / (t(1) + m x the kept tokens). Either way the
+  ranking keeps each row's tokens a prefix: survival never grows along a row.
 - padded: every row pays for the widest row, a pass over w drafts costs t(w + 1). The step
   takes the width w with the most expected tokens per second, (B + survivals within w) /
   t(w + 1); each row keeps its first w tokens, less a tail that cannot survive
   (NEGLIGIBLE): in a padded pass a token the width already paid for costs nothing more.
 
 Drafting done before the budget is spent is sunk: only the verify pass is weighed here
-(the policy weighs drafting when it chooses how much to ask of the drafter). A step where
-no token clears the bar keeps none: a plain step.
+(the policy weighs drafting when it chooses how much to ask of the drafter), and the host
+work a step that verifies drafts adds to a plain one (the accept test over wider logits,
+cache holes to compact, the drafter's update: ``step``, measured by the policy), paid once
+by all the step's tokens together. A step where no token clears the bar keeps none: a
+plain step.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class Padded:
 
     seconds: list[float]  # [w]: seconds of a pass over w + 1 tokens per row, w = 0, 1, ...
     batch: int
+    step: float = 0.0  # host seconds a drafting step adds (Packed.step)
 
     def pass_seconds(self, w: int) -> float:
         s = self.seconds
@@ -68,7 +72,7 @@ class Padded:
         best, best_rate = 0, 0.0
         for w in range(widest + 1):
             tokens = self.batch + sum(sum(row[:w]) for row in survivals)
-            seconds = self.pass_seconds(w)
+            seconds = self.pass_seconds(w) + (self.step if w else 0.0)
             if seconds > 0 and tokens / seconds > best_rate:
                 best, best_rate = w, tokens / seconds
         return [_alive(row[:best]) for row in survivals]
@@ -77,11 +81,13 @@ class Padded:
 @dataclass
 class Packed:
     """A packed verify pass: ``plain`` seconds for the batch's one token per row, and
-    ``per_token`` seconds for each draft token carried besides."""
+    ``per_token`` seconds for each draft token carried besides; ``step`` seconds of host
+    work a step that verifies any draft adds to a plain step's (``affordable``)."""
 
     plain: float
     per_token: float
     batch: int
+    step: float = 0.0
 
     @classmethod
     def from_widths(cls, seconds: list[float], batch: int) -> Packed:
@@ -106,7 +112,7 @@ class Packed:
             kept[b] += 1
             tokens += s
             seconds += self.per_token
-        return kept
+        return affordable(kept, tokens, seconds + self.step, self.batch / self.plain)
 
 
 @dataclass
@@ -127,6 +133,7 @@ class TwoPart:
     per_token: float
     per_column: float
     batch: int
+    step: float = 0.0  # host seconds a drafting step adds (Packed.step)
 
     def allot(self, survivals: list[list[float]]) -> list[int]:
         ranked = sorted(((s, b, j) for b, row in enumerate(survivals)
@@ -136,7 +143,7 @@ class TwoPart:
         for w in range(1, widest + 1):
             kept = [0] * len(survivals)
             tokens, carried = float(self.batch), 0
-            columns = self.plain + self.per_column * w
+            columns = self.plain + self.per_column * w + self.step
             for s, b, j in ranked:
                 if j >= w or j != kept[b]:  # past the width, or a row's prefix ended
                     continue
@@ -145,10 +152,18 @@ class TwoPart:
                 kept[b] += 1
                 tokens += s
                 carried += 1
-            seconds = self.plain + self.per_token * carried + self.per_column * max(kept)
+            seconds = (self.plain + self.per_token * carried + self.per_column * max(kept)
+                       + self.step)
             if tokens / seconds > best_rate:
                 best, best_rate = kept, tokens / seconds
         return best
+
+
+def affordable(kept: list[int], tokens: float, seconds: float, plain_rate: float) -> list[int]:
+    """``kept`` if its step, host work included, yields more tokens per second than a plain
+    step (``plain_rate``); else nothing (a plain step). Each token was kept while it paid for
+    itself; the host work is paid once a step, by all of them together."""
+    return kept if any(kept) and tokens / seconds > plain_rate else [0] * len(kept)
 
 
 def _alive(row: list[float]) -> int:
@@ -165,7 +180,12 @@ def chain(factors: list[float]) -> list[float]:
     return out
 
 
-def verify_cost(seconds: list[float], batch: int, packed: bool) -> VerifyCost:
+def verify_cost(seconds: list[float], batch: int, packed: bool, step: float = 0.0) -> VerifyCost:
     """The verify pass's price at this batch size from the cost table's seconds of a padded
-    pass over w + 1 tokens per row (w = 0, 1, ...)."""
-    return Packed.from_widths(seconds, batch) if packed else Padded(seconds, batch)
+    pass over w + 1 tokens per row (w = 0, 1, ...); ``step``: the host seconds a drafting
+    step adds."""
+    if packed:
+        cost = Packed.from_widths(seconds, batch)
+        cost.step = step
+        return cost
+    return Padded(seconds, batch, step)

@@ -109,7 +109,8 @@ class Drafting:
     def observe(self, step: Step, rows: list[Row], emitted: list[list[int]]) -> None:
         """What the step did (after the rows took its tokens: ``emitted`` per row)."""
         self.policy.observe(step.g, *own(step), step.t_draft, step.t_verify,
-                            step.verify_tokens, carried=sum(step.num_draft))
+                            step.verify_tokens, carried=sum(step.num_draft),
+                            t_host=max(0.0, step.t_step - step.t_draft - step.t_verify))
 
 
 class ShadowedDrafting(Drafting):

@@ -116,12 +116,13 @@ def row_mask(mask: torch.Tensor, valid: torch.Tensor, groups: int = 1) -> torch.
 
 
 def split(extents: list[int], old: int, per_call: int | None = None) -> int:
-    """The width t every row's queries are computed at in one attention call; a row whose
-    valid tokens reach past t (``extents``: per row, the last valid position + 1) takes its
-    queries from t on in a call of its own. Each plan is priced in query x key columns
-    (query j of a pass over ``old`` cache columns sees old + j + 1 of them, rounded to the
-    call's widest) plus ``per_call`` for each call past the first; t = the widest extent
-    is the padded pass of before. ``per_call`` None: CALL_COLUMNS."""
+    """The width t of the attention call over all rows.
+
+    Each row's first t queries go in that call; a row whose valid tokens reach past t
+    (``extents``: per row, the last valid position + 1) takes the rest in a call of its own.
+    A plan is priced in query x key columns (a call over ``old`` cache columns and n new
+    ones reads old + n per query), plus ``per_call`` (default CALL_COLUMNS) for each call
+    past the first. t = max(extents) is one padded call."""
     per_call = CALL_COLUMNS if per_call is None else per_call
     B, T = len(extents), max(extents)
     best, best_cost = T, B * T * (old + T)

@@ -162,6 +162,9 @@ class CostTable:
         self.verify: dict[int, dict[int, _Decayed]] = {}  # batch -> tokens per row -> s
         self.draft: dict[int, _Decayed] = {}  # batch -> seconds per draft token
         self.passes: dict[int, PassFit] = {}  # batch -> packed passes, in two parts
+        # batch -> a step's host seconds past its drafting and its pass (accept test, cache
+        # upkeep), of plain steps (False) and of steps that verified drafts (True)
+        self.host: dict[int, dict[bool, _Decayed]] = {}
 
     def add(self, batch: int, t_verify: dict[int, list[float]],
             t_draft: Iterable[float] = (), carried: int | None = None) -> None:
@@ -176,6 +179,19 @@ class CostTable:
                 self.passes.setdefault(batch, PassFit(batch)).add(drafts, n, t)
         for t in t_draft:
             self.draft.setdefault(batch, _Decayed(COST_DECAY, STALL_CLIP)).add(t)
+
+    def add_host(self, batch: int, drafted: bool, seconds: float) -> None:
+        """A step's host seconds past its drafting and its target pass."""
+        self.host.setdefault(batch, {}).setdefault(
+            drafted, _Decayed(COST_DECAY, STALL_CLIP)).add(seconds)
+
+    def drafting_step(self, batch: int) -> float:
+        """Host seconds a step that verifies drafts costs beyond a plain step's at this batch
+        size (0 until both kinds were measured there)."""
+        host = self.host.get(batch, {})
+        if len(host) < 2:
+            return 0.0
+        return max(0.0, host[True].mean - host[False].mean)
 
     def pass_fit(self, batch: int) -> tuple[float, float, float] | None:
         """A packed pass at this batch size in two parts (PassFit.solve), or None."""
@@ -457,8 +473,12 @@ class DraftLengthPolicy:
         if any(t is None for t in seconds):
             return list(num_draft)
         fit = self.costs.pass_fit(len(num_draft)) if packed else None
-        cost = budget.TwoPart(*fit, batch=len(num_draft)) if fit else budget.verify_cost(
-            [t for t in seconds if t is not None], len(num_draft), packed)
+        step = self.costs.drafting_step(len(num_draft))
+        if fit:
+            cost: budget.VerifyCost = budget.TwoPart(*fit, len(num_draft), step)
+        else:
+            cost = budget.verify_cost([t for t in seconds if t is not None], len(num_draft),
+                                      packed, step)
         return cost.allot(self.survivals(num_draft, forced, confidence))
 
     def survivals(self, num_draft: list[int], forced: list[list[int]],
@@ -503,11 +523,12 @@ class DraftLengthPolicy:
 
     def observe(self, g: int, num_draft: list[int], num_accepted: list[int],
                 t_draft: float, t_verify: float, verify_tokens: int,
-                carried: int | None = None) -> None:
+                carried: int | None = None, t_host: float | None = None) -> None:
         """Record one step at draft length g: per-row proposals and acceptances, the
         drafting time, and the target pass's time over ``verify_tokens`` tokens per row
         (the widest row's); ``carried``: the draft tokens the pass carried in all, for the
-        packed pass's two-part price (PassFit)."""
+        packed pass's two-part price (PassFit); ``t_host``: the step's seconds past its
+        drafting and its pass (CostTable.drafting_step)."""
         self.steps += 1
         self.history.append(g)
         self._batch = len(num_draft)
@@ -515,6 +536,8 @@ class DraftLengthPolicy:
             self._plain_at[self._batch] = self.steps
         self.costs.add(self._batch, {verify_tokens: [t_verify]}, [t_draft / g] if g else [],
                        carried=carried)
+        if t_host is not None:
+            self.costs.add_host(self._batch, verify_tokens > 1, t_host)
         if g:
             self._drafted_at = self.steps
             self.acceptance.add(num_draft, num_accepted)
@@ -538,6 +561,8 @@ class DraftLengthPolicy:
             "t_draft": {b: d.mean for b, d in sorted(self.costs.draft.items())},
             "t_verify": {b: {n: d.mean for n, d in sorted(t.items())}
                          for b, t in sorted(self.costs.verify.items())},
+            "t_drafting_step": {b: self.costs.drafting_step(b) for b in sorted(self.costs.host)},
+            "pass_fit": {b: self.costs.pass_fit(b) for b in sorted(self.costs.passes)},
             "steps": self.steps,
             "g_history": list(self.history),
         }

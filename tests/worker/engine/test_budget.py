@@ -134,7 +134,7 @@ def test_rows_cut_by_the_budget_stay_lossless(drafter, monkeypatch, tiny_models,
     with what was verified (drafters.DraftModel.update)."""
     monkeypatch.setattr(KVRows, "packed", True)
     monkeypatch.setattr(budget, "verify_cost",
-                        lambda seconds, batch, packed: Packed(1.0, 0.08, batch))
+                        lambda seconds, batch, packed, step: Packed(1.0, 0.08, batch))
     made = {"noisy": lambda: DraftModel(tiny_models["noisy"]), "suffix": SuffixDrafter,
             "prompt_lookup": PromptLookup}[drafter]()
     engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, made, max_batch_size=5)
@@ -144,7 +144,6 @@ def test_rows_cut_by_the_budget_stay_lossless(drafter, monkeypatch, tiny_models,
     def choose(batch=None, confidence=None):  # a policy that asks for 4 and trusts it
         policy._batch, policy.measuring = batch or policy._batch, False
         return 4
-
 
     def spy(num, *args, **kwargs):
         kept = allot(num, *args, **kwargs)
@@ -201,3 +200,24 @@ def test_the_pass_fit_waits_for_ragged_passes_then_finds_both_parts():
     assert fit.solve() == pytest.approx((0.1, 0.002, 0.004), rel=1e-6)
     fit.add(2, 3, 50.0)  # a stall: capped at STALL_CLIP times the fit's own prediction
     assert fit.solve()[0] < 0.2
+
+
+def test_a_drafting_steps_host_work_is_paid_by_all_its_tokens_together():
+    """Drafts that pay for their own verify tokens but not for the host work a drafting step
+    adds (the accept test, cache upkeep) make a plain step; more of them, or surer ones,
+    pay for it together."""
+    few = [[0.5], [], [], []]  # one token of even odds: B = 4, plain 1 s, a token 0.1 s
+    for cost in (Packed(1.0, 0.1, 4), TwoPart(1.0, 0.1, 0.0, 4), Padded([1.0, 1.1], 4)):
+        assert cost.allot(few) == [1, 0, 0, 0]
+        cost.step = 0.2  # host seconds a drafting step adds: 0.5 token cannot pay 0.3 s
+        assert cost.allot(few) == [0, 0, 0, 0]
+        assert cost.allot([[0.9, 0.9]] * 4) != [0, 0, 0, 0]
+
+
+def test_the_policy_learns_a_drafting_steps_host_work_per_batch_size():
+    policy = DraftLengthPolicy(default=4)
+    for _ in range(5):
+        policy.observe(0, [0] * 4, [0] * 4, 0.0, 0.1, 1, carried=0, t_host=0.002)
+        policy.observe(4, [4] * 4, [1] * 4, 0.0, 0.2, 5, carried=16, t_host=0.006)
+    assert policy.costs.drafting_step(4) == pytest.approx(0.004)
+    assert policy.costs.drafting_step(8) == 0.0  # not measured at 8 rows: not charged
