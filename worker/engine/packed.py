@@ -33,10 +33,12 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 ENV = "SPECQ_PACKED_FORWARD"  # "0", "false", "off" or "no": transformers' forward always
-# what one more attention call costs on a CPU, in row x query x key columns of attention
-# work (measured: an SDPA call of one row is about 50 us, a query column over one key column
-# about 0.08 us on 2 cores; docs/benchmarks.md, "ragged attention")
-CALL_COLUMNS = 600
+# An attention call on a CPU, priced in query x key columns (about 0.024 us each on 2 cores,
+# three query heads a key head): a row in a call reads its keys and values once, as many as
+# ROW_QUERIES queries would, and a call of its own (the SDPA call, the slices of queries and
+# mask it needs, its output's copy) costs CALL_COLUMNS (docs/benchmarks.md, "ragged attention")
+ROW_QUERIES = 3.5
+CALL_COLUMNS = 3000
 FAMILIES = ("llama", "qwen2")  # model_type values whose layers have the shape below
 LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -120,15 +122,15 @@ def split(extents: list[int], old: int, per_call: int | None = None) -> int:
 
     Each row's first t queries go in that call; a row whose valid tokens reach past t
     (``extents``: per row, the last valid position + 1) takes the rest in a call of its own.
-    A plan is priced in query x key columns (a call over ``old`` cache columns and n new
-    ones reads old + n per query), plus ``per_call`` (default CALL_COLUMNS) for each call
-    past the first. t = max(extents) is one padded call."""
+    A row's n queries in a call over ``old`` cache columns and the new ones up to its last
+    cost (ROW_QUERIES + n) x those columns, and each call past the first ``per_call``
+    (default CALL_COLUMNS). t = max(extents) is one padded call."""
     per_call = CALL_COLUMNS if per_call is None else per_call
-    B, T = len(extents), max(extents)
-    best, best_cost = T, B * T * (old + T)
+    B, T, R = len(extents), max(extents), ROW_QUERIES
+    best, best_cost = T, B * (R + T) * (old + T)
     for t in range(1, T):
         wide = [e for e in extents if e > t]
-        cost = B * t * (old + t) + sum(per_call + (e - t) * (old + e) for e in wide)
+        cost = B * (R + t) * (old + t) + sum(per_call + (R + e - t) * (old + e) for e in wide)
         if cost < best_cost:
             best, best_cost = t, cost
     return best
