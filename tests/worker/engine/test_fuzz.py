@@ -1,13 +1,13 @@
 """A differential fuzz of the engine: realistic mixes against each request run alone.
 
-Hypothesis draws jobs as offline users send them: prompts built from a few shared
-templates (system prompts, synthesis templates) and lone prompts, plain and chat, with
-random max_new_tokens, stop strings, seeds, temperatures and response formats (JSON
-schema, JSON object, regex, choice). It runs them through an engine with a random drafter
-(draft model, prompt lookup, suffix, none), grammar drafts on or off, batch size, refill
-group, draft length, prefix sharing on or off, the packed pass's attention split per row
-wherever it can be (packed.split) or only where it pays, and now and then an out-of-memory
-error mid-run (the worker's halving path, worker/attempts.py). Every output must equal the same request
+Hypothesis draws jobs as offline users send them: prompts built from a few shared templates
+(system prompts, synthesis templates) and lone prompts, plain and chat, with random
+max_new_tokens, stop strings, seeds, temperatures and response formats (JSON schema, JSON
+object, regex, choice). It runs them through an engine with a random drafter (draft model,
+prompt lookup, suffix, none), grammar drafts on or off, batch size, refill group, draft
+length, prefix sharing on or off, the packed pass's attention split per row wherever it can
+be (packed.split) or only where it pays, and now and then an out-of-memory error mid-run
+(the worker's halving path, worker/attempts.py). Every output must equal the same request
 run alone through the target by itself: token for token when greedy (a float near-tie
 excepted, and counted), and when sampled with a seed (the draw is keyed by seed and
 position, so it does not depend on the batch). No exception may escape.
