@@ -90,11 +90,11 @@ class Packed:
     step: float = 0.0
 
     @classmethod
-    def from_widths(cls, seconds: list[float], batch: int) -> Packed:
+    def from_widths(cls, seconds: list[float], batch: int, step: float = 0.0) -> Packed:
         """From the padded pass's measured seconds at w = 0 and 1: one more token per row
         (B tokens) costs their difference."""
         per_token = max(seconds[1] - seconds[0], 0.0) / batch if len(seconds) > 1 else 0.0
-        return cls(seconds[0], per_token, batch)
+        return cls(seconds[0], per_token, batch, step)
 
     def allot(self, survivals: list[list[float]]) -> list[int]:
         # all rows' tokens, the most likely to survive first (ties: row order, then
@@ -184,8 +184,4 @@ def verify_cost(seconds: list[float], batch: int, packed: bool, step: float = 0.
     """The verify pass's price at this batch size from the cost table's seconds of a padded
     pass over w + 1 tokens per row (w = 0, 1, ...); ``step``: the host seconds a drafting
     step adds."""
-    if packed:
-        cost = Packed.from_widths(seconds, batch)
-        cost.step = step
-        return cost
-    return Padded(seconds, batch, step)
+    return Packed.from_widths(seconds, batch, step) if packed else Padded(seconds, batch, step)

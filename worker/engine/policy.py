@@ -508,11 +508,16 @@ class DraftLengthPolicy:
         return max(cost.allot(self.survivals(num, [[] for _ in num], conf)), default=0)
 
     def _probe_due(self) -> bool:
-        """While g = 0 wins: a probe at g = default once its extra cost (g draft steps and a
-        wide pass instead of a plain step) fits in PROBE_BUDGET of the time since the last
-        drafting step, and at least PROBE_GAP steps after it."""
-        t1, tg, td = self.t_verify(1), self.t_verify(self.default + 1), self.t_draft
-        extra = (self.default * td + tg) / t1 - 1.0 if t1 and tg and td is not None else 0.0
+        """While g = 0 wins: a probe at g = default, spaced by its cost (``_spaced``)."""
+        return self._spaced(self.default)
+
+    def _spaced(self, g: int, tokens: float = 1.0) -> bool:
+        """A probe at g is due once its cost in plain steps (g draft steps and a pass of
+        g + 1 tokens a row), less the ``tokens`` a row it should yield (a plain step's: 1),
+        fits in PROBE_BUDGET of the time since the last drafting step, and at least
+        PROBE_GAP steps after it."""
+        t1, tg, td = self.t_verify(1), self.t_verify(g + 1), self.t_draft
+        extra = max(0.0, (g * td + tg) / t1 - tokens) if t1 and tg and td is not None else 0.0
         return self.steps - self._drafted_at >= max(PROBE_GAP, extra / PROBE_BUDGET)
 
     def record_costs(self, batch: int, t_verify: dict[int, list[float]],
@@ -588,10 +593,9 @@ class Shadowed(DraftLengthPolicy):
         tokens = expected_tokens(self.alpha, g, self.propose_rate)
         if td is None or not t1 or not tg or tokens * t1 / (g * td + t1) < PROBE_HOPE:
             return False
-        # its extra cost net of the tokens the scored acceptance says it yields, in plain
-        # steps: a probe of good drafts is cheap even where a stale wide pass looks dear
-        extra = max(0.0, (g * td + tg) / t1 - tokens)
-        return self.steps - self._drafted_at >= max(PROBE_GAP, extra / PROBE_BUDGET)
+        # its extra cost net of the tokens the scored acceptance says it yields: a probe
+        # of good drafts is cheap even where a stale wide pass looks dear
+        return self._spaced(g, tokens)
 
 
 class Widths(DraftLengthPolicy):
@@ -601,7 +605,7 @@ class Widths(DraftLengthPolicy):
     probe; costs do: while the budget keeps nothing no wider pass is measured, and a price
     taken on a busy machine (a cached calibration) would keep the budget plain for good.
     So while nothing was verified for a while and some row's first token is likely
-    (PROBE_SURVIVAL), a probe verifies one token a row (``_probe_due``); a pass far cheaper
+    (PROBE_SURVIVAL), a probe verifies one token a row (``_spaced``); a pass far cheaper
     than the table said replaces what the table held (_Decayed: FAST)."""
 
     def _best(self, confidence: list[list[float]] | None) -> int:
@@ -609,19 +613,11 @@ class Widths(DraftLengthPolicy):
             return 0
         assert confidence is not None  # any() of it was true
         first = [self.calibration(row[0]) for row in confidence if row]
-        if max(first) >= PROBE_SURVIVAL and self._probe_due(sum(first) / len(confidence)):
+        # a probe of one token a row, net of the tokens its first tokens should yield
+        if max(first) >= PROBE_SURVIVAL and self._spaced(1, 1.0 + sum(first) / len(confidence)):
             self.measuring = True  # verified whole: the pass's cost is measured again
             return 1
         return self.max_g
-
-    def _probe_due(self, gain: float = 0.0) -> bool:
-        """A probe of one token a row once its extra cost net of the tokens it should
-        yield (``gain`` a row: the first tokens' mean survival) fits in PROBE_BUDGET of the
-        time since the latest step that verified a draft, and at least PROBE_GAP steps
-        after it."""
-        t1, t2, td = self.t_verify(1), self.t_verify(2), self.t_draft
-        extra = max(0.0, (td + t2) / t1 - 1.0 - gain) if t1 and t2 and td is not None else 0.0
-        return self.steps - self._drafted_at >= max(PROBE_GAP, extra / PROBE_BUDGET)
 
 
 class Pinned(DraftLengthPolicy):
