@@ -71,7 +71,8 @@ def test_long_runs_compact_the_caches(tiny_models, tiny_tokenizer, make_requests
 
 
 def test_the_target_cache_compacts_early_without_a_sync_of_its_own(
-        tiny_models, tiny_tokenizer, make_requests, check_greedy, monkeypatch):
+        tiny_models, tiny_tokenizer, make_requests, check_greedy, greedy_reference,
+        monkeypatch):
     """The step reads the target cache's waste with its tokens (the one sync): that cache
     never counts its waste itself, compacts once the waste reaches WASTE_SHARE of it (the
     lazy bar, half, would have let holes pile up), and the output stays exact."""
@@ -96,13 +97,16 @@ def test_the_target_cache_compacts_early_without_a_sync_of_its_own(
 
 
 def test_refills_wait_for_a_group_and_share_its_prefill(tiny_models, tiny_tokenizer,
-                                                        make_requests, check_greedy):
+                                                        make_requests, check_greedy,
+                                                        monkeypatch):
     """Rows finishing one by one: with admit_group 3 the waiting requests join three at a
     time, in fewer prefills than one per row, the batch never below max - 3 + 1 rows
-    while requests wait, and the output is the same."""
+    while requests wait, and the output is the same (the group alone: no refill waits for
+    a row sure to end, REFILL_HOLD, test below)."""
     requests = [r.model_copy(update={"max_new_tokens": r.max_new_tokens + 1})  # none ends
                 for r in make_requests(30, seed=9, max_new=24)]  # at its prefill
     sizes: dict[int, list[int]] = {}
+    monkeypatch.setattr(speculative, "REFILL_HOLD", 10**9)
 
     def run(group: int) -> SpeculativeEngine:
         sizes[group] = []
@@ -120,6 +124,40 @@ def test_refills_wait_for_a_group_and_share_its_prefill(tiny_models, tiny_tokeni
     assert min(sizes[3][:full_until]) >= 8 - 3 + 1
     assert SpeculativeEngine(tiny_models["target"], tiny_tokenizer, max_batch_size=16
                              ).admit_group == 4  # by default a quarter of the batch
+
+
+def test_a_refill_waits_for_a_row_sure_to_end_within_a_few_steps(
+        tiny_models, tiny_tokenizer, make_requests, check_greedy, greedy_reference,
+        monkeypatch):
+    """Rows whose ends are a step apart (max_new_tokens 10, 11, 12, ...: as speculation
+    staggers rows that would end together): a lone place waits for the row sure to end
+    next (REFILL_HOLD), so the refills go two at a time, the batch is never more than one
+    row short while requests wait, and the output is the same."""
+    candidates = [r.model_copy(update={"max_new_tokens": 13})
+                  for r in make_requests(48, seed=4, max_new=8)]
+    long = [r for r in candidates if len(greedy_reference(r)) == 13]  # no EOS in 13 tokens
+    requests = [r.model_copy(update={"max_new_tokens": 10 + i % 4})
+                for i, r in enumerate(long[:16])]
+    assert len(requests) == 16
+    sizes: list[int] = []
+
+    def run() -> SpeculativeEngine:
+        sizes.clear()
+        engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, NoDraft(),
+                                   max_batch_size=4, draft_length=0,
+                                   on_step=lambda step: sizes.append(len(step.accepted)))
+        out = engine.generate(requests)
+        assert not any(r.finish_reason == "stop" for r in out)  # every end is its length
+        check_greedy(requests, out)
+        return engine
+
+    held = run()
+    waiting_until = len(sizes) - 13  # the last refill's rows run at most 13 steps
+    assert held.admit_group == 1 and min(sizes[:waiting_until]) >= 4 - 1, sizes
+    monkeypatch.setattr(speculative, "REFILL_HOLD", 10**9)  # no hold: a refill a place
+    alone = run()
+    print(f"admissions: held {held.admissions}, a place each {alone.admissions}")
+    assert alone.admissions >= 13 and held.admissions <= 0.6 * alone.admissions
 
 
 def test_one_token_rows_share_a_prefill_within_its_token_bound(tiny_models, tiny_tokenizer,
