@@ -33,7 +33,7 @@ from specq.worker.engine.step import Step
 
 log = logging.getLogger(__name__)
 ADMIT_SHARE = 4  # refills wait for 1 / ADMIT_SHARE of the batch: one prefill, not a stall a row
-REFILL_HOLD = 2  # a refill waits up to max_batch_size / REFILL_HOLD steps for one more place
+REFILL_HOLD = 2  # a lone refill waits up to max_batch_size / REFILL_HOLD steps for a second
 ONE_TOKEN_TOKENS = 256  # prompt tokens of one-token rows past a batch, per place of the batch
 
 
@@ -236,23 +236,24 @@ class SpeculativeEngine:
         batch is empty): one prefill pass serves several refills instead of one pass per
         finished row, and the batch stays at least max - admit_group + 1 rows full.
 
-        A refill of just the group waits for one more place while a row is sure to end
-        within max_batch_size / REFILL_HOLD steps (its max_new_tokens: a step emits a token
-        a row at least): a prefill pass costs about a step where it reads the weights for a
-        few tokens, and one place left empty for those steps costs less. Speculation
-        staggers the ends of rows that would end together (at batch 4 one prefill a row
-        cost the chat workload 1.2 s of 30, docs/benchmarks.md); the batch then stays at
-        least max - admit_group rows full."""
-        free = self.max_batch_size - len(self.rows)
-        group = min(self.admit_group, waiting)
-        if not self.rows or free > group:
+        A refill of one row (a small batch's group) waits for a second place while a row
+        is sure to end within max_batch_size / REFILL_HOLD steps (its max_new_tokens: a
+        step emits a token a row at least): a prefill pass of a few tokens costs about a
+        step, its weights read for them, and one place left empty for those steps costs
+        less. Speculation staggers the ends of rows that would end together (at batch 4
+        one prefill a row cost the chat workload 1.2 s of 30, docs/benchmarks.md); the
+        batch then stays at least max - 1 rows full. A larger group's prefill is mostly
+        its tokens' work: it goes at once."""
+        if not self.rows:
             return True
-        if free < group:
+        free = self.max_batch_size - len(self.rows)
+        if free < min(self.admit_group, waiting):
             return False
-        hold = self.max_batch_size // REFILL_HOLD
-        return free >= waiting or not any(
-            row.request.max_new_tokens - (len(row.tokens) - row.prompt_len) <= hold
-            for row in self.rows)
+        if free == 1 and waiting > 1:  # a lone refill
+            hold = self.max_batch_size // REFILL_HOLD
+            return not any(row.request.max_new_tokens - len(row.generated) <= hold
+                           for row in self.rows)
+        return True
 
     def calibrate(self, batch_sizes: Iterable[int] | None = None,
                   budget: float | None = None) -> list[int]:
