@@ -125,9 +125,13 @@ def run_specq(t: Target, prompts: list[list[int]], batch_size: int, max_new: int
               g: int | None = 0, max_g: int = 8) -> Run:
     """(c) no speculation (the default NoDraft), (d) fixed g, or (e) adaptive (g=None).
 
-    Every engine warms up on the first batch of prompts for a few tokens; an adaptive
-    one then calibrates its step costs (as a worker does when it starts) and forgets
-    what the warm-up showed of acceptance, before the timed run.
+    Every engine warms up on the first batch of prompts for a few tokens, then runs the
+    calibration's passes: an adaptive one records its step costs there (as a worker does
+    when it starts) and forgets what the warm-up showed of acceptance; the others record
+    nothing, but come to the timed run as warm (on a GPU where only adaptive calibrated,
+    none's steps ran 2-5x slower than adaptive's at one token a pass each,
+    docs/gpu-check-2026-12-04.md; whether the warm-up was the cause is the next GPU run's
+    to show).
     """
     adaptive = g is None
     length = min(4, max_g) if g is None else g
@@ -139,7 +143,7 @@ def run_specq(t: Target, prompts: list[list[int]], batch_size: int, max_new: int
     # the warm-up is a job of its own: a suffix drafter starts the timed run knowing nothing
     eng.generate([r.model_copy(update={"max_new_tokens": 4}) for r in requests[:batch_size]],
                  job=WARM_UP)
-    eng.calibrate()
+    eng.calibrate(warm=True)
     eng.prefill_seconds = 0.0
     eng.profile.reset()
     # every step of the timed run: the policy's own estimates are decayed means, weighted

@@ -71,10 +71,12 @@ def forwards(num_batch_sizes: int, num_widths: int, repeats: int = REPEATS) -> i
 @torch.inference_mode()
 def calibrate(engine: Engine, sizes: Iterable[int] | None = None,
               prompt_tokens: int = PROMPT_TOKENS, repeats: int = REPEATS,
-              budget: float | None = None) -> list[int]:
+              budget: float | None = None, warm: bool = False) -> list[int]:
     """Record the engine's step costs in its policy at each batch size (by default
     ``batch_sizes(max_batch_size)``), then forget the data the runs showed. Returns the
-    batch sizes measured; none for an engine that does not adapt g.
+    batch sizes measured; none for an engine that does not adapt g, unless ``warm``: it
+    then runs the same passes and records nothing (a benchmark warms every engine alike:
+    a device's allocator and kernels come out of them as they do for an adaptive one).
 
     ``budget`` (seconds): the smallest batch size is always measured, then the largest (a
     batch runs full but for a job's tail: the largest is where the steps spend their time,
@@ -83,7 +85,7 @@ def calibrate(engine: Engine, sizes: Iterable[int] | None = None,
     left. A large batch's prompts are shortened to PREFILL_TOKENS in all. The policy learns
     the costs of the others from the steps it runs."""
     policy = engine.policy
-    if not policy.adapts:
+    if not policy.adapts and not warm:
         return []
     t0 = time.perf_counter()
     sizes = batch_sizes(engine.max_batch_size) if sizes is None else sorted(set(sizes))
@@ -107,10 +109,10 @@ def calibrate(engine: Engine, sizes: Iterable[int] | None = None,
                 continue
         start = time.perf_counter()
         verify = _verify_times(engine, B, rows, widths, repeats)
-        drafts = _draft_step_times(engine, B, rows, repeats)
-        # the fastest run, weighted as all of them: a calibrated width is trusted at once
-        policy.record_costs(B, {n: [min(t)] * repeats for n, t in verify.items()},
-                            [min(drafts)] * repeats)
+        drafts = _draft_step_times(engine, B, rows, repeats) if policy.default else []
+        if policy.adapts:  # the fastest run, weighted as all: a calibrated width is trusted
+            policy.record_costs(B, {n: [min(t)] * repeats for n, t in verify.items()},
+                                [min(drafts)] * repeats)
         spent_last, tokens_last = time.perf_counter() - start, tokens
         measured.append(B)
     policy.forget_data()

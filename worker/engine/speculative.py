@@ -256,10 +256,11 @@ class SpeculativeEngine:
         return True
 
     def calibrate(self, batch_sizes: Iterable[int] | None = None,
-                  budget: float | None = None) -> list[int]:
+                  budget: float | None = None, warm: bool = False) -> list[int]:
         """Measure step costs before the first request, within ``budget`` seconds
-        (calibration.py); returns the batch sizes measured."""
-        return calibration.calibrate(self, batch_sizes, budget=budget)
+        (calibration.py); returns the batch sizes measured. ``warm``: an engine that does
+        not adapt g runs the same passes all the same (a benchmark's engines warm alike)."""
+        return calibration.calibrate(self, batch_sizes, budget=budget, warm=warm)
 
     def reset(self) -> None:
         """Drop every row and both caches' contents: the state a failed generation left

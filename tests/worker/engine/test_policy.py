@@ -267,6 +267,34 @@ def test_calibration_is_a_no_op_for_a_pinned_g(tiny_models, tiny_tokenizer):
     assert engine.policy.snapshot()["t_verify"] == {}
 
 
+@pytest.mark.parametrize("g", [0, 3])
+def test_a_warm_calibration_runs_its_passes_for_a_pinned_g_and_records_nothing(
+        g, tiny_models, tiny_tokenizer, make_requests, check_greedy, monkeypatch):
+    """A benchmark warms every engine alike (bench/runner.py): no speculation (g = 0, no
+    drafter) and a fixed g run the calibration's target passes (and draft steps, with a
+    drafter), their policies left as they were, and the output after it is exact."""
+    target = tiny_models["target"]
+    drafter = DraftModel(tiny_models["near"]) if g else None
+    engine = SpeculativeEngine(target, tiny_tokenizer, drafter, max_batch_size=16,
+                               draft_length=g, adaptive=False)
+    calls = {"target": 0, "draft": 0}
+    forward = KVRows.forward
+
+    def counted(kv, *args, **kwargs):
+        calls["target" if kv.model is target else "draft"] += 1
+        return forward(kv, *args, **kwargs)
+
+    monkeypatch.setattr(KVRows, "forward", counted)
+    assert engine.calibrate(warm=True) == [1, 16]
+    widths = len({1, 2, g + 1})
+    assert calls["target"] == calibration.forwards(2, widths)
+    assert calls["draft"] == (2 * (1 + calibration.REPEATS * g) if g else 0)
+    snap = engine.policy.snapshot()
+    assert snap["t_verify"] == {} and snap["t_draft"] == {} and engine.policy.default == g
+    requests = make_requests(8, seed=5, max_new=12)
+    check_greedy(requests, engine.generate(requests))
+
+
 def test_verify_cost_between_calibrated_widths_is_interpolated():
     """On a CPU, 1 -> 2 tokens per row costs more than 2 -> 5: no single line fits."""
     policy = DraftLengthPolicy(default=4)
