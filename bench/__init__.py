@@ -153,7 +153,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=positive_int, default=1,
                    help="run every configuration this many times, in turn, and report the "
                    "run of median time (a busy machine's noise)")
-    p.add_argument("--output-dir", type=Path, default=Path("bench"))
+    p.add_argument("--output-dir", type=Path, default=Path("bench-out"),
+                   help="where bench.json and bench.png go")
     p.add_argument("--device", default=None, help="overrides SPECQ_DEVICE")
     p.add_argument("--dtype", default=None, help="overrides SPECQ_DTYPE")
     p.add_argument("--data-dir", type=Path, default=None, help="overrides SPECQ_DATA_DIR")
