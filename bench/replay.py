@@ -1,0 +1,217 @@
+"""A scored drafter's ceiling at a batch size, replayed without the target and its noise.
+
+`python -m specq.bench.replay --pair smollm2-135m --workload json --batch-size 16`: the
+target's greedy outputs are what every lossless run emits, so a run can be stepped again
+without the target. Rows step as the engine steps them (refilled in order as they end, the
+job index fed with each row that ended), the suffix drafter proposes up to --max-g tokens a
+row from the row's tokens so far, a row accepts the longest prefix of the drafts it keeps
+that its greedy output goes on with, then one token more, and each pass is priced as the
+packed pass costs: plain + per token carried + per column of the widest row (``Price``).
+The same proposals under each way of keeping drafts:
+
+- oracle: each row keeps exactly the drafts that survive: the drafter's ceiling;
+- budget: the engine's own budget (budget.TwoPart over policy.Calibration's survivals,
+  learning from each pass's verdicts as drafting.verdicts teaches it);
+- g = k: every row keeps its first k drafts (a fixed draft length).
+
+Only the verify passes are priced, all alike (no prefill, no host work, no drafting), so
+the figures are ratios of decoding time to plain decoding's, not of a run's wall time; a
+machine's noise does not reach them. The price is the one calibration measures on this
+machine at the batch size (a pass of 1 to max_g + 1 tokens a row: its plain pass and its
+slope; padded passes cannot tell a column from a token, so no column term), or --price.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from specq.worker.engine import budget
+from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
+from specq.worker.engine.policy import Calibration
+
+log = logging.getLogger(__name__)
+ORACLE, BUDGET = "oracle", "budget"
+
+
+@dataclass(frozen=True)
+class Price:
+    """Seconds of a packed verify pass: ``plain`` for one token a row, ``per_token`` for
+    each draft token carried, ``per_column`` for each draft column of the widest row."""
+
+    plain: float
+    per_token: float
+    per_column: float = 0.0
+
+    def seconds(self, kept: list[int]) -> float:
+        return self.plain + self.per_token * sum(kept) + self.per_column * max(kept, default=0)
+
+
+@dataclass
+class Replayed:
+    """What a replay did: passes, their priced seconds, drafts carried and accepted."""
+
+    keep: str | int
+    passes: int
+    seconds: float
+    carried: int
+    accepted: int
+
+
+def greedy_outputs(model, tokenizer, prompts: list[list[int]], max_new: int,
+                   batch: int) -> list[list[int]]:
+    """The target's greedy output of each prompt (an engine without drafts)."""
+    from specq.schema.generation import Request
+    from specq.worker.engine.speculative import SpeculativeEngine
+
+    eng = SpeculativeEngine(model, tokenizer, NoDraft(), max_batch_size=batch)
+    results = eng.generate([Request(id=i, prompt_token_ids=p, max_new_tokens=max_new)
+                            for i, p in enumerate(prompts)])
+    return [r.token_ids for r in results]
+
+
+def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
+           make_drafter: Callable[[], Drafter], keep: str | int, price: Price,
+           max_g: int = 8) -> Replayed:
+    """Step the outputs as the engine would at this batch size, keeping drafts by ``keep``
+    (ORACLE, BUDGET or a fixed g; 0: plain decoding), each pass priced by ``price``."""
+    drafter = make_drafter()
+    calibration = Calibration()
+    waiting = list(range(len(prompts)))
+    rows: list[list[int]] = []  # per row: [request index, tokens of its output emitted]
+    out = Replayed(keep, 0, 0.0, 0, 0)
+    while waiting or rows:
+        while waiting and len(rows) < batch:  # the prefill yields the first token
+            i = waiting.pop(0)
+            if len(outputs[i]) > 1:
+                rows.append([i, 1])
+            else:
+                drafter.finish(prompts[i] + outputs[i])
+        if not rows:
+            continue
+        B = len(rows)
+        zeros = torch.zeros(B, dtype=torch.long)
+        seqs = [prompts[i] + outputs[i][:n] for i, n in rows]
+        rest = [outputs[i][n:] for i, n in rows]
+        asked = max_g if keep in (ORACLE, BUDGET) else int(keep)
+        if asked:
+            prop = drafter.propose(DraftInputs(seqs, zeros, zeros.float(), zeros,
+                                               torch.ones(B), greedy=True), asked)
+            drafts = [ids[: min(n, len(r) - 1)] for ids, n, r in zip(
+                prop.token_ids.tolist(), prop.num_draft.tolist(), rest)]
+            conf = ([c[: len(d)] for c, d in zip(prop.confidences, drafts)]
+                    if prop.confidence is not None else [[] for _ in drafts])
+        else:
+            drafts, conf = [[] for _ in rows], [[] for _ in rows]
+        right = [_agree(d, r) for d, r in zip(drafts, rest)]
+        if keep == ORACLE:
+            kept = right
+        elif keep == BUDGET:
+            survivals = [budget.chain([calibration(c) for c in row]) for row in conf]
+            kept = (budget.TwoPart(price.plain, price.per_token, price.per_column, B)
+                    .allot(survivals) if any(survivals) else [0] * B)
+            for row, k, a, d, r in zip(conf, kept, right, drafts, rest):
+                if k:
+                    calibration.add(row[:k], min(a, k))
+                elif row:  # a plain pass judges the first draft token all the same
+                    calibration.add(row[:1], int(d[0] == r[0]))
+        else:
+            kept = [len(d) for d in drafts]
+        accepted = [min(a, k) for a, k in zip(right, kept)]
+        out.passes += 1
+        out.seconds += price.seconds(kept)
+        out.carried += sum(kept)
+        out.accepted += sum(accepted)
+        for row, a in zip(rows, accepted):
+            row[1] += a + 1
+        for i in [i for i, n in rows if n >= len(outputs[i])]:
+            drafter.finish(prompts[i] + outputs[i])
+        rows = [[i, n] for i, n in rows if n < len(outputs[i])]
+    return out
+
+
+def _agree(draft: list[int], rest: list[int]) -> int:
+    """How many of the draft's first tokens the output goes on with."""
+    n = 0
+    while n < len(draft) and n < len(rest) and draft[n] == rest[n]:
+        n += 1
+    return n
+
+
+def measured_price(model, tokenizer, make_drafter: Callable[[], Drafter], batch: int,
+                   max_g: int) -> Price:
+    """The pass's price as calibration measures it at this batch size: the plain pass and
+    the least-squares slope of the passes of 2 to max_g + 1 tokens a row, per token."""
+    from specq.worker.engine.speculative import SpeculativeEngine
+
+    eng = SpeculativeEngine(model, tokenizer, make_drafter(), max_batch_size=batch,
+                            max_draft_length=max_g)
+    eng.calibrate([batch])
+    widths = [(n, eng.policy.costs.verify_seconds(n, batch)) for n in range(1, max_g + 2)]
+    points = [(batch * (n - 1), t) for n, t in widths if t is not None]
+    if len(points) < 2:
+        raise RuntimeError(f"calibration measured no verify pass at batch {batch}")
+    mx = sum(x for x, _ in points) / len(points)
+    my = sum(y for _, y in points) / len(points)
+    slope = (sum((x - mx) * (y - my) for x, y in points)
+             / sum((x - mx) ** 2 for x, _ in points))
+    return Price(points[0][1], max(slope, 0.0))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m specq.bench.replay", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--pair", default="smollm2-135m")
+    p.add_argument("--workload", default="json", help="rewrite, json, synthesis or chat")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--prompts", type=int, default=None, help="number of prompts (cycled)")
+    p.add_argument("--max-new-tokens", type=int, default=48)
+    p.add_argument("--max-g", type=int, default=8, help="draft tokens a row is asked for")
+    p.add_argument("--draft-lengths", default="1,2,4", help="fixed g replayed beside")
+    p.add_argument("--price", default=None, metavar="PLAIN,PER_TOKEN[,PER_COLUMN]",
+                   help="seconds of a pass instead of calibration's (e.g. a bench run's fit)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING)
+
+    from specq.bench import load_bench_pair
+    from specq.bench.workloads import WORKLOADS
+    from specq.schema.generation import Request
+    from specq.worker.engine.speculative import encode_prompt
+    from specq.worker.engine.suffix import SuffixDrafter
+
+    pair = load_bench_pair(argparse.Namespace(pair=args.pair, device=None, dtype=None,
+                                              data_dir=None, threads=None))
+    engine = pair.engine()
+    convs = WORKLOADS[args.workload]()
+    convs = [convs[i % len(convs)] for i in range(args.prompts or len(convs))]
+    prompts = [encode_prompt(pair.tokenizer, Request(messages=m,
+                                                     max_new_tokens=args.max_new_tokens),
+                             engine.context) for m in convs]
+    outputs = greedy_outputs(pair.target, pair.tokenizer, prompts, args.max_new_tokens,
+                             args.batch_size)
+    if args.price:
+        price = Price(*(float(x) for x in args.price.split(",")))
+    else:
+        price = measured_price(pair.target, pair.tokenizer, SuffixDrafter, args.batch_size,
+                               args.max_g)
+    plain = replay(prompts, outputs, args.batch_size, SuffixDrafter, 0, price)
+    keeps: list[str | int] = [ORACLE, BUDGET, *(int(g) for g in args.draft_lengths.split(","))]
+    print(f"replay: {args.pair}, {args.workload}, {len(prompts)} prompts, batch "
+          f"{args.batch_size}, {sum(map(len, outputs))} tokens; a pass {1e3 * price.plain:.1f} "
+          f"ms + {1e3 * price.per_token:.2f} ms a draft token + {1e3 * price.per_column:.2f} "
+          f"ms a column; plain decoding {plain.passes} passes")
+    print(f"{'keep':<8} {'x plain':>7} {'passes':>6} {'carried':>7} {'accepted':>8}")
+    for keep in keeps:
+        r = replay(prompts, outputs, args.batch_size, SuffixDrafter, keep, price, args.max_g)
+        name = keep if isinstance(keep, str) else f"g = {keep}"
+        print(f"{name:<8} {plain.seconds / r.seconds:>6.3f}x {r.passes:>6} {r.carried:>7} "
+              f"{r.accepted:>8}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,58 @@
+"""The replay (bench/replay.py): a run stepped again from the target's greedy outputs, each
+pass priced by a given price. Real tiny target and suffix drafter; no timing is measured."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specq.bench.replay import BUDGET, ORACLE, Price, greedy_outputs, replay
+from specq.worker.engine.suffix import SuffixDrafter
+
+MAX_G = 6
+PRICE = Price(plain=0.1, per_token=0.002, per_column=0.001)
+
+
+@pytest.fixture(scope="module")
+def job(tiny_models, tiny_tokenizer):
+    """12 prompts of a repeated chunk (prompt lookup and the job index find something),
+    and the target's greedy outputs at batch 4."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = []
+    for _ in range(12):
+        base = torch.randint(3, 259, (int(torch.randint(3, 9, (1,), generator=gen)),),
+                             generator=gen).tolist()
+        prompts.append(base * 4)
+    return prompts, greedy_outputs(tiny_models["target"], tiny_tokenizer, prompts, 24, 4)
+
+
+def test_plain_decoding_is_a_pass_a_token_a_row(job):
+    prompts, outputs = job
+    r = replay(prompts, outputs, 4, SuffixDrafter, 0, PRICE)
+    assert (r.carried, r.accepted) == (0, 0)
+    assert r.seconds == pytest.approx(r.passes * PRICE.plain)
+    # every row emits one token a pass after its first (the prefill's); four rows a pass
+    after_first = sum(len(o) - 1 for o in outputs)
+    assert -(-after_first // 4) <= r.passes <= after_first
+
+
+def test_the_oracle_keeps_exactly_what_survives_and_saves_passes(job):
+    prompts, outputs = job
+    plain = replay(prompts, outputs, 4, SuffixDrafter, 0, PRICE)
+    oracle = replay(prompts, outputs, 4, SuffixDrafter, ORACLE, PRICE, MAX_G)
+    assert oracle.carried == oracle.accepted > 0
+    assert oracle.passes < plain.passes
+    assert oracle.seconds < plain.seconds
+
+
+def test_the_budget_keeps_every_draft_when_drafts_are_free_and_none_when_dear(job):
+    prompts, outputs = job
+    every = replay(prompts, outputs, 4, SuffixDrafter, MAX_G, PRICE, MAX_G)
+    free = replay(prompts, outputs, 4, SuffixDrafter, BUDGET, Price(0.1, 0.0), MAX_G)
+    assert (free.passes, free.carried, free.accepted) == (every.passes, every.carried,
+                                                          every.accepted)
+    assert free.accepted < free.carried  # some drafts are wrong: the budget is not an oracle
+    plain = replay(prompts, outputs, 4, SuffixDrafter, 0, PRICE)
+    dear = replay(prompts, outputs, 4, SuffixDrafter, BUDGET, Price(0.1, 1.0), MAX_G)
+    assert (dear.passes, dear.carried) == (plain.passes, 0)
+    assert dear.seconds == pytest.approx(plain.seconds)
