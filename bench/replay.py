@@ -114,11 +114,11 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
             survivals = [budget.chain([calibration(c) for c in row]) for row in conf]
             kept = (budget.TwoPart(price.plain, price.per_token, price.per_column, B)
                     .allot(survivals) if any(survivals) else [0] * B)
-            for row, k, a, d, r in zip(conf, kept, right, drafts, rest):
+            for c, k, a, d, r in zip(conf, kept, right, drafts, rest):
                 if k:
-                    calibration.add(row[:k], min(a, k))
-                elif row:  # a plain pass judges the first draft token all the same
-                    calibration.add(row[:1], int(d[0] == r[0]))
+                    calibration.add(c[:k], min(a, k))
+                elif c:  # a plain pass judges the first draft token all the same
+                    calibration.add(c[:1], int(d[0] == r[0]))
         else:
             kept = [len(d) for d in drafts]
         accepted = [min(a, k) for a, k in zip(right, kept)]
