@@ -10,8 +10,8 @@ packed pass costs: plain + per token carried + per column of the widest row (``P
 The same proposals under each way of keeping drafts:
 
 - oracle: each row keeps exactly the drafts that survive: the drafter's ceiling;
-- budget: the engine's own budget (budget.TwoPart over policy.Calibration's survivals,
-  learning from each pass's verdicts as drafting.verdicts teaches it);
+- budget: the engine's own budget (budget.TwoPart over the policy's survivals, its
+  calibration learning from each pass's verdicts as drafting.verdicts teaches it);
 - g = k: every row keeps its first k drafts (a fixed draft length).
 
 Only the verify passes are priced, all alike (no prefill, no host work, no drafting), so
@@ -32,7 +32,7 @@ import torch
 
 from specq.worker.engine import budget
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
-from specq.worker.engine.policy import Calibration
+from specq.worker.engine.policy import Widths
 
 log = logging.getLogger(__name__)
 ORACLE, BUDGET = "oracle", "budget"
@@ -80,7 +80,8 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
     """Step the outputs as the engine would at this batch size, keeping drafts by ``keep``
     (ORACLE, BUDGET or a fixed g; 0: plain decoding), each pass priced by ``price``."""
     drafter = make_drafter()
-    calibration = Calibration()
+    policy = Widths(max_g=max_g)  # its survivals and its calibration, as the engine's
+    calibration = policy.calibration
     waiting = list(range(len(prompts)))
     rows: list[list[int]] = []  # per row: [request index, tokens of its output emitted]
     out = Replayed(keep, 0, 0.0, 0, 0)
@@ -111,7 +112,7 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
         if keep == ORACLE:
             kept = right
         elif keep == BUDGET:
-            survivals = [budget.chain([calibration(c) for c in row]) for row in conf]
+            survivals = policy.survivals([len(c) for c in conf], [[] for _ in conf], conf)
             kept = (budget.TwoPart(price.plain, price.per_token, price.per_column, B)
                     .allot(survivals) if any(survivals) else [0] * B)
             for c, k, a, d, r in zip(conf, kept, right, drafts, rest):
