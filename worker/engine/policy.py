@@ -51,9 +51,6 @@ PLAIN_REFRESH = 32  # a plain step at least this often: every g is judged agains
 HISTORY = 1024  # g of the latest steps kept, for benchmarks and logs (a worker runs for days)
 CONFIDENCE_BINS = 10  # a drafter's confidence in [0, 1] is judged in this many equal bins
 CONFIDENCE_DECAY = 0.99  # per verdict in a bin: acceptance at a confidence follows the job
-SURVIVAL_SHRINK = 0.2  # an estimated survival is taken this much lower when the budget is
-# spent (``survivals``): replayed, every workload at batch 4 and 16 gained or held
-# (docs/benchmarks.md, "a survival taken lower")
 CONFIDENCE_PRIOR = 2.0  # verdicts a bin starts with: the drafter taken at its word at first
 FIT_DECAY = 0.98  # a pass's weight against the next in PassFit: a line wants more points
 FIT_READY = 8.0  # ragged passes (decayed) before PassFit prices the budget
@@ -489,19 +486,13 @@ class DraftLengthPolicy:
         """Per row, each proposed token's predicted survival: the chain product of its
         acceptance and that of the tokens before it. A forced token's is 1 (the grammar
         allows nothing else), a scored token's its calibrated confidence (the scorer's own
-        tokens lead a row, before the first forced one), any other's alpha.
-
-        A survival that rests on an estimate is taken SURVIVAL_SHRINK lower: the budget
-        keeps the tokens whose estimates are highest, and the highest of many noisy
-        estimates is biased upward (a token kept at its break-even is a loss as often as
-        not). Only a chain of forced tokens is sure, and keeps its 1."""
+        tokens lead a row, before the first forced one), any other's alpha."""
         out = []
         for n, at, conf in zip(num_draft, forced, confidence):
             own = min(at[0] if at else n, len(conf))
             fixed = set(at)
-            chain = budget.chain([1.0 if j in fixed else self.calibration(conf[j])
-                                  if j < own else self.alpha for j in range(n)])
-            out.append([s if s >= 1.0 else s * (1.0 - SURVIVAL_SHRINK) for s in chain])
+            out.append(budget.chain([1.0 if j in fixed else self.calibration(conf[j])
+                                     if j < own else self.alpha for j in range(n)]))
         return out
 
     def width(self, confidence: list[list[float]]) -> int:

@@ -9,13 +9,7 @@ from specq.worker.engine import budget
 from specq.worker.engine.batch import KVRows
 from specq.worker.engine.budget import NEGLIGIBLE, Packed, Padded, TwoPart, chain, verify_cost
 from specq.worker.engine.drafters import DraftModel, PromptLookup
-from specq.worker.engine.policy import (
-    SURVIVAL_SHRINK,
-    DraftLengthPolicy,
-    PassFit,
-    Pinned,
-    Widths,
-)
+from specq.worker.engine.policy import DraftLengthPolicy, PassFit, Pinned, Widths
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.engine.suffix import SuffixDrafter
 
@@ -110,13 +104,11 @@ def _policy(cls=DraftLengthPolicy, batch=4):
 def test_survival_is_one_for_forced_calibrated_for_scored_and_alpha_else():
     policy = _policy()
     a = policy.alpha
-    # row 0: two scored tokens, then forced ones, then a follower's; row 1: unscored;
-    # row 2: forced tokens, then a scored one
-    got = policy.survivals([5, 2, 3], [[2, 3], [], [0, 1]], [[0.95, 0.95, 0.5], [], [0.95]])
-    q, s = policy.calibration(0.95), 1.0 - SURVIVAL_SHRINK  # an estimate is taken lower
-    assert got[0] == pytest.approx([q * s, q * q * s, q * q * s, q * q * s, q * q * a * s])
-    assert got[1] == pytest.approx([a * s, a * a * s])
-    assert got[2] == pytest.approx([1.0, 1.0, a * s]), "a chain of forced tokens is sure"
+    # row 0: two scored tokens, then forced ones, then a follower's; row 1: unscored
+    got = policy.survivals([5, 2], [[2, 3], []], [[0.95, 0.95, 0.5], []])
+    q = policy.calibration(0.95)
+    assert got[0] == pytest.approx([q, q * q, q * q, q * q, q * q * a])
+    assert got[1] == pytest.approx([a, a * a])
 
 
 def test_the_policy_spends_the_budget_and_a_pinned_one_keeps_every_token():
