@@ -43,6 +43,9 @@ FAST = 0.5  # a full pass under this share of a trusted mean replaces it: a mach
 # slowed by others, never sped up, so the mean came from a busier spell (a cached calibration)
 STALL_CLIP = 3.0  # a sample's cap in trusted means: one stall must not stop speculation for good
 PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 2.0  # weak: one unlucky first step must not stop speculation
+BORROWED_AFTER = 4.0  # a batch size's plain passes (decayed weight, about 5 passes) after
+# which it measures its own wide pass rather than borrow a far batch size's (_borrowed)
+BORROW_RATIO = 2.0  # a ready batch size within this factor stands in well enough
 PROBE_BUDGET = 0.02  # share of decoding time probes may cost while g = 0 wins (acceptance unseen)
 PROBE_GAP = 32  # steps between probes at least: a draft useful again is found within this many
 PROBE_HOPE = 1.1  # a scored drafter is probed only while it could pay this speedup (Shadowed)
@@ -440,12 +443,29 @@ class DraftLengthPolicy:
         b = self.costs.stand_in(self._batch)
         if b is None:
             return 0  # no cost known at all: measure a plain step
-        if self.t_draft is None or max(self.costs.verify[b]) == 1:
-            return self.default  # measure a draft step and a wide pass
+        if self.t_draft is None or max(self.costs.verify[b]) == 1 or self._borrowed():
+            return self.default  # measure a draft step and a wide pass (here)
         if self.steps - self._plain_at.get(self._batch, 0) >= PLAIN_REFRESH:
             return 0
         self.measuring = False
         return self._best(confidence)
+
+    def _borrowed(self) -> bool:
+        """This batch size runs on a far one's costs (CostTable.stand_in: no ready batch
+        size either side of it, none within BORROW_RATIO of it) though the engine keeps
+        running at it: BORROWED_AFTER plain passes' weight measured here, no wider pass.
+        Far costs price a draft against the other batch size's plain pass (a cached table
+        whose only ready size was batch 1 put batch 16's plain pass at 57 ms, not its own
+        140: no draft paid, none was verified, batch 16 never measured a wide pass, and the
+        demo never drafted again), so a step at g = default measures them here."""
+        b, costs = self._batch, self.costs
+        own = costs.verify.get(b, {})
+        if not (1 in own and max(own) == 1 and own[1].weight >= BORROWED_AFTER):
+            return False
+        ready = [r for r in costs.verify if costs.ready(r)]
+        between = any(r < b for r in ready) and any(r > b for r in ready)
+        near = any(abs(math.log(r / b)) <= math.log(BORROW_RATIO) for r in ready)
+        return not between and not near
 
     def _best(self, confidence: list[list[float]] | None) -> int:
         """The g with the best predicted speedup; a probe at g = default when g = 0 wins."""

@@ -178,6 +178,33 @@ def test_costs_are_kept_per_batch_size_and_interpolated_between():
     assert policy.choose(batch=64) == 0, "no alpha can pay for 5x verify: no warm-up"
 
 
+def test_a_batch_size_running_on_a_far_ones_costs_measures_its_own():
+    """A cached table whose only ready batch size is 1 (a wide pass nearly free there) and
+    batch 16's plain passes: 16 borrowed batch 1's prices, its plain pass at batch 1's,
+    and a prompt-lookup job never drafted nor measured a wide pass at 16. Once batch 16
+    ran a few plain passes it measures its own (a step at g = default, verified whole);
+    then it prices drafts by its own costs. A batch size near a ready one (15 by 16) and
+    one between two ready ones keep borrowing; one seen only once does too."""
+    policy = Shadowed(default=4)
+    _costs(policy, 1, t1=0.057, wide=0.09, t_draft=0.0)
+    for _ in range(2):  # a step or two at batch 16: too few to tell
+        policy.observe(0, [0] * 16, [0] * 16, 0.0, 0.14, 1)
+    assert policy.choose(batch=16) == 0 and policy.t_verify(1, batch=16) == pytest.approx(0.057)
+    for _ in range(4):
+        policy.observe(0, [0] * 16, [0] * 16, 0.0, 0.14, 1)
+    assert policy.choose(batch=16) == 4 and policy.measuring, "measure a wide pass here"
+    policy.observe(4, [4] * 16, [1] * 16, 0.004, 0.26, 5)  # the measuring step
+    assert policy.costs.ready(16)
+    assert policy.t_verify(1, batch=16) == pytest.approx(0.14, rel=0.05)
+    for _ in range(6):  # batch 15 (the tail) near a ready 16; batch 8 between 1 and 16
+        policy.observe(0, [0] * 15, [0] * 15, 0.0, 0.13, 1)
+        policy.observe(0, [0] * 8, [0] * 8, 0.0, 0.1, 1)
+    policy.choose(batch=15)
+    assert not policy._borrowed()
+    policy.choose(batch=8)
+    assert not policy._borrowed()
+
+
 def test_no_warm_up_nor_early_probe_where_drafting_cannot_pay():
     """Calibrated costs at a large batch, compute bound: a pass over n tokens per row costs
     n plain steps, so the prior (alpha 1/2) predicts a loss at every g, and the first probe

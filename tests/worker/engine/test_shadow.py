@@ -44,8 +44,10 @@ def test_idle_scoring_measures_what_drafting_measures(tiny_models, tiny_tokenize
     def alpha(idle: bool) -> float:
         engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
                                    max_batch_size=4, draft_length=3, adaptive=idle)
-        if idle:  # costs at which drafting never pays: the engine stays at g = 0
-            engine.policy.record_costs(4, {1: [0.1] * 2, 2: [10.0] * 2}, [1.0] * 2)
+        if idle:  # costs at which drafting never pays, at every batch size the run sees
+            # (4, and 1 in its tail: a batch size far from any measured one measures its own)
+            for b in (1, 4):
+                engine.policy.record_costs(b, {1: [0.1] * 2, 2: [10.0] * 2}, [1.0] * 2)
         check_greedy(requests, engine.generate(requests))
         if idle:
             assert set(engine.policy.history) == {0}
