@@ -443,8 +443,10 @@ class DraftLengthPolicy:
         b = self.costs.stand_in(self._batch)
         if b is None:
             return 0  # no cost known at all: measure a plain step
-        if self.t_draft is None or max(self.costs.verify[b]) == 1 or self._borrowed():
-            return self.default  # measure a draft step and a wide pass (here)
+        if self.t_draft is None or max(self.costs.verify[b]) == 1:
+            return self.default  # measure a draft step and a wide pass
+        if self._borrowed():
+            return 1  # a pass one token wider than a plain one: the budget's first price
         if self.steps - self._plain_at.get(self._batch, 0) >= PLAIN_REFRESH:
             return 0
         self.measuring = False
@@ -457,7 +459,11 @@ class DraftLengthPolicy:
         Far costs price a draft against the other batch size's plain pass (a cached table
         whose only ready size was batch 1 put batch 16's plain pass at 57 ms, not its own
         140: no draft paid, none was verified, batch 16 never measured a wide pass, and the
-        demo never drafted again), so a step at g = default measures them here."""
+        demo never drafted again), so a step at g = 1 measures them here: a pass one token
+        a row wider than a plain pass, the slope the budget prices a draft token by until
+        its fit of ragged passes is ready (budget.Packed.from_widths; measured at g = 4
+        instead, the slope of a line from 1 to 5 tokens a row priced a first draft token
+        under its cost on a CPU, and the demo drafted twice as much for 5 % less)."""
         b, costs = self._batch, self.costs
         own = costs.verify.get(b, {})
         if not (1 in own and max(own) == 1 and own[1].weight >= BORROWED_AFTER):

@@ -182,7 +182,7 @@ def test_a_batch_size_running_on_a_far_ones_costs_measures_its_own():
     """A cached table whose only ready batch size is 1 (a wide pass nearly free there) and
     batch 16's plain passes: 16 borrowed batch 1's prices, its plain pass at batch 1's,
     and a prompt-lookup job never drafted nor measured a wide pass at 16. Once batch 16
-    ran a few plain passes it measures its own (a step at g = default, verified whole);
+    ran a few plain passes it measures its own (a step at g = 1, verified whole);
     then it prices drafts by its own costs. A batch size near a ready one (15 by 16) and
     one between two ready ones keep borrowing; one seen only once does too."""
     policy = Shadowed(default=4)
@@ -192,8 +192,8 @@ def test_a_batch_size_running_on_a_far_ones_costs_measures_its_own():
     assert policy.choose(batch=16) == 0 and policy.t_verify(1, batch=16) == pytest.approx(0.057)
     for _ in range(4):
         policy.observe(0, [0] * 16, [0] * 16, 0.0, 0.14, 1)
-    assert policy.choose(batch=16) == 4 and policy.measuring, "measure a wide pass here"
-    policy.observe(4, [4] * 16, [1] * 16, 0.004, 0.26, 5)  # the measuring step
+    assert policy.choose(batch=16) == 1 and policy.measuring, "measure a wider pass here"
+    policy.observe(1, [1] * 16, [1] * 16, 0.001, 0.17, 2)  # the measuring step
     assert policy.costs.ready(16)
     assert policy.t_verify(1, batch=16) == pytest.approx(0.14, rel=0.05)
     for _ in range(6):  # batch 15 (the tail) near a ready 16; batch 8 between 1 and 16
