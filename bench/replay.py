@@ -34,7 +34,6 @@ from specq.worker.engine import budget
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from specq.worker.engine.policy import Widths
 
-log = logging.getLogger(__name__)
 ORACLE, BUDGET = "oracle", "budget"
 
 

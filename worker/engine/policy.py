@@ -28,12 +28,15 @@ A step chosen to measure (a probe, a first wide pass, a plain refresh) is verifi
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
 from specq.worker.engine import budget
+
+log = logging.getLogger(__name__)
 
 # Each constant exists for one reason.
 COST_DECAY = 0.9  # weight of a cost sample against the next one: costs follow the machine's load
@@ -44,7 +47,7 @@ FAST = 0.5  # a full pass under this share of a trusted mean replaces it: a mach
 STALL_CLIP = 3.0  # a sample's cap in trusted means: one stall must not stop speculation for good
 PRIOR_ALPHA, PRIOR_TRIALS = 0.5, 2.0  # weak: one unlucky first step must not stop speculation
 BORROWED_AFTER = 4.0  # a batch size's plain passes (decayed weight, about 5 passes) after
-# which it measures its own wide pass rather than borrow a far batch size's (_borrowed)
+# which it measures its own wide pass rather than borrow a far batch size's (far_stand_in)
 BORROW_RATIO = 2.0  # a ready batch size within this factor stands in well enough
 PROBE_BUDGET = 0.02  # share of decoding time probes may cost while g = 0 wins (acceptance unseen)
 PROBE_GAP = 32  # steps between probes at least: a draft useful again is found within this many
@@ -237,6 +240,24 @@ class CostTable:
             return batch
         return min(candidates, key=lambda b: abs(math.log(b / batch)), default=None)
 
+    def far_stand_in(self, batch: int) -> int | None:
+        """The far batch size whose costs ``batch`` runs on, though the engine keeps running
+        at it (BORROWED_AFTER plain passes' weight measured here, no wider pass), or None.
+        Far: no ready batch size either side of it (``_across`` draws no line) and none
+        within BORROW_RATIO of it. Far costs price a draft against the other batch size's
+        plain pass: a cached table whose only ready size was batch 1 put batch 16's plain
+        pass at 57 ms, not its own 140; no draft paid, none was verified, batch 16 never
+        measured a wide pass, and the demo never drafted again (DraftLengthPolicy.choose
+        measures such a batch size's own costs)."""
+        own = self.verify.get(batch, {})
+        if not (1 in own and max(own) == 1 and own[1].weight >= BORROWED_AFTER):
+            return None
+        ready = [r for r in self.verify if self.ready(r)]
+        between = any(r < batch for r in ready) and any(r > batch for r in ready)
+        if between or any(abs(math.log(r / batch)) <= math.log(BORROW_RATIO) for r in ready):
+            return None
+        return self.stand_in(batch)
+
     def draft_seconds(self, batch: int) -> float | None:
         return self._across(batch, lambda b: self.draft[b].mean if b in self.draft else None)
 
@@ -378,6 +399,7 @@ class DraftLengthPolicy:
         self.max_g = max(max_g, default)
         self.costs = CostTable()
         self._batch = 1  # batch size of the latest step
+        self._measured_here: set[int] = set()  # batch sizes that measured off a far one's costs
         self.packed = False  # the verify pass costs the tokens it carries (Drafting sets it)
         self.forget_data()
 
@@ -445,33 +467,22 @@ class DraftLengthPolicy:
             return 0  # no cost known at all: measure a plain step
         if self.t_draft is None or max(self.costs.verify[b]) == 1:
             return self.default  # measure a draft step and a wide pass
-        if self._borrowed():
-            return 1  # a pass one token wider than a plain one: the budget's first price
+        far = self.costs.far_stand_in(self._batch)
+        if far is not None:
+            # a step at g = 1: a pass one token a row wider than a plain pass, the slope the
+            # budget prices a draft token by until its fit of ragged passes is ready
+            # (budget.Packed.from_widths; measured at g = 4 instead, a line from 1 to 5
+            # tokens a row priced a first draft token under its cost on a CPU, and the demo
+            # drafted twice as much for 5 % less)
+            if self._batch not in self._measured_here:
+                self._measured_here.add(self._batch)
+                log.info("batch size %d ran on batch size %d's step costs: measuring its own",
+                         self._batch, far)
+            return 1
         if self.steps - self._plain_at.get(self._batch, 0) >= PLAIN_REFRESH:
             return 0
         self.measuring = False
         return self._best(confidence)
-
-    def _borrowed(self) -> bool:
-        """This batch size runs on a far one's costs (CostTable.stand_in: no ready batch
-        size either side of it, none within BORROW_RATIO of it) though the engine keeps
-        running at it: BORROWED_AFTER plain passes' weight measured here, no wider pass.
-        Far costs price a draft against the other batch size's plain pass (a cached table
-        whose only ready size was batch 1 put batch 16's plain pass at 57 ms, not its own
-        140: no draft paid, none was verified, batch 16 never measured a wide pass, and the
-        demo never drafted again), so a step at g = 1 measures them here: a pass one token
-        a row wider than a plain pass, the slope the budget prices a draft token by until
-        its fit of ragged passes is ready (budget.Packed.from_widths; measured at g = 4
-        instead, the slope of a line from 1 to 5 tokens a row priced a first draft token
-        under its cost on a CPU, and the demo drafted twice as much for 5 % less)."""
-        b, costs = self._batch, self.costs
-        own = costs.verify.get(b, {})
-        if not (1 in own and max(own) == 1 and own[1].weight >= BORROWED_AFTER):
-            return False
-        ready = [r for r in costs.verify if costs.ready(r)]
-        between = any(r < b for r in ready) and any(r > b for r in ready)
-        near = any(abs(math.log(r / b)) <= math.log(BORROW_RATIO) for r in ready)
-        return not between and not near
 
     def _best(self, confidence: list[list[float]] | None) -> int:
         """The g with the best predicted speedup; a probe at g = default when g = 0 wins."""

@@ -178,7 +178,7 @@ def test_costs_are_kept_per_batch_size_and_interpolated_between():
     assert policy.choose(batch=64) == 0, "no alpha can pay for 5x verify: no warm-up"
 
 
-def test_a_batch_size_running_on_a_far_ones_costs_measures_its_own():
+def test_a_batch_size_running_on_a_far_ones_costs_measures_its_own(caplog):
     """A cached table whose only ready batch size is 1 (a wide pass nearly free there) and
     batch 16's plain passes: 16 borrowed batch 1's prices, its plain pass at batch 1's,
     and a prompt-lookup job never drafted nor measured a wide pass at 16. Once batch 16
@@ -192,17 +192,17 @@ def test_a_batch_size_running_on_a_far_ones_costs_measures_its_own():
     assert policy.choose(batch=16) == 0 and policy.t_verify(1, batch=16) == pytest.approx(0.057)
     for _ in range(4):
         policy.observe(0, [0] * 16, [0] * 16, 0.0, 0.14, 1)
-    assert policy.choose(batch=16) == 1 and policy.measuring, "measure a wider pass here"
+    with caplog.at_level("INFO", logger="specq.worker.engine.policy"):
+        assert policy.choose(batch=16) == 1 and policy.measuring, "measure a wider pass here"
+    assert "batch size 16 ran on batch size 1's step costs" in caplog.text  # it shows
     policy.observe(1, [1] * 16, [1] * 16, 0.001, 0.17, 2)  # the measuring step
     assert policy.costs.ready(16)
     assert policy.t_verify(1, batch=16) == pytest.approx(0.14, rel=0.05)
     for _ in range(6):  # batch 15 (the tail) near a ready 16; batch 8 between 1 and 16
         policy.observe(0, [0] * 15, [0] * 15, 0.0, 0.13, 1)
         policy.observe(0, [0] * 8, [0] * 8, 0.0, 0.1, 1)
-    policy.choose(batch=15)
-    assert not policy._borrowed()
-    policy.choose(batch=8)
-    assert not policy._borrowed()
+    assert policy.costs.far_stand_in(15) is None
+    assert policy.costs.far_stand_in(8) is None
 
 
 def test_no_warm_up_nor_early_probe_where_drafting_cannot_pay():
