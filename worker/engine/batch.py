@@ -1,11 +1,20 @@
 """The rows of a batch: one model's KV cache over them, with per-row valid columns.
 
 Layout (DESIGN.md, shape 2; arXiv 2510.22876 discusses the pitfalls): every row shares
-the cache's column index, but each row keeps its own mask of real columns. A forward
-appends T columns to every row; a row's rejected draft columns stay in the cache,
-masked out, and later columns take their position ids from the row's count of real
-columns, so RoPE sees each row's true positions. `compact` squeezes the holes out now
-and then; no per-step copying.
+the cache's column index, but each row keeps its own mask of real columns, and later
+columns take their position ids from the row's count of real columns, so RoPE sees each
+row's true positions. Where a forward writes depends on the forward:
+
+- the packed one (packed.py, the Llama family): each row's tokens go right after its own
+  last real column. A row's rejected drafts are its last columns, masked out, and its
+  next pass writes over them: no holes pile up, and the cache is as wide as its longest
+  row (docs/benchmarks.md, "a row's own length");
+- transformers' own (any other model): a forward appends T columns to every row, and a
+  row's rejected draft columns stay in the cache as holes, masked out.
+
+``compact`` squeezes the holes out now and then (a prefill's padding, the padded forward's
+rejected columns); no per-step copying. ``marker`` says where the next forward's columns
+go, and ``keep`` takes it back to drop the rejected ones.
 
 The keys and values live in preallocated per-layer buffers [rows, heads, capacity, dim]
 (gpt-fast's KVCache, grown by doubling): a forward writes its columns in place and the
@@ -14,10 +23,6 @@ every layer's whole cache at every forward. A row's real columns may sit anywher
 of the columns being written (keys carry their positions from RoPE, and the causal mask
 only orders old columns before new ones), so rows join and leave without shifting
 anyone's columns.
-
-The forward itself is packed.py's for the Llama family (the dense work on the valid tokens
-only, so a row that carries no draft costs one token) and transformers' own for any other
-model; both write the same columns of the same buffers.
 """
 
 from __future__ import annotations
@@ -112,6 +117,24 @@ class BufferCache(Cache):
         """The layers, each a BufferLayer (the only kind this cache makes)."""
         return cast(list[BufferLayer], self.layers)
 
+    def write(self, layer: int, place: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+              values: torch.Tensor, rows: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write keys and values [N, heads, dim] at their rows and columns (``place``: [N]
+        each) of ``layer``, now ``rows`` x ``length`` columns in use; returns views of the
+        used part [rows, heads, length, dim] (the packed forward's update: packed.py)."""
+        while len(self.layers) <= layer:
+            self.layers.append(BufferLayer())
+        buf = self.buffers[layer]
+        if not buf.is_initialized:
+            buf.lazy_initialization(keys.new_empty(rows, keys.shape[1], length, keys.shape[2]),
+                                    values.new_empty(rows, values.shape[1], length,
+                                                     values.shape[2]))
+        buf.reserve(rows, length)
+        buf.rows, buf.length = rows, length
+        buf.keys[place[0], :, place[1]] = keys
+        buf.values[place[0], :, place[1]] = values
+        return buf.keys[:rows, :, :length], buf.values[:rows, :, :length]
+
 
 class KVRows:
     """A model's cache over the batch rows and the mask of real columns.
@@ -165,6 +188,16 @@ class KVRows:
                  layer.values[row : row + 1, :, start:stop].clone())
                 for layer in self.cache.buffers]
 
+    @torch.inference_mode()
+    def row_columns(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of one row's real columns' keys and values, in order, per layer
+        [1, heads, n, dim] (what ``from_prefix`` takes, for a row without holes)."""
+        assert self.cache is not None and self.mask is not None, "no columns before a forward"
+        cols = self.mask[row].nonzero()[:, 0]
+        return [(layer.keys[row : row + 1, :, : self.length].index_select(2, cols),
+                 layer.values[row : row + 1, :, : self.length].index_select(2, cols))
+                for layer in self.cache.buffers]
+
     @property
     def packed(self) -> bool:
         """True when a forward's cost follows the valid tokens, not the padded block."""
@@ -192,9 +225,9 @@ class KVRows:
             self.cache = BufferCache()
             self.mask = torch.zeros(B, 0, dtype=torch.bool, device=self.device)
         assert self.mask is not None  # set with the cache
-        if self._packed is not None:
-            logits = self._packed(self.cache, self.mask, input_ids, valid, last_only)
-            self.mask = torch.cat([self.mask, valid], dim=1)  # [B, L + T]
+        if self._packed is not None:  # each row's tokens right after its last real column
+            logits, self.mask = self._packed(self.cache, self.mask, input_ids, valid,
+                                             last_only)
             return logits
         L = self.length
         seen = self.mask.sum(1, keepdim=True)  # [B, 1] real tokens so far
@@ -215,16 +248,33 @@ class KVRows:
         self.mask = mask
         return out.logits[:, -1:] if last_only else out.logits
 
-    def keep(self, start: int, keep_len: torch.Tensor) -> None:
-        """Of the columns from ``start`` on, keep the first keep_len[b] real ones per row.
+    def marker(self) -> int | torch.Tensor:
+        """Where the next forward's columns go: the cache's end (transformers' forward:
+        every row's columns there), or each row's own next column [B] (the packed forward:
+        right after the row's last real column). What ``keep`` takes."""
+        if self._packed is None or self.mask is None:
+            return self.length
+        cols = torch.arange(1, self.length + 1, device=self.device)
+        return (self.mask * cols).amax(1) if self.length else self.mask.new_zeros(
+            self.rows, dtype=torch.long)
+
+    def keep(self, start: int | torch.Tensor, keep_len: torch.Tensor) -> None:
+        """Of each row's columns from ``start`` (a ``marker`` taken before the forwards
+        that wrote them) on, keep the first keep_len[b].
 
         keep_len: [B] int64
         """
-        if start < self._counted_at:  # columns older than the last count: count again
-            self._recheck_at = 0
         assert self.mask is not None, "nothing to keep before a forward"
-        cols = torch.arange(self.length - start, device=self.device)[None, :]  # [1, T]
-        self.mask[:, start:] &= cols < keep_len[:, None]
+        if isinstance(start, int):
+            if start < self._counted_at:  # columns older than the last count: count again
+                self._recheck_at = 0
+            cols = torch.arange(self.length - start, device=self.device)[None, :]  # [1, T]
+            self.mask[:, start:] &= cols < keep_len[:, None]
+            return
+        # a row's own columns: its dropped ones are its last (the next forward writes over
+        # them), so the waste does not grow and the lazy count stands
+        cols = torch.arange(self.length, device=self.device)[None, :] - start[:, None]
+        self.mask &= cols < keep_len[:, None]
 
     @torch.inference_mode()
     def select(self, rows: torch.Tensor | list[int]) -> None:

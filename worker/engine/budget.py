@@ -10,8 +10,8 @@ tokens by survival.
 
 What one more token costs depends on the verify pass:
 
-- packed (batch.py: KVRows.packed): a pass costs what it carries, and its cache columns
-  (and attention not split per row) what its widest row carries. Once the policy has
+- packed (batch.py: KVRows.packed): a pass costs what it carries, and its masks (and
+  attention not split per row) what its widest row carries. Once the policy has
   fitted the two parts at this batch size (policy.PassFit: seconds per token carried and
   per column of the widest row, from the passes it ran), TwoPart tries each width and
   keeps, within it, the tokens likeliest to survive while they raise tokens per second.
@@ -28,7 +28,8 @@ What one more token costs depends on the verify pass:
 Drafting done before the budget is spent is sunk: only the verify pass is weighed here
 (the policy weighs drafting when it chooses how much to ask of the drafter), and the host
 work a step that verifies drafts adds to a plain one (the accept test over wider logits,
-cache holes to compact, the drafter's update: ``step``, measured by the policy), paid once
+a padded cache's holes to compact, the drafter's update: ``step``, measured by the
+policy), paid once
 by all the step's tokens together. A step where no token clears the bar keeps none: a
 plain step.
 """
@@ -119,8 +120,8 @@ class Packed:
 class TwoPart:
     """A packed verify pass priced in its two parts, as measured (policy.PassFit): ``plain``
     seconds for one token a row, ``per_token`` for each draft token carried, and
-    ``per_column`` for each column the widest row adds: every row's cache gets its columns,
-    and attention not split per row (packed.split) is as wide as the widest row, so a lone
+    ``per_column`` for each column the widest row adds: every row's mask is as wide, and
+    attention not split per row (packed.split) is as wide as the widest row, so a lone
     wide row can cost more than the same tokens spread over many rows (docs/benchmarks.md,
     "where the batch-16 gap is": 0.155 ms a row and column beside 1.7 ms a token at batch 16
     on a CPU, before the split). The fit learns what the pass costs as it runs.

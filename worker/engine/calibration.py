@@ -131,7 +131,7 @@ def _verify_times(engine: Engine, B: int, prompt: list[int], widths: list[int],
     times: dict[int, list[float]] = {n: [] for n in widths}
     for _ in range(repeats):
         for n in widths:
-            start, t = kv.length, _clock(dev)
+            start, t = kv.marker(), _clock(dev)
             kv.forward(ids[:, :n], valid[:, :n])
             times[n].append(_clock(dev) - t)
             kv.keep(start, torch.zeros(B, dtype=torch.long, device=dev))

@@ -193,8 +193,9 @@ class DraftModel(_JobBlind):
         self.kv = KVRows(self.model)
         self.pending: list[list[int]] = []
         self.fresh: list[bool] = []  # row not prefilled yet: its whole prompt is pending
-        # start, P, g and the drafts of the latest proposal
-        self._last: tuple[int, int, int, list[list[int]]] | None = None
+        # where its drafts went in the cache (KVRows.marker), g and the drafts of the
+        # latest proposal
+        self._last: tuple[int | torch.Tensor, int, list[list[int]]] | None = None
 
     def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None:
         """Rows wait, prompt pending, until a proposal needs them."""
@@ -233,8 +234,8 @@ class DraftModel(_JobBlind):
         self._catch_up()
         B, dev = len(self.pending), self.kv.device
         ids, valid = left_pad(self.pending, self.pad_id, dev)
-        start, P = self.kv.length, ids.shape[1]
         logits = self._fit(self.kv.forward(ids, valid, last_only=True))  # [B, 1, V]
+        start = self.kv.marker()  # where x_1 .. x_{g-1} go
         if not batch.greedy:
             pos = torch.tensor([len(t) for t in batch.tokens], device=dev)[:, None]  # [B, 1]
             seeds = batch.seeds.to(dev)
@@ -256,7 +257,7 @@ class DraftModel(_JobBlind):
                 one = torch.ones(B, 1, dtype=torch.bool, device=dev)
                 logits = self._fit(self.kv.forward(x[:, None], one))
         token_ids = torch.stack(drafts, 1)  # [B, g]
-        self._last = (start, P, g, token_ids.tolist())
+        self._last = (start, g, token_ids.tolist())
         return Proposal(
             token_ids,
             torch.full((B,), g, dtype=torch.long),
@@ -278,12 +279,12 @@ class DraftModel(_JobBlind):
             for row, toks in zip(self.pending, tokens):  # than one: a grammar's, forced)
                 row.extend(toks)
             return
-        start, P, g, drafts = self._last
-        # fed this step: pending (P columns), then x_1 .. x_{g-1}; keep x_j while x_1 .. x_j
+        start, g, drafts = self._last
+        # fed this step: pending, then x_1 .. x_{g-1} from start; keep x_j while x_1 .. x_j
         # are the tokens emitted (the accepted drafts, unless the grammar drafted the row
         # instead: grammar.py), and one emitted token at least waits for the next pass
         keep = [min(_agree(d, toks), g - 1, len(toks) - 1) for d, toks in zip(drafts, tokens)]
-        self.kv.keep(start + P, upload(torch.tensor(keep), self.kv.device))
+        self.kv.keep(start, upload(torch.tensor(keep), self.kv.device))
         # all g accepted: x_g was never fed, so it waits with the bonus token
         self.pending = [toks[k:] for k, toks in zip(keep, tokens)]
         self._last = None

@@ -5,15 +5,17 @@ draft). transformers' forward pays for all B * T positions. Here the embeddings,
 q/k/v/o projections, the MLP, the norms and the head run on the N valid tokens only,
 flattened to [N, hidden], so a row that carries no draft costs one token. Attention runs
 per row over the row's own cache columns, its mask of real columns and the causal order of
-the new ones ([B, heads, T, L + T]); on a CPU, where it costs what it computes, a pass with
+the new ones ([B, heads, T, L]); on a CPU, where it costs what it computes, a pass with
 a few wide rows computes the narrow width for every row in one call and the wide rows' other
 queries in a call each (``split``): a lone row of 9 tokens no longer makes all 16 rows'
 attention 9 tokens wide (docs/benchmarks.md, "ragged attention").
 
 The weights, the RoPE module (with the model's rope scaling), the norms and the MLP are the
-loaded transformers model's own modules; only the wiring between them is ours. New keys and
-values go into the BufferLayers at the very columns transformers' forward writes them
-(padding columns hold zeros), so every other KVRows operation is unchanged.
+loaded transformers model's own modules; only the wiring between them is ours. Each row's
+new keys and values go into the BufferLayers right after the row's last real column, not at
+the cache's end as transformers' forward writes them: a row keeps no holes where its rejected
+drafts were (the next pass writes over them), and the cache is as wide as its longest row,
+not as the sum of every pass's widest row (docs/benchmarks.md, "a row's own length").
 
 ``refusal`` says why a model cannot take this path (another architecture, a sliding
 window, query/key norms, ...): such a model keeps transformers' forward, which is also the
@@ -24,13 +26,15 @@ every model (for comparison).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-from transformers.cache_utils import Cache
+
+if TYPE_CHECKING:
+    from specq.worker.engine.batch import BufferCache
 
 ENV = "SPECQ_PACKED_FORWARD"  # "0", "false", "off" or "no": transformers' forward always
 # An attention call on a CPU, priced in query x key columns (about 0.024 us each on 2 cores,
@@ -99,22 +103,21 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + rotated * sin
 
 
-def row_mask(mask: torch.Tensor, valid: torch.Tensor, groups: int = 1) -> torch.Tensor:
-    """Which columns each new position attends to: [B, 1, groups * T, L + T] bool.
+def row_mask(mask: torch.Tensor, columns: torch.Tensor, valid: torch.Tensor,
+             groups: int = 1) -> torch.Tensor:
+    """Which columns each new position attends to: [B, 1, groups * T, L] bool.
 
-    mask: [B, L] the row's real columns; valid: [B, T]. A new position sees the row's real
-    columns and its own valid new columns up to itself. It always sees itself, so a padding
-    position's softmax has a column (its output is never used, but stays finite). The
-    ``groups`` query heads that share a key head take the same rows, one after the other.
+    mask: [B, L] the row's real columns after the pass; columns: [B, T] the column each new
+    position was written to; valid: [B, T]. A valid position sees its row's real columns up
+    to its own. A padding position sees every column (its output is never used, but stays
+    finite). The ``groups`` query heads that share a key head take the same rows, one after
+    the other.
     """
     B, T = valid.shape
-    order = torch.ones(T, T, dtype=torch.bool, device=valid.device).tril()  # [T, T]
-    new = order[None] & valid[:, None, :]  # [B, T, T]
-    new |= torch.eye(T, dtype=torch.bool, device=valid.device)[None]
-    old = mask[:, None, :].expand(B, T, mask.shape[1])  # [B, T, L]
-    allowed = torch.cat([old, new], dim=2)  # [B, T, L + T]
-    S = allowed.shape[-1]
-    return allowed[:, None, None].expand(B, 1, groups, T, S).reshape(B, 1, groups * T, S)
+    L = mask.shape[1]
+    order = torch.arange(L, device=valid.device)[None, None] <= columns[:, :, None]
+    allowed = (mask[:, None, :] & order) | ~valid[:, :, None]  # [B, T, L]
+    return allowed[:, None, None].expand(B, 1, groups, T, L).reshape(B, 1, groups * T, L)
 
 
 def split(extents: list[int], old: int, per_call: int | None = None) -> int:
@@ -158,85 +161,105 @@ class PackedForward:
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads  # queries per key
 
     @torch.inference_mode()
-    def __call__(self, cache: Cache, mask: torch.Tensor, input_ids: torch.Tensor,
-                 valid: torch.Tensor, last_only: bool = False) -> torch.Tensor:
-        """Append T columns per row to ``cache`` and return their logits.
+    def __call__(self, cache: BufferCache, mask: torch.Tensor, input_ids: torch.Tensor,
+                 valid: torch.Tensor, last_only: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write each row's valid tokens into ``cache`` right after the row's last real
+        column, and return their logits and the new mask.
 
         mask: [B, L] bool, the real columns before this pass; input_ids, valid: [B, T].
-        Returns logits [B, T, V] (zeros where not valid), or [B, 1, V] for the last column
-        when ``last_only``. Reads N = valid.sum() on the host (a device sync).
+        Returns (logits [B, T, V], zeros where not valid, or [B, 1, V] for the last column
+        when ``last_only``; the mask [B, L'] after the pass, L' the furthest row's end: it
+        shrinks when the rows' longest ones dropped their last columns). Reads the valid
+        places and the rows' ends on the host in one go (a device sync).
         """
         B, T = input_ids.shape
+        dev, L = input_ids.device, mask.shape[1]
+        ends = (mask * torch.arange(1, L + 1, device=dev)).amax(1) if L else (
+            torch.zeros(B, dtype=torch.long, device=dev))  # [B] past each row's last real
+        counts = valid.long().cumsum(1)  # [B, T]
+        host = torch.cat([ends + counts[:, -1], valid.reshape(-1).long()]).tolist()
+        stops, flat = host[:B], host[B:]  # each row's end after this pass; valid, flat
+        width = max(stops, default=0)
+        index = torch.tensor([i for i, v in enumerate(flat) if v], dtype=torch.long,
+                             device=dev)  # [N] flat places of the valid tokens
+        old = max((s - sum(flat[b * T : (b + 1) * T]) for b, s in enumerate(stops)),
+                  default=0)  # the furthest row's end before this pass
+        columns = ends[:, None] + counts - 1  # [B, T] where each valid token goes
+        place = (index // T, columns.reshape(-1)[index])  # [N] row and column of each
+        new = mask.new_zeros(B, width)
+        new[:, : min(L, width)] = mask[:, :width]
+        new[place] = True
         seen = mask.sum(1, keepdim=True)  # [B, 1] real tokens so far
-        positions = seen + valid.long().cumsum(1) - 1  # [B, T]
-        index = valid.reshape(-1).nonzero()[:, 0]  # [N] flat places of the valid tokens
+        positions = seen + counts - 1  # [B, T]
         x = self.embed(input_ids.reshape(-1)[index])  # [N, hidden]
         cos, sin = self.rope(x, positions.reshape(-1)[index][None])  # [1, N, D] each
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]
-        allowed = row_mask(mask, valid, self.groups)  # [B, 1, groups * T, L + T]
-        plan = self._plan(valid, mask.shape[1])
+        allowed = row_mask(new, columns, valid, self.groups)  # [B, 1, groups * T, L']
+        plan = self._plan(valid, old, stops)
         for i, layer in enumerate(self.layers):
             x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cache, i,
-                                    index, (B, T), cos, sin, allowed, plan)
+                                    index, place, (B, T, width), cos, sin, allowed, plan)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         x = self.norm(x)  # [N, hidden]
         if last_only:
             last = _spread(x, index, B, T)[:, -1:]  # [B, 1, hidden]
-            return self.head(last)  # [B, 1, V]
-        return _spread(self.head(x), index, B, T)  # [B, T, V]
+            return self.head(last), new  # [B, 1, V]
+        return _spread(self.head(x), index, B, T), new  # [B, T, V]
 
     @staticmethod
-    def _plan(valid: torch.Tensor, old: int) -> tuple[int, list[tuple[int, int]]]:
+    def _plan(valid: torch.Tensor, old: int,
+              stops: list[int]) -> tuple[int, int, list[tuple[int, int, int]]]:
         """How the attention of a pass is cut (``split``): the width t of the call over all
-        rows, and (row, extent) for each row whose queries go on past t. On a GPU, and for
-        a pass of one token a row, one padded call (t = T): there a call costs more than
-        the padding it saves."""
+        rows and the columns it reads (``old``, the furthest row's end before the pass, + t),
+        and (row, extent, the row's end) for each row whose queries go on past t. On a GPU,
+        and for a pass of one token a row, one padded call (t = T): there a call costs more
+        than the padding it saves."""
         B, T = valid.shape
         if T == 1 or valid.device.type != "cpu":
-            return T, []
+            return T, max(stops, default=0), []
         last = torch.arange(1, T + 1, device=valid.device)[None] * valid  # [B, T]
         extents = [max(e, 1) for e in last.max(1).values.tolist()]
         t = split(extents, old)
-        return t, [(b, e) for b, e in enumerate(extents) if e > t]
+        return t, min(old + t, max(stops)), [(b, e, stops[b]) for b, e in enumerate(extents)
+                                             if e > t]
 
     @staticmethod
-    def _attention(attn: Any, h: torch.Tensor, cache: Cache, layer: int,
-                   index: torch.Tensor, shape: tuple[int, int], cos: torch.Tensor,
-                   sin: torch.Tensor, allowed: torch.Tensor,
-                   plan: tuple[int, list[tuple[int, int]]]) -> torch.Tensor:
+    def _attention(attn: Any, h: torch.Tensor, cache: BufferCache, layer: int,
+                   index: torch.Tensor, place: tuple[torch.Tensor, torch.Tensor],
+                   shape: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor,
+                   allowed: torch.Tensor,
+                   plan: tuple[int, int, list[tuple[int, int, int]]]) -> torch.Tensor:
         """One layer's attention for packed tokens h [N, hidden]; returns [N, hidden].
 
-        The new keys and values are written at the cache's next T columns; the queries,
-        padded to [B, heads, T, D], attend over each row's columns as ``allowed`` says
-        ([B, 1, groups * T, L + T], row_mask). Grouped-query heads go without copying the
-        keys: the query heads that share a key head are laid along the query axis of that
-        head ([B, kv_heads, groups * T, D]). ``plan`` (``_plan``): the first t queries of
-        every row in one call, over the first L + t columns; each row listed, its queries
-        t..extent - 1 in a call of its own over its first L + extent columns (views of the
+        The new keys and values are written at their rows' columns (``place``: row and
+        column of each); the queries, padded to [B, heads, T, D], attend over the rows'
+        first L columns as ``allowed`` says ([B, 1, groups * T, L], row_mask). Grouped-query
+        heads go without copying the keys: the query heads that share a key head are laid
+        along the query axis of that head ([B, kv_heads, groups * T, D]). ``plan``
+        (``_plan``): the first t queries of every row in one call; each row listed, its
+        queries t..extent - 1 in a call of its own over its own columns (views of the
         cache, nothing copied); the other queries are padding and never computed.
         """
-        B, T = shape
+        B, T, L = shape
         D = attn.head_dim
         q = rotate(attn.q_proj(h).unflatten(-1, (-1, D)), cos, sin)  # [N, heads, D]
         k = rotate(attn.k_proj(h).unflatten(-1, (-1, D)), cos, sin)  # [N, kv_heads, D]
         v = attn.v_proj(h).unflatten(-1, (-1, D))  # [N, kv_heads, D]
         H, Hkv = q.shape[1], k.shape[1]
         G = H // Hkv
-        keys, values = cache.update(_spread(k, index, B, T).transpose(1, 2),
-                                    _spread(v, index, B, T).transpose(1, 2),
-                                    layer)  # [B, kv_heads, L + T, D] each
+        keys, values = cache.write(layer, place, k, v, B, L)  # [B, kv_heads, L, D] each
         q = _spread(q, index, B, T).transpose(1, 2).reshape(B, Hkv, G, T, D)
-        t, wide = plan
+        t, narrow, wide = plan
         if t == T:
             out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), keys, values,
                                                  attn_mask=allowed, scale=attn.scaling)
         else:
-            L = keys.shape[2] - T  # the columns before this pass
-            m = allowed.view(B, 1, G, T, L + T)
+            m = allowed.view(B, 1, G, T, L)
             out = q.new_empty(B, Hkv, G, T, D)  # padding queries: never computed, never read
-            for rows, start, stop in [(slice(None), 0, t)] + [
-                    (slice(b, b + 1), t, e) for b, e in wide]:
-                n, cols = stop - start, L + stop
+            for rows, start, stop, cols in [(slice(None), 0, t, narrow)] + [
+                    (slice(b, b + 1), t, e, end) for b, e, end in wide]:
+                n = stop - start
                 out[rows, :, :, start:stop] = F.scaled_dot_product_attention(
                     q[rows, :, :, start:stop].reshape(-1, Hkv, G * n, D),
                     keys[rows, :, :cols], values[rows, :, :cols],

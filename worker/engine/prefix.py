@@ -138,12 +138,11 @@ def prefill(model: PreTrainedModel, prompts: list[list[int]], pad_id: int,
         kv = KVRows(model)
         ids, valid = left_pad([prompts[i] for i in plain], pad_id, dev)
         parts.append((plain, kv, kv.forward(ids, valid, last_only=True)))
-        T = ids.shape[1]
         # a new template, perhaps: later rows may share it. The store keeps max_entries at
         # most, so only the last that many are copied (the others would be dropped at once)
         lone = [(b, i) for b, i in enumerate(plain) if len(prompts[i]) > MIN_PREFIX]
         for b, i in lone[-store.max_entries:]:
-            store.add(Prefix(tuple(prompts[i]), kv.columns(b, T - len(prompts[i]), T)))
+            store.add(Prefix(tuple(prompts[i]), kv.row_columns(b)))
     return _merge(parts, len(prompts))
 
 

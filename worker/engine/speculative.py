@@ -446,19 +446,22 @@ class SpeculativeEngine:
                      None if prop.probs is None else prop.probs[:, :n],
                      prop.num_draft.tolist(), forced)
 
-    def _verify(self, draft: Draft, shaping: Shaping) -> tuple[torch.Tensor, int]:
+    def _verify(self, draft: Draft, shaping: Shaping
+                ) -> tuple[torch.Tensor, int | torch.Tensor]:
         """One target pass over each row's last token and its drafts, every position masked
-        by its row's grammar. -> (logits [B, n + 1, V], the pass's first cache slot)"""
+        by its row's grammar. -> (logits [B, n + 1, V], where the pass's columns went: the
+        cache's marker before it)"""
         (B, n), dev = draft.ids.shape, self.target.device
         ids = torch.cat([self.last[:, None].to(dev), draft.ids], 1)  # [B, n + 1]
         valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev),
                            torch.arange(n, device=dev)[None] < draft.num[:, None]], 1)
-        start = self.kv.length
+        start = self.kv.marker()
         logits = self.kv.forward(ids, valid)  # [B, n + 1, V]
         shaping.mask(logits)  # each verified position under the grammar state it follows
         return logits, start
 
-    def _accept(self, logits: torch.Tensor, draft: Draft, start: int, inputs: DraftInputs
+    def _accept(self, logits: torch.Tensor, draft: Draft, start: int | torch.Tensor,
+                inputs: DraftInputs
                 ) -> tuple[list[int], list[list[int]], int]:
         """Accept or reject each row's drafts (``_judge``) and keep the accepted in the
         target's cache; then the step's one sync. -> (accepted per row, tokens per row: the

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from specq.worker.engine import speculative
+from specq.worker.engine import packed, speculative
 from specq.worker.engine.batch import LAZY_SHARE, MIN_WASTE, WASTE_SHARE, KVRows
 from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine
@@ -59,8 +59,11 @@ def test_draft_lengths(g, tiny_models, tiny_tokenizer, make_requests, check_gree
     assert check_greedy(requests, engine.generate(requests)) <= 1
 
 
-def test_long_runs_compact_the_caches(tiny_models, tiny_tokenizer, make_requests, check_greedy):
-    """Many rejected columns force compaction mid-run; output stays exact."""
+def test_long_runs_compact_the_caches(tiny_models, tiny_tokenizer, make_requests, check_greedy,
+                                      monkeypatch):
+    """Many rejected columns force compaction mid-run; output stays exact. Transformers'
+    forward: the packed one writes over a row's rejected columns (test below)."""
+    monkeypatch.setenv(packed.ENV, "0")
     requests = make_requests(6, seed=3, max_new=200)
     for r in requests:
         r.max_new_tokens = 150 + int(r.id) * 10
@@ -70,12 +73,16 @@ def test_long_runs_compact_the_caches(tiny_models, tiny_tokenizer, make_requests
     assert check_greedy(requests, engine.generate(requests)) <= 1
 
 
+@pytest.mark.parametrize("packing", [False, True])
 def test_the_target_cache_compacts_early_without_a_sync_of_its_own(
-        tiny_models, tiny_tokenizer, make_requests, check_greedy, greedy_reference,
+        packing, tiny_models, tiny_tokenizer, make_requests, check_greedy, greedy_reference,
         monkeypatch):
     """The step reads the target cache's waste with its tokens (the one sync): that cache
     never counts its waste itself, compacts once the waste reaches WASTE_SHARE of it (the
-    lazy bar, half, would have let holes pile up), and the output stays exact."""
+    lazy bar, half, would have let holes pile up), and the output stays exact. Through the
+    packed forward, where each row's next pass writes over its rejected columns, the target
+    cache never has holes to compact."""
+    monkeypatch.setenv(packed.ENV, "1" if packing else "0")
     target = tiny_models["target"]
     counted, gathered = [], []
     count, gather = KVRows.waste, KVRows._gather
@@ -92,6 +99,9 @@ def test_the_target_cache_compacts_early_without_a_sync_of_its_own(
     assert check_greedy(requests, engine.generate(requests)) <= 1
     assert target not in counted and counted  # the draft model's cache counts (lazily)
     mine = [(w, n) for m, w, n in gathered if m is target]
+    if packing:
+        assert not mine
+        return
     assert mine and all(w >= max(MIN_WASTE, int(n * WASTE_SHARE)) for w, n in mine), mine
     assert any(w < n * LAZY_SHARE for w, n in mine), mine  # earlier than the lazy bar
 
