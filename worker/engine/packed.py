@@ -26,15 +26,12 @@ every model (for comparison).
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
-
-if TYPE_CHECKING:
-    from specq.worker.engine.batch import BufferCache
 
 ENV = "SPECQ_PACKED_FORWARD"  # "0", "false", "off" or "no": transformers' forward always
 # An attention call on a CPU, priced in query x key columns (about 0.024 us each on 2 cores,
@@ -46,6 +43,14 @@ CALL_COLUMNS = 3000
 FAMILIES = ("llama", "qwen2")  # model_type values whose layers have the shape below
 LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+class Columns(Protocol):
+    """Where a pass's keys and values go (batch.BufferCache)."""
+
+    def write(self, layer: int, place: tuple[torch.Tensor, torch.Tensor], keys: torch.Tensor,
+              values: torch.Tensor, rows: int,
+              length: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def enabled() -> bool:
@@ -161,7 +166,7 @@ class PackedForward:
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads  # queries per key
 
     @torch.inference_mode()
-    def __call__(self, cache: BufferCache, mask: torch.Tensor, input_ids: torch.Tensor,
+    def __call__(self, cache: Columns, mask: torch.Tensor, input_ids: torch.Tensor,
                  valid: torch.Tensor, last_only: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each row's valid tokens into ``cache`` right after the row's last real
@@ -225,7 +230,7 @@ class PackedForward:
                                              if e > t]
 
     @staticmethod
-    def _attention(attn: Any, h: torch.Tensor, cache: BufferCache, layer: int,
+    def _attention(attn: Any, h: torch.Tensor, cache: Columns, layer: int,
                    index: torch.Tensor, place: tuple[torch.Tensor, torch.Tensor],
                    shape: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor,
                    allowed: torch.Tensor,
