@@ -10,9 +10,8 @@ packed pass costs: plain + per token carried + per column of the widest row (``P
 The same proposals under each way of keeping drafts:
 
 - oracle: each row keeps exactly the drafts that survive: the drafter's ceiling;
-- budget: the engine's own budget (budget.TwoPart over the policy's survivals and their
-  hindsight, its calibration learning from each pass's verdicts as drafting.verdicts
-  teaches it);
+- budget: the engine's own budget (budget.TwoPart over the policy's survivals, its
+  calibration learning from each pass's verdicts as drafting.verdicts teaches it);
 - g = k: every row keeps its first k drafts (a fixed draft length).
 
 Only the verify passes are priced, all alike (no prefill, no host work, no drafting), so
@@ -114,10 +113,7 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
         elif keep == BUDGET:
             survivals = policy.survivals([len(c) for c in conf], [[] for _ in conf], conf)
             kept = (budget.TwoPart(price.plain, price.per_token, price.per_column, B)
-                    .allot(policy.hindsight.scaled(survivals)) if any(survivals) else [0] * B)
-            if any(kept):  # the hindsight learns as policy.judged teaches it
-                policy.hindsight.add(sum(sum(s[:k]) for s, k in zip(survivals, kept)),
-                                     sum(min(a, k) for a, k in zip(right, kept)))
+                    .allot(survivals) if any(survivals) else [0] * B)
             for c, k, a, d, r in zip(conf, kept, right, drafts, rest):
                 if k:
                     calibration.add(c[:k], min(a, k))

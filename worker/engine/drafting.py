@@ -111,7 +111,6 @@ class Drafting:
         self.policy.observe(step.g, *own(step), step.t_draft, step.t_verify,
                             step.verify_tokens, carried=sum(step.num_draft),
                             t_host=max(0.0, step.t_step - step.t_draft - step.t_verify))
-        self.policy.judged(step.num_draft, step.accepted)
 
 
 class ShadowedDrafting(Drafting):

@@ -58,8 +58,6 @@ HISTORY = 1024  # g of the latest steps kept, for benchmarks and logs (a worker 
 CONFIDENCE_BINS = 10  # a drafter's confidence in [0, 1] is judged in this many equal bins
 CONFIDENCE_DECAY = 0.99  # per verdict in a bin: acceptance at a confidence follows the job
 CONFIDENCE_PRIOR = 2.0  # verdicts a bin starts with: the drafter taken at its word at first
-HINDSIGHT_DECAY = 0.98  # per budgeted step: how the budget's predictions come out follows the job
-HINDSIGHT_PRIOR = 4.0  # draft tokens the hindsight starts with, accepted as predicted
 FIT_DECAY = 0.98  # a pass's weight against the next in PassFit: a line wants more points
 FIT_READY = 8.0  # ragged passes (decayed) before PassFit prices the budget
 
@@ -380,39 +378,6 @@ class Calibration:
         return [a / n for a, n in zip(self.accepted, self.judged)]
 
 
-class Hindsight:
-    """How the budget's predictions came out: the draft tokens the target accepted over the
-    survivals predicted for them, on the steps the budget chose (decayed, HINDSIGHT_DECAY a
-    step, from HINDSIGHT_PRIOR tokens accepted as predicted).
-
-    The calibration is right bin by bin on the tokens it judged, but the budget keeps the
-    tokens whose estimates are highest, and so the ones it overrates (a high-confidence bin
-    with few verdicts still near the drafter's word): on chat at batch 16 it kept tokens
-    predicted to yield 88 accepted and got 57 (json: 323 predicted, 357 accepted;
-    docs/benchmarks.md, "the budget's hindsight"). Where they came out short, the budget's
-    survivals are scaled by accepted / predicted (``scaled``); never up, so the calibration
-    alone decides where it was right.
-    """
-
-    def __init__(self) -> None:
-        self.predicted = self.accepted = HINDSIGHT_PRIOR
-
-    def add(self, predicted: float, accepted: float) -> None:
-        self.predicted = self.predicted * HINDSIGHT_DECAY + predicted
-        self.accepted = self.accepted * HINDSIGHT_DECAY + accepted
-
-    @property
-    def scale(self) -> float:
-        return min(1.0, self.accepted / self.predicted)
-
-    def scaled(self, survivals: list[list[float]]) -> list[list[float]]:
-        """Each survival below 1 (a grammar's sure tokens stay sure) times ``scale``."""
-        f = self.scale
-        if f >= 1.0:
-            return survivals
-        return [[s * f if s < 1.0 else s for s in row] for row in survivals]
-
-
 class DraftLengthPolicy:
     """Picks g each step from the cost table and the acceptance estimate.
 
@@ -447,9 +412,6 @@ class DraftLengthPolicy:
         self._plain_at: dict[int, int] = {}  # batch size -> step of its latest plain pass
         self._drafted_at = 0  # step of the latest drafting step
         self.measuring = True  # the latest choice measures: its step is verified whole
-        self.hindsight = Hindsight()
-        # the latest budgeted step's kept tokens' predicted survivals, per row, until judged
-        self._expected: list[list[float]] | None = None
 
     # -- estimates ----------------------------------------------------------------
 
@@ -542,7 +504,6 @@ class DraftLengthPolicy:
         per row, the scoring drafter's confidence in each of its own tokens (empty: none);
         ``packed``: the verify pass costs the tokens it carries (batch.py)."""
         widest = max(num_draft, default=0)
-        self._expected = None
         if self.measuring or not widest:
             return list(num_draft)
         seconds = [self.t_verify(w + 1) for w in range(widest + 1)]
@@ -555,20 +516,7 @@ class DraftLengthPolicy:
         else:
             cost = budget.verify_cost([t for t in seconds if t is not None], len(num_draft),
                                       packed, step)
-        predicted = self.survivals(num_draft, forced, confidence)
-        kept = cost.allot(self.hindsight.scaled(predicted))
-        if any(kept):
-            self._expected = [row[:k] for row, k in zip(predicted, kept)]
-        return kept
-
-    def judged(self, verified: list[int], accepted: list[int]) -> None:
-        """The target's verdict on a step: per row, the draft tokens it verified and of them
-        accepted; a budgeted step's teach the hindsight (``Hindsight``)."""
-        expected, self._expected = self._expected, None
-        if expected is None or len(expected) != len(verified):
-            return
-        self.hindsight.add(sum(sum(e[:n]) for e, n in zip(expected, verified)),
-                           sum(min(a, n) for a, n in zip(accepted, verified)))
+        return cost.allot(self.survivals(num_draft, forced, confidence))
 
     def survivals(self, num_draft: list[int], forced: list[list[int]],
                   confidence: list[list[float]]) -> list[list[float]]:
@@ -652,7 +600,6 @@ class DraftLengthPolicy:
             "alpha": self.alpha,
             "propose_rate": self.propose_rate,
             "calibration": self.calibration.snapshot(),
-            "hindsight": [self.hindsight.accepted, self.hindsight.predicted],
             "t_draft": {b: d.mean for b, d in sorted(self.costs.draft.items())},
             "t_verify": {b: {n: d.mean for n, d in sorted(t.items())}
                          for b, t in sorted(self.costs.verify.items())},

@@ -126,35 +126,6 @@ def test_the_policy_spends_the_budget_and_a_pinned_one_keeps_every_token():
     assert pinned.allot([3, 0, 5], [[], [], []], [[], [], []], packed=True) == [3, 0, 5]
 
 
-def test_the_budget_keeps_less_where_its_predictions_came_out_short():
-    """The hindsight: when the tokens a budget kept were accepted at a third of the rate
-    their survivals promised, the same survivals keep fewer tokens; a grammar's sure tokens
-    stay sure; predictions that came out long never scale the budget up."""
-    none = [[] for _ in range(4)]
-    conf = [[0.75] * 8, [0.75] * 8, [0.05] * 8, [0.05] * 8]
-    short, long = _policy(Widths), _policy(Widths)
-    first = short.allot([8] * 4, none, conf, packed=True)
-    assert first == long.allot([8] * 4, none, conf, packed=True) and sum(first) >= 2
-    for _ in range(30):
-        for policy in (short, long):
-            kept = policy.allot([8] * 4, none, conf, packed=True)
-            rows = policy.survivals([8] * 4, none, conf)
-            # short: each row accepts a third of its kept tokens' predicted yield; long: all
-            accepted = ([round(sum(row[:k]) / 3) for row, k in zip(rows, kept)]
-                        if policy is short else list(kept))
-            policy.judged(list(kept), accepted)
-    assert short.hindsight.scale < 0.5 and long.hindsight.scale == 1.0
-    assert sum(short.allot([8] * 4, none, conf, packed=True)) < sum(first)
-    assert long.allot([8] * 4, none, conf, packed=True) == first
-    assert short.hindsight.scaled([[1.0, 1.0, 0.5]]) == [[1.0, 1.0,
-                                                          0.5 * short.hindsight.scale]]
-    short.measuring = True  # a measuring step teaches nothing: it was not the budget's
-    short.allot([8] * 4, none, conf, packed=True)
-    before = short.hindsight.predicted
-    short.judged([8] * 4, [0] * 4)
-    assert short.hindsight.predicted == before
-
-
 @pytest.mark.parametrize("drafter", ["noisy", "suffix", "prompt_lookup"])
 def test_rows_cut_by_the_budget_stay_lossless(drafter, monkeypatch, tiny_models, tiny_tokenizer,
                                               make_requests, check_greedy):
