@@ -188,16 +188,6 @@ class KVRows:
                  layer.values[row : row + 1, :, start:stop].clone())
                 for layer in self.cache.buffers]
 
-    @torch.inference_mode()
-    def row_columns(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A copy of one row's real columns' keys and values, in order, per layer
-        [1, heads, n, dim] (what ``from_prefix`` takes, for a row without holes)."""
-        assert self.cache is not None and self.mask is not None, "no columns before a forward"
-        cols = self.mask[row].nonzero()[:, 0]
-        return [(layer.keys[row : row + 1, :, : self.length].index_select(2, cols),
-                 layer.values[row : row + 1, :, : self.length].index_select(2, cols))
-                for layer in self.cache.buffers]
-
     @property
     def packed(self) -> bool:
         """True when a forward's cost follows the valid tokens, not the padded block."""
@@ -226,7 +216,9 @@ class KVRows:
             self.mask = torch.zeros(B, 0, dtype=torch.bool, device=self.device)
         assert self.mask is not None  # set with the cache
         if self._packed is not None:  # each row's tokens right after its last real column
-            logits, self.mask = self._packed(self.cache, self.mask, input_ids, valid,
+            ends = self.marker()
+            assert isinstance(ends, torch.Tensor)  # a packed cache's marker is per row
+            logits, self.mask = self._packed(self.cache, self.mask, ends, input_ids, valid,
                                              last_only)
             return logits
         L = self.length
@@ -265,15 +257,12 @@ class KVRows:
         keep_len: [B] int64
         """
         assert self.mask is not None, "nothing to keep before a forward"
-        if isinstance(start, int):
-            if start < self._counted_at:  # columns older than the last count: count again
-                self._recheck_at = 0
-            cols = torch.arange(self.length - start, device=self.device)[None, :]  # [1, T]
-            self.mask[:, start:] &= cols < keep_len[:, None]
-            return
-        # a row's own columns: its dropped ones are its last (the next forward writes over
-        # them), so the waste does not grow and the lazy count stands
-        cols = torch.arange(self.length, device=self.device)[None, :] - start[:, None]
+        if isinstance(start, int) and start < self._counted_at:  # columns older than the
+            self._recheck_at = 0  # last count: count again
+        # a packed cache's rows drop their own last columns (the next forward writes over
+        # them): its waste does not grow and the lazy count stands
+        first = start[:, None] if isinstance(start, torch.Tensor) else start
+        cols = torch.arange(self.length, device=self.device)[None, :] - first  # [B, L]
         self.mask &= cols < keep_len[:, None]
 
     @torch.inference_mode()

@@ -29,9 +29,8 @@ Drafting done before the budget is spent is sunk: only the verify pass is weighe
 (the policy weighs drafting when it chooses how much to ask of the drafter), and the host
 work a step that verifies drafts adds to a plain one (the accept test over wider logits,
 a padded cache's holes to compact, the drafter's update: ``step``, measured by the
-policy), paid once
-by all the step's tokens together. A step where no token clears the bar keeps none: a
-plain step.
+policy), paid once by all the step's tokens together. A step where no token clears the bar
+keeps none: a plain step.
 """
 
 from __future__ import annotations

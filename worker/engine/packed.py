@@ -166,13 +166,14 @@ class PackedForward:
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads  # queries per key
 
     @torch.inference_mode()
-    def __call__(self, cache: Columns, mask: torch.Tensor, input_ids: torch.Tensor,
-                 valid: torch.Tensor, last_only: bool = False
+    def __call__(self, cache: Columns, mask: torch.Tensor, ends: torch.Tensor,
+                 input_ids: torch.Tensor, valid: torch.Tensor, last_only: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each row's valid tokens into ``cache`` right after the row's last real
         column, and return their logits and the new mask.
 
-        mask: [B, L] bool, the real columns before this pass; input_ids, valid: [B, T].
+        mask: [B, L] bool, the real columns before this pass; ends: [B] the column after
+        each row's last real one (KVRows.marker); input_ids, valid: [B, T].
         Returns (logits [B, T, V], zeros where not valid, or [B, 1, V] for the last column
         when ``last_only``; the mask [B, L'] after the pass, L' the furthest row's end: it
         shrinks when the rows' longest ones dropped their last columns). Reads the valid
@@ -180,16 +181,13 @@ class PackedForward:
         """
         B, T = input_ids.shape
         dev, L = input_ids.device, mask.shape[1]
-        ends = (mask * torch.arange(1, L + 1, device=dev)).amax(1) if L else (
-            torch.zeros(B, dtype=torch.long, device=dev))  # [B] past each row's last real
         counts = valid.long().cumsum(1)  # [B, T]
-        host = torch.cat([ends + counts[:, -1], valid.reshape(-1).long()]).tolist()
-        stops, flat = host[:B], host[B:]  # each row's end after this pass; valid, flat
+        host = torch.cat([ends, valid.reshape(-1).long()]).tolist()
+        rows = [host[B + b * T : B + (b + 1) * T] for b in range(B)]  # valid, per row
+        stops = [e + sum(r) for e, r in zip(host[:B], rows)]  # each row's end after the pass
         width = max(stops, default=0)
-        index = torch.tensor([i for i, v in enumerate(flat) if v], dtype=torch.long,
-                             device=dev)  # [N] flat places of the valid tokens
-        old = max((s - sum(flat[b * T : (b + 1) * T]) for b, s in enumerate(stops)),
-                  default=0)  # the furthest row's end before this pass
+        index = torch.tensor([b * T + j for b, r in enumerate(rows) for j, v in enumerate(r)
+                              if v], dtype=torch.long, device=dev)  # [N] flat valid places
         columns = ends[:, None] + counts - 1  # [B, T] where each valid token goes
         place = (index // T, columns.reshape(-1)[index])  # [N] row and column of each
         new = mask.new_zeros(B, width)
@@ -201,7 +199,7 @@ class PackedForward:
         cos, sin = self.rope(x, positions.reshape(-1)[index][None])  # [1, N, D] each
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]
         allowed = row_mask(new, columns, valid, self.groups)  # [B, 1, groups * T, L']
-        plan = self._plan(valid, old, stops)
+        plan = self._plan(dev, rows, max(host[:B], default=0), stops)
         for i, layer in enumerate(self.layers):
             x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cache, i,
                                     index, place, (B, T, width), cos, sin, allowed, plan)
@@ -213,18 +211,17 @@ class PackedForward:
         return _spread(self.head(x), index, B, T), new  # [B, T, V]
 
     @staticmethod
-    def _plan(valid: torch.Tensor, old: int,
+    def _plan(device: torch.device, rows: list[list[int]], old: int,
               stops: list[int]) -> tuple[int, int, list[tuple[int, int, int]]]:
         """How the attention of a pass is cut (``split``): the width t of the call over all
         rows and the columns it reads (``old``, the furthest row's end before the pass, + t),
-        and (row, extent, the row's end) for each row whose queries go on past t. On a GPU,
-        and for a pass of one token a row, one padded call (t = T): there a call costs more
-        than the padding it saves."""
-        B, T = valid.shape
-        if T == 1 or valid.device.type != "cpu":
+        and (row, extent, the row's end) for each row whose queries go on past t. ``rows``:
+        per row, its valid flags. On a GPU, and for a pass of one token a row, one padded
+        call (t = T): there a call costs more than the padding it saves."""
+        T = len(rows[0]) if rows else 1
+        if T == 1 or device.type != "cpu":
             return T, max(stops, default=0), []
-        last = torch.arange(1, T + 1, device=valid.device)[None] * valid  # [B, T]
-        extents = [max(e, 1) for e in last.max(1).values.tolist()]
+        extents = [max((j + 1 for j, v in enumerate(r) if v), default=1) for r in rows]
         t = split(extents, old)
         return t, min(old + t, max(stops)), [(b, e, stops[b]) for b, e in enumerate(extents)
                                              if e > t]

@@ -141,8 +141,11 @@ def prefill(model: PreTrainedModel, prompts: list[list[int]], pad_id: int,
         # a new template, perhaps: later rows may share it. The store keeps max_entries at
         # most, so only the last that many are copied (the others would be dropped at once)
         lone = [(b, i) for b, i in enumerate(plain) if len(prompts[i]) > MIN_PREFIX]
+        marker = kv.marker()  # a prompt's columns end there (either forward: KVRows.marker)
+        ends = marker.tolist() if isinstance(marker, torch.Tensor) else [marker] * kv.rows
         for b, i in lone[-store.max_entries:]:
-            store.add(Prefix(tuple(prompts[i]), kv.row_columns(b)))
+            n = len(prompts[i])
+            store.add(Prefix(tuple(prompts[i]), kv.columns(b, ends[b] - n, ends[b])))
     return _merge(parts, len(prompts))
 
 
