@@ -31,7 +31,8 @@ from specq.worker.engine.speculative import SpeculativeEngine
 log = logging.getLogger(__name__)
 
 FOLDER = "calibration"  # under the data directory
-VERSION = 2  # of the file and of what it holds (2: the largest batch size measured too)
+VERSION = 3  # of the file and of what it holds (2: the largest batch size measured too;
+# 3: the packed pass's two-part fit, calibration's ragged passes in it)
 
 
 def cost_key(preset: PairPreset, engine: SpeculativeEngine) -> dict[str, Any]:

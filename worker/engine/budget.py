@@ -133,7 +133,8 @@ class TwoPart:
     per_token: float
     per_column: float
     batch: int
-    step: float = 0.0  # host seconds a drafting step adds (Packed.step)
+    step: float = 0.0  # seconds a step that verifies any draft adds, however many: its
+    # host work (Packed.step) and its pass's own step at the first draft (PassFit.per_pass)
 
     def allot(self, survivals: list[list[float]]) -> list[int]:
         ranked = sorted(((s, b, j) for b, row in enumerate(survivals)

@@ -6,7 +6,8 @@ cost from the steps it then runs (policy.py: decayed means, a plain step now and
 At a few batch sizes (1, 16, 256, ... below max_batch_size, and that; the policy
 interpolates between them) on a short synthetic prompt: a target pass over 1, 2 and
 default + 1 tokens per row (1 -> 2 is the knee on a CPU; wider passes follow the 2 ->
-default + 1 slope until the policy measures them) and a draft step. Each is timed
+default + 1 slope until the policy measures them), a draft step, and for a packed model a
+few ragged passes (``shapes``: the two-part price of a packed pass, policy.PassFit). Each is timed
 ``repeats`` times and the fastest kept: the first call of a shape and a stall of a busy
 machine are slower, never faster. Acceptance is not learnt here: it depends on the data.
 """
@@ -16,14 +17,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from specq.worker.engine.batch import KVRows, left_pad
 from specq.worker.engine.drafters import Drafter, DraftInputs
-from specq.worker.engine.policy import DraftLengthPolicy
+from specq.worker.engine.policy import FIT_READY, DraftLengthPolicy
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ BATCH_RATIO = 16  # batch sizes 1, 16, 256, ... and the maximum; costs between a
 PROMPT_TOKENS = 64  # a short prompt's context: a long one's costs are learnt from its steps
 PREFILL_TOKENS = 256  # a large batch's prompts are shortened to this many tokens in all
 REPEATS = 2  # timed runs of each pass, the fastest kept
+SHAPES = 4  # ragged passes timed at a batch size of 4 rows or more (``shapes``)
 
 
 class Engine(Protocol):
@@ -62,10 +64,12 @@ def batch_sizes(max_batch_size: int) -> list[int]:
     return sorted(sizes)
 
 
-def forwards(num_batch_sizes: int, num_widths: int, repeats: int = REPEATS) -> int:
+def forwards(num_batch_sizes: int, num_widths: int, repeats: int = REPEATS,
+             ragged_sizes: int = 0) -> int:
     """Target forward passes a calibration makes: at each batch size, one prefill and
-    ``repeats`` passes at each width."""
-    return num_batch_sizes * (1 + repeats * num_widths)
+    ``repeats`` passes at each width; at each of ``ragged_sizes`` batch sizes of 4 rows or
+    more (a packed model's), ``repeats`` passes of each ragged shape too."""
+    return num_batch_sizes * (1 + repeats * num_widths) + ragged_sizes * repeats * SHAPES
 
 
 @torch.inference_mode()
@@ -100,19 +104,22 @@ def calibrate(engine: Engine, sizes: Iterable[int] | None = None,
     spent_last, tokens_last = 0.0, 1
     for B in sizes[:1] + sizes[:0:-1]:  # the ends first, then down from the largest
         spent = time.perf_counter() - t0
-        rows = prompt[:max(widths[-1] + 1, min(L, PREFILL_TOKENS // B))]
-        tokens = B * (len(rows) + repeats * sum(widths))
+        rows = prompt[:max(max(widths[-1], policy.max_g) + 1, min(L, PREFILL_TOKENS // B))]
+        tokens = B * (len(rows) + repeats * (sum(widths) + SHAPES))
         if measured and budget is not None:
             if spent + spent_last * tokens / tokens_last > budget:
                 log.info("calibration: batch size %d left to the steps (budget %.1f s)", B,
                          budget)
                 continue
         start = time.perf_counter()
-        verify = _verify_times(engine, B, rows, widths, repeats)
+        verify, ragged = _verify_times(engine, B, rows, widths, repeats)
         drafts = _draft_step_times(engine, B, rows, repeats) if policy.default else []
         if policy.adapts:  # the fastest run, weighted as all: a calibrated width is trusted
             policy.record_costs(B, {n: [min(t)] * repeats for n, t in verify.items()},
                                 [min(drafts)] * repeats)
+            for carried, t in ragged.items():
+                policy.costs.add_shape(B, sum(carried), max(carried) + 1, min(t),
+                                       FIT_READY / len(ragged))
         spent_last, tokens_last = time.perf_counter() - start, tokens
         measured.append(B)
     policy.forget_data()
@@ -122,20 +129,45 @@ def calibrate(engine: Engine, sizes: Iterable[int] | None = None,
 
 
 def _verify_times(engine: Engine, B: int, prompt: list[int], widths: list[int],
-                  repeats: int) -> dict[int, list[float]]:
-    """Seconds of a target pass over n tokens per row, for B rows of this prompt."""
-    dev = engine.target.device
+                  repeats: int) -> tuple[dict[int, list[float]],
+                                         dict[tuple[int, ...], list[float]]]:
+    """Seconds of a target pass over n tokens per row, for B rows of this prompt; and of
+    each ragged pass (``shapes``: the draft tokens each row carries), none for a model
+    without the packed forward (its pass costs the padded block: a token is not priced
+    apart from a column) or a prompt too short for the widest row."""
+    dev, policy = engine.target.device, engine.policy
     kv = KVRows(engine.target)
     ids, valid = left_pad([prompt] * B, engine.pad_id, dev)  # [B, L]
     kv.forward(ids, valid, last_only=True)
-    times: dict[int, list[float]] = {n: [] for n in widths}
+    cuts = [c for c in shapes(B, policy.default, policy.max_g) if max(c) < len(prompt)]
+    passes: dict[Any, torch.Tensor] = {n: valid[:, :n] for n in widths}
+    if kv.packed:
+        passes.update({c: torch.arange(max(c) + 1, device=dev)[None]
+                       <= torch.tensor(c, device=dev)[:, None] for c in cuts})
+    times: dict[Any, list[float]] = {key: [] for key in passes}
     for _ in range(repeats):
-        for n in widths:
+        for key, mask in passes.items():
             start, t = kv.marker(), _clock(dev)
-            kv.forward(ids[:, :n], valid[:, :n])
-            times[n].append(_clock(dev) - t)
+            kv.forward(ids[:, : mask.shape[1]], mask)
+            times[key].append(_clock(dev) - t)
             kv.keep(start, torch.zeros(B, dtype=torch.long, device=dev))
-    return times
+    return ({n: times[n] for n in widths},
+            {k: v for k, v in times.items() if isinstance(k, tuple)})
+
+
+def shapes(B: int, g: int, max_g: int) -> list[tuple[int, ...]]:
+    """Ragged verify passes calibration times at batch size B, as the draft tokens each
+    row carries: a lone row of max_g, a quarter of the rows g each (at least one row and
+    one token), half the rows one, one row one (SHAPES of them from 4 rows up). With
+    the full widths they price a packed pass's token apart from its column (policy.PassFit)
+    at the extremes the budget picks from (a batch of fewer rows has no shapes to tell
+    apart)."""
+    if B < 4 or not max_g:
+        return []
+    few = max(1, B // 4)
+    out = {(max_g,) + (0,) * (B - 1), (max(g, 1),) * few + (0,) * (B - few),
+           (1,) * (B // 2) + (0,) * (B - B // 2), (1,) + (0,) * (B - 1)}
+    return sorted(out, reverse=True)
 
 
 def _draft_step_times(engine: Engine, B: int, prompt: list[int],

@@ -59,7 +59,7 @@ CONFIDENCE_BINS = 10  # a drafter's confidence in [0, 1] is judged in this many 
 CONFIDENCE_DECAY = 0.99  # per verdict in a bin: acceptance at a confidence follows the job
 CONFIDENCE_PRIOR = 2.0  # verdicts a bin starts with: the drafter taken at its word at first
 FIT_DECAY = 0.98  # a pass's weight against the next in PassFit: a line wants more points
-FIT_READY = 8.0  # ragged passes (decayed) before PassFit prices the budget
+FIT_READY = 8.0  # ragged passes (decayed by each other) before PassFit prices the budget
 
 
 def expected_tokens(alpha: float, g: int, propose_rate: float = 1.0) -> float:
@@ -102,58 +102,133 @@ class _Decayed:
 
 
 class PassFit:
-    """A packed verify pass's seconds at one batch size B as plain + per_token x draft
-    tokens carried + per_column x (the widest row's tokens - 1), by least squares over
-    the passes measured, each decayed (FIT_DECAY) and capped at STALL_CLIP times what the
-    fit predicted for it. Passes in which every row carries as many tokens (calibration's)
-    cannot tell a token from a column, B tokens coming with each column: the fit prices
-    nothing (None) until FIT_READY ragged passes came."""
+    """A packed verify pass's seconds at one batch size B as plain + per_pass (any draft
+    carried) + per_token x draft tokens carried + per_column x (the widest row's tokens -
+    1), by least squares over the passes measured.
+
+    per_pass is the step in a pass's cost at its first draft: on a CPU the GEMMs of 16 rows
+    take a 17th at the cost of about six more, flat to 22, then about a token's each
+    (docs/benchmarks.md, "the first draft token"); a pass that drafts at all should carry
+    enough to pay for it.
+
+    Two kinds of passes teach it. Calibration's (``calibrated``: full widths, a lone wide
+    row, a few wide rows, half the rows one draft) show the pass's shape at every extreme,
+    each the fastest of its repeats, and stay in the fit undecayed; the steps' passes, each
+    decayed (FIT_DECAY) and capped at STALL_CLIP times what the fit predicted for it, move
+    it from there. Each kind has a plain pass of its own (calibration's context is short,
+    its machine maybe less busy): calibration says what a draft costs beside its plain
+    pass, the steps say what a plain pass costs now. Without calibration's shapes a few
+    noisy passes of the shapes the budget picks could price one it never picks (a lone row
+    of 8 sure drafts) at three times its cost, and it never would.
+
+    Passes in which every row carries as many tokens cannot tell a token from a column, B
+    tokens coming with each column: the fit prices nothing (None) until FIT_READY ragged
+    passes came (calibration's count with their weight)."""
+
+    # the normal equations' terms: plain (the steps'), plain (calibration's), per_pass,
+    # per_token, per_column
+    TERMS = 5
 
     def __init__(self, batch: int) -> None:
+        n = self.TERMS
         self.batch = batch
-        self.xtx = [[0.0] * 3 for _ in range(3)]
-        self.xty = [0.0] * 3
+        self.xtx = [[0.0] * n for _ in range(n)]  # the steps' passes, decayed
+        self.xty = [0.0] * n
+        self.prior_xtx = [[0.0] * n for _ in range(n)]  # calibration's, kept
+        self.prior_xty = [0.0] * n
         self.ragged = 0.0
-        self._fit: tuple[float, float, float] | None = None  # solved once a pass
+        self._fit: tuple[float, float, float, float] | None = None  # solved once a pass
 
-    def add(self, carried: int, width: int, seconds: float) -> None:
-        """A pass that carried ``carried`` draft tokens, its widest row ``width`` tokens."""
-        x = (1.0, float(carried), float(width - 1))
-        if self._fit is not None:
-            seconds = min(seconds, STALL_CLIP * sum(c * v for c, v in zip(self._fit, x)))
-        for i in range(3):
-            self.xty[i] = self.xty[i] * FIT_DECAY + x[i] * seconds
-            for k in range(3):
-                self.xtx[i][k] = self.xtx[i][k] * FIT_DECAY + x[i] * x[k]
-        self.ragged = self.ragged * FIT_DECAY + float(carried != self.batch * (width - 1))
+    def add(self, carried: int, width: int, seconds: float, weight: float = 1.0,
+            calibrated: bool = False) -> None:
+        """A pass that carried ``carried`` draft tokens, its widest row ``width`` tokens;
+        ``calibrated``: one of calibration's, kept undecayed with ``weight``."""
+        x = (0.0 if calibrated else 1.0, 1.0 if calibrated else 0.0, float(carried > 0),
+             float(carried), float(width - 1))
+        if self._fit is not None and not calibrated:
+            seconds = min(seconds, STALL_CLIP * self.predict(carried, width))
+        decay = 1.0 if calibrated else FIT_DECAY
+        xtx, xty = (self.prior_xtx, self.prior_xty) if calibrated else (self.xtx, self.xty)
+        for i in range(self.TERMS):
+            xty[i] = xty[i] * decay + weight * x[i] * seconds
+            for k in range(self.TERMS):
+                xtx[i][k] = xtx[i][k] * decay + weight * x[i] * x[k]
+        if carried != self.batch * (width - 1):  # plain and full passes leave it: a fit
+            # once ready stays so through a plain spell (else the budget fell back on the
+            # cheap one-slope price exactly then, and drafted what the fit had refused)
+            self.ragged = self.ragged * decay + weight
         self._fit = self._solve()
 
-    def solve(self) -> tuple[float, float, float] | None:
-        """(plain, per_token, per_column) seconds, or None (too few ragged passes, or a fit
-        that says a plain pass costs nothing). Negative slopes are noise: taken as 0."""
+    def predict(self, carried: int, width: int) -> float:
+        """Seconds of such a pass by the fit (solve() must not be None)."""
+        assert self._fit is not None
+        plain, per_pass, per_token, per_column = self._fit
+        return plain + per_pass * (carried > 0) + per_token * carried + per_column * (width - 1)
+
+    def solve(self) -> tuple[float, float, float, float] | None:
+        """(plain, per_pass, per_token, per_column) seconds, or None (too few ragged passes,
+        or a fit that says a plain pass costs nothing). Negative terms are noise: taken as
+        0. The plain pass is the steps' own once they ran one, else calibration's."""
         return self._fit
 
-    def _solve(self) -> tuple[float, float, float] | None:
+    def state(self) -> dict[str, Any]:
+        return {"xtx": self.xtx, "xty": self.xty, "prior_xtx": self.prior_xtx,
+                "prior_xty": self.prior_xty, "ragged": self.ragged}
+
+    @classmethod
+    def from_state(cls, batch: int, state: dict[str, Any], max_weight: float) -> PassFit:
+        """A fit from state(), the steps' passes weighted down to ``max_weight`` passes'
+        worth (a start that this run's passes soon outweigh), calibration's kept."""
+        fit = cls(batch)
+        total = float(state["xtx"][0][0])  # the steps' passes' decayed weight
+        scale = min(1.0, max_weight / total) if total > 0 else 1.0
+        fit.xtx = [[float(v) * scale for v in row] for row in state["xtx"]]
+        fit.xty = [float(v) * scale for v in state["xty"]]
+        fit.prior_xtx = [[float(v) for v in row] for row in state["prior_xtx"]]
+        fit.prior_xty = [float(v) for v in state["prior_xty"]]
+        fit.ragged = float(state["ragged"])
+        fit._fit = fit._solve()
+        return fit
+
+    def _solve(self) -> tuple[float, float, float, float] | None:
         if self.ragged < FIT_READY:
             return None
-        a, y = self.xtx, self.xty
-        det = _det3(a)
-        if abs(det) <= 1e-12 * max(abs(a[0][0]), 1.0) ** 3:
+        a = [[u + v for u, v in zip(r, p)] for r, p in zip(self.xtx, self.prior_xtx)]
+        y = [u + v for u, v in zip(self.xty, self.prior_xty)]
+        # a kind of pass not seen yet has no plain pass of its own: left out; so is the
+        # first draft's step where no plain pass tells it from the plain pass
+        used = [i for i in range(self.TERMS) if a[i][i] > 0]
+        coef = _solve([[a[i][k] for k in used] for i in used], [y[i] for i in used])
+        if coef is None and 2 in used:
+            used.remove(2)
+            coef = _solve([[a[i][k] for k in used] for i in used], [y[i] for i in used])
+        if coef is None:
             return None
-        coef = []
-        for i in range(3):  # Cramer's rule: column i replaced by y
-            m = [[y[r] if c == i else a[r][c] for c in range(3)] for r in range(3)]
-            coef.append(_det3(m) / det)
-        plain, per_token, per_column = coef
-        if plain <= 0:
+        full = dict(zip(used, coef)) | ({} if 2 in used else {2: 0.0})
+        plain = full.get(0, full.get(1, 0.0))
+        if plain <= 0 or not {2, 3, 4} <= set(full):
             return None
-        return plain, max(per_token, 0.0), max(per_column, 0.0)
+        return plain, max(full[2], 0.0), max(full[3], 0.0), max(full[4], 0.0)
 
 
-def _det3(m: list[list[float]]) -> float:
-    return (m[0][0] * (m[1][1] * m[2][2] - m[1][2] * m[2][1])
-            - m[0][1] * (m[1][0] * m[2][2] - m[1][2] * m[2][0])
-            + m[0][2] * (m[1][0] * m[2][1] - m[1][1] * m[2][0]))
+def _solve(a: list[list[float]], y: list[float]) -> list[float] | None:
+    """x with a x = y (Gaussian elimination, partial pivoting); None if a is singular."""
+    n = len(y)
+    m = [row[:] + [v] for row, v in zip(a, y)]
+    scale = max((abs(v) for row in a for v in row), default=0.0) or 1.0
+    for c in range(n):
+        p = max(range(c, n), key=lambda r: abs(m[r][c]))
+        if abs(m[p][c]) <= 1e-12 * scale:
+            return None
+        m[c], m[p] = m[p], m[c]
+        for r in range(c + 1, n):
+            f = m[r][c] / m[c][c]
+            for k in range(c, n + 1):
+                m[r][k] -= f * m[c][k]
+    x = [0.0] * n
+    for r in range(n - 1, -1, -1):
+        x[r] = (m[r][n] - sum(m[r][k] * x[k] for k in range(r + 1, n))) / m[r][r]
+    return x
 
 
 class CostTable:
@@ -173,18 +248,28 @@ class CostTable:
         self.host: dict[int, dict[bool, _Decayed]] = {}
 
     def add(self, batch: int, t_verify: dict[int, list[float]],
-            t_draft: Iterable[float] = (), carried: int | None = None) -> None:
+            t_draft: Iterable[float] = (), carried: int | None = None,
+            calibrated: bool = False) -> None:
         """Passes over n tokens per row (the widest row's) and draft token steps measured
         at this batch size. ``carried``: the draft tokens a ragged pass carried in all (one
-        pass in ``t_verify``); None: every row carried n tokens (calibration's passes)."""
+        pass in ``t_verify``); None: every row carried n tokens. ``calibrated``:
+        calibration's passes (PassFit keeps them apart)."""
         for n, times in t_verify.items():
             drafts = batch * (n - 1) if carried is None else carried
             for t in times:  # a full pass may show the mean was taken on a busier machine
                 self.verify.setdefault(batch, {}).setdefault(
                     n, _Decayed(COST_DECAY, STALL_CLIP)).add(t, fresh=drafts == batch * (n - 1))
-                self.passes.setdefault(batch, PassFit(batch)).add(drafts, n, t)
+                self.passes.setdefault(batch, PassFit(batch)).add(drafts, n, t,
+                                                                  calibrated=calibrated)
         for t in t_draft:
             self.draft.setdefault(batch, _Decayed(COST_DECAY, STALL_CLIP)).add(t)
+
+    def add_shape(self, batch: int, carried: int, width: int, seconds: float,
+                  weight: float) -> None:
+        """One of calibration's ragged passes, for the pass's two-part price only (the
+        table by width holds passes as wide for every row)."""
+        self.passes.setdefault(batch, PassFit(batch)).add(carried, width, seconds, weight,
+                                                          calibrated=True)
 
     def add_host(self, batch: int, drafted: bool, seconds: float) -> None:
         """A step's host seconds past its drafting and its target pass."""
@@ -199,17 +284,34 @@ class CostTable:
             return 0.0
         return max(0.0, host[True].mean - host[False].mean)
 
-    def pass_fit(self, batch: int) -> tuple[float, float, float] | None:
-        """A packed pass at this batch size in two parts (PassFit.solve), or None."""
+    def pass_fit(self, batch: int) -> tuple[float, float, float, float] | None:
+        """A packed pass at this batch size (PassFit.solve: plain, per_pass, per_token,
+        per_column), or None. A batch size without a fit of its own borrows the nearest
+        one's within BORROW_RATIO (rows end and the batch shrinks mid-job): its plain pass
+        is this batch size's own, a drafting pass's step and a token cost as much, and a
+        column of the widest row costs in proportion to the rows (every row's mask and
+        attention is as wide)."""
         fit = self.passes.get(batch)
-        return None if fit is None else fit.solve()
+        own = None if fit is None else fit.solve()
+        if own is not None:
+            return own
+        fits = {b: f for b, p in self.passes.items() if (f := p.solve()) is not None
+                and abs(math.log(b / batch)) <= math.log(BORROW_RATIO)}
+        own_plain = self.verify.get(batch, {}).get(1)
+        plain = own_plain.mean if own_plain is not None else self.verify_seconds(1, batch)
+        if not fits or plain is None:
+            return None
+        b = min(fits, key=lambda b: abs(math.log(b / batch)))
+        _, per_pass, per_token, per_column = fits[b]
+        return plain, per_pass, per_token, per_column * batch / b
 
     def state(self) -> dict[str, Any]:
         """The table as JSON (a calibration cache keeps it between processes): per batch
         size, per width, the decayed mean's [weight, total]; and the draft token's."""
         return {"verify": {str(b): {str(n): [d.weight, d.total] for n, d in t.items()}
                            for b, t in self.verify.items()},
-                "draft": {str(b): [d.weight, d.total] for b, d in self.draft.items()}}
+                "draft": {str(b): [d.weight, d.total] for b, d in self.draft.items()},
+                "passes": {str(b): p.state() for b, p in self.passes.items()}}
 
     @classmethod
     def from_state(cls, state: dict[str, Any], max_weight: float) -> CostTable:
@@ -225,6 +327,8 @@ class CostTable:
         for b, widths in state["verify"].items():
             table.verify[int(b)] = {int(n): decayed(*wt) for n, wt in widths.items()}
         table.draft = {int(b): decayed(*wt) for b, wt in state["draft"].items()}
+        table.passes = {int(b): PassFit.from_state(int(b), p, max_weight)
+                        for b, p in state.get("passes", {}).items()}
         return table
 
     def ready(self, batch: int) -> bool:
@@ -512,7 +616,9 @@ class DraftLengthPolicy:
         fit = self.costs.pass_fit(len(num_draft)) if packed else None
         step = self.costs.drafting_step(len(num_draft))
         if fit:
-            cost: budget.VerifyCost = budget.TwoPart(*fit, len(num_draft), step)
+            plain, per_pass, per_token, per_column = fit
+            cost: budget.VerifyCost = budget.TwoPart(plain, per_token, per_column,
+                                                     len(num_draft), step + per_pass)
         else:
             cost = budget.verify_cost([t for t in seconds if t is not None], len(num_draft),
                                       packed, step)
@@ -559,9 +665,9 @@ class DraftLengthPolicy:
 
     def record_costs(self, batch: int, t_verify: dict[int, list[float]],
                      t_draft: Iterable[float] = ()) -> None:
-        """Add measured costs at a batch size: target pass seconds by tokens per row, and
-        seconds per draft token step."""
-        self.costs.add(batch, t_verify, t_draft)
+        """Add calibration's costs at a batch size: target pass seconds by tokens per row
+        (every row as wide), and seconds per draft token step."""
+        self.costs.add(batch, t_verify, t_draft, calibrated=True)
 
     def observe(self, g: int, num_draft: list[int], num_accepted: list[int],
                 t_draft: float, t_verify: float, verify_tokens: int,

@@ -1,6 +1,7 @@
 """The step's draft budget (budget.py): survivals and a verify pass's price -> per-row counts."""
 
 import itertools
+import json
 import random
 
 import pytest
@@ -9,7 +10,7 @@ from specq.worker.engine import budget
 from specq.worker.engine.batch import KVRows
 from specq.worker.engine.budget import NEGLIGIBLE, Packed, Padded, TwoPart, chain, verify_cost
 from specq.worker.engine.drafters import DraftModel, PromptLookup
-from specq.worker.engine.policy import DraftLengthPolicy, PassFit, Pinned, Widths
+from specq.worker.engine.policy import CostTable, DraftLengthPolicy, PassFit, Pinned, Widths
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.engine.suffix import SuffixDrafter
 
@@ -186,18 +187,19 @@ def test_two_part_allotment_is_near_the_best_of_every_prefix_choice(seed):
     assert two_part_rate(survivals, cost.allot(survivals), cost) >= 0.98 * best
 
 
-def test_the_pass_fit_waits_for_ragged_passes_then_finds_both_parts():
+def test_the_pass_fit_waits_for_ragged_passes_then_finds_every_part():
+    """A pass's first draft, its tokens and its columns, each priced apart."""
     fit = PassFit(batch=8)
 
     def seconds(carried, width):
-        return 0.1 + 0.002 * carried + 0.004 * (width - 1)
+        return 0.1 + 0.01 * (carried > 0) + 0.002 * carried + 0.004 * (width - 1)
 
     for n in (1, 2, 5) * 4:  # full widths: a token and a column cannot be told apart
         fit.add(8 * (n - 1), n, seconds(8 * (n - 1), n))
     assert fit.solve() is None
     for carried, width in [(1, 2), (3, 2), (2, 3), (4, 5), (1, 5), (6, 3)] * 2:
         fit.add(carried, width, seconds(carried, width))
-    assert fit.solve() == pytest.approx((0.1, 0.002, 0.004), rel=1e-6)
+    assert fit.solve() == pytest.approx((0.1, 0.01, 0.002, 0.004), rel=1e-6)
     fit.add(2, 3, 50.0)  # a stall: capped at STALL_CLIP times the fit's own prediction
     assert fit.solve()[0] < 0.2
 
@@ -221,3 +223,62 @@ def test_the_policy_learns_a_drafting_steps_host_work_per_batch_size():
         policy.observe(4, [4] * 4, [1] * 4, 0.0, 0.2, 5, carried=16, t_host=0.006)
     assert policy.costs.drafting_step(4) == pytest.approx(0.004)
     assert policy.costs.drafting_step(8) == 0.0  # not measured at 8 rows: not charged
+
+
+def test_the_pass_fit_stays_ready_through_a_plain_spell():
+    """Plain passes say nothing of a token against a column, and once decayed the fit's
+    readiness with them: the budget priced drafts by the one-slope fallback (no column)
+    exactly after a spell of plain steps, and drafted what the fit had refused."""
+    fit = PassFit(batch=8)
+    for carried, width in [(1, 2), (3, 2), (2, 3), (4, 5), (1, 5), (6, 3)] * 2:
+        fit.add(carried, width, 0.1 + 0.002 * carried + 0.004 * (width - 1))
+    ready = fit.solve()
+    assert ready is not None
+    for _ in range(200):
+        fit.add(0, 1, 0.1)
+    assert fit.solve() == pytest.approx(ready, rel=1e-3)
+
+
+def test_a_batch_size_without_a_fit_borrows_a_near_ones_slopes():
+    """Rows end and the batch shrinks mid-job: the shrunk batch prices a token as the full
+    one did, a column by its own rows, on its own plain pass; a far batch size borrows
+    nothing."""
+    policy = DraftLengthPolicy(default=4)
+    for carried, width in [(1, 2), (3, 2), (2, 3), (4, 5), (1, 5), (6, 3)] * 2:
+        policy.observe(4, [0] * 16, [0] * 16, 0.0,
+                       0.1 + 0.002 * carried + 0.004 * (width - 1), width, carried=carried)
+    policy.observe(0, [0] * 8, [0] * 8, 0.0, 0.06, 1, carried=0)
+    assert policy.costs.pass_fit(16) == pytest.approx((0.1, 0.0, 0.002, 0.004), abs=1e-9)
+    assert policy.costs.pass_fit(8) == pytest.approx((0.06, 0.0, 0.002, 0.002), abs=1e-9)
+    policy.observe(0, [0] * 4, [0] * 4, 0.0, 0.05, 1, carried=0)
+    assert policy.costs.pass_fit(4) is None
+
+
+def test_calibrations_shapes_price_a_pass_at_the_steps_own_level():
+    """Calibration's passes (short context, maybe a quieter machine) say what a token and
+    a column cost beside its own plain pass; the steps' plain passes say what a plain pass
+    costs now. Calibration's passes stay through any number of steps."""
+    fit = PassFit(batch=16)
+    for carried, width in [(0, 1), (16, 2), (64, 5), (8, 9), (16, 5), (8, 2)]:
+        fit.add(carried, width, 0.05 + 0.012 * (carried > 0) + 0.002 * carried
+                + 0.001 * (width - 1), weight=3.0, calibrated=True)
+    assert fit.solve() == pytest.approx((0.05, 0.012, 0.002, 0.001), rel=1e-6)
+    for _ in range(500):
+        fit.add(0, 1, 0.08)
+    assert fit.solve() == pytest.approx((0.08, 0.012, 0.002, 0.001), rel=1e-6)
+
+
+def test_the_pass_fit_is_kept_with_the_cost_table():
+    """A worker's next start reads the two-part price from the calibration cache
+    (worker/costs.py), calibration's shapes whole, the steps' passes as a start."""
+    policy = DraftLengthPolicy(default=4)
+    for carried, width in [(8, 9), (16, 5), (8, 2)]:
+        policy.costs.add_shape(16, carried, width, 0.1 + 0.002 * carried + 0.004 * (width - 1),
+                               weight=3.0)
+    policy.record_costs(16, {1: [0.1] * 2, 2: [0.136] * 2, 5: [0.244] * 2}, [0.0] * 2)
+    for _ in range(100):
+        policy.observe(0, [0] * 16, [0] * 16, 0.0, 0.12, 1, carried=0)
+    saved = json.loads(json.dumps(policy.costs.state()))
+    table = CostTable.from_state(saved, max_weight=2.0)
+    assert table.pass_fit(16) == pytest.approx(policy.costs.pass_fit(16), rel=1e-6)
+    assert table.passes[16].xtx[0][0] == pytest.approx(2.0)

@@ -252,6 +252,9 @@ def test_calibration_measures_costs_and_leaves_the_engine_exact(
     assert set(snap["t_verify"]) == {1, 8} and set(snap["t_draft"]) == {1, 8}
     assert all(set(widths) == {1, 2, 5} for widths in snap["t_verify"].values())
     assert all(t > 0 for t in snap["t_draft"].values())
+    # a packed model's ragged passes price a token apart from a column from the start
+    # (policy.PassFit); a batch of one row has none
+    assert snap["pass_fit"][8] is not None and snap["pass_fit"][1] is None
     # the data the calibration showed is forgotten: the acceptance is the regime's prior
     # (a free drafter, scored while g = 0, starts from none at all: policy.Shadowed)
     assert snap["steps"] == 0
@@ -280,7 +283,9 @@ def test_calibration_runs_a_bounded_number_of_forward_passes(kind, tiny_models, 
     engine.calibrate()
     assert calibration.batch_sizes(300) == [1, 16, 256, 300]
     assert calibration.batch_sizes(16) == [1, 16] and calibration.batch_sizes(1) == [1]
-    assert calls["target"] == calibration.forwards(4, 3) == 4 * (1 + 3 * calibration.REPEATS)
+    # and at 16, 256 and 300 rows, the ragged shapes of a packed pass
+    assert calls["target"] == calibration.forwards(4, 3, ragged_sizes=3) == (
+        4 * (1 + 3 * calibration.REPEATS) + 3 * calibration.REPEATS * calibration.SHAPES)
     # a draft model: at each batch size, its prefill then REPEATS proposals of g tokens
     drafts = 4 * (1 + calibration.REPEATS * engine.policy.default)
     assert calls["draft"] == (drafts if kind == "draft model" else 0)
@@ -314,7 +319,7 @@ def test_a_warm_calibration_runs_its_passes_for_a_pinned_g_and_records_nothing(
     monkeypatch.setattr(KVRows, "forward", counted)
     assert engine.calibrate(warm=True) == [1, 16]
     widths = len({1, 2, g + 1})
-    assert calls["target"] == calibration.forwards(2, widths)
+    assert calls["target"] == calibration.forwards(2, widths, ragged_sizes=1)
     assert calls["draft"] == (2 * (1 + calibration.REPEATS * g) if g else 0)
     snap = engine.policy.snapshot()
     assert snap["t_verify"] == {} and snap["t_draft"] == {} and engine.policy.default == g
