@@ -17,8 +17,9 @@ The same proposals under each way of keeping drafts:
 Only the verify passes are priced, all alike (no prefill, no host work, no drafting), so
 the figures are ratios of decoding time to plain decoding's, not of a run's wall time; a
 machine's noise does not reach them. The price is the one calibration measures on this
-machine at the batch size (a pass of 1 to max_g + 1 tokens a row: its plain pass and its
-slope; padded passes cannot tell a column from a token, so no column term), or --price.
+machine at the batch size (its ragged passes' fit: plain, per draft token, per column, and
+once for a pass that drafts at all; a batch of fewer than 4 rows has none, and then a pass
+of 1 to max_g + 1 tokens a row gives its plain pass and its slope), or --price.
 """
 
 from __future__ import annotations
@@ -40,14 +41,17 @@ ORACLE, BUDGET = "oracle", "budget"
 @dataclass(frozen=True)
 class Price:
     """Seconds of a packed verify pass: ``plain`` for one token a row, ``per_token`` for
-    each draft token carried, ``per_column`` for each draft column of the widest row."""
+    each draft token carried, ``per_column`` for each draft column of the widest row, and
+    ``per_pass`` once for a pass that carries any draft (policy.PassFit)."""
 
     plain: float
     per_token: float
     per_column: float = 0.0
+    per_pass: float = 0.0
 
     def seconds(self, kept: list[int]) -> float:
-        return self.plain + self.per_token * sum(kept) + self.per_column * max(kept, default=0)
+        return (self.plain + self.per_token * sum(kept) + self.per_column * max(kept, default=0)
+                + (self.per_pass if any(kept) else 0.0))
 
 
 @dataclass
@@ -112,8 +116,9 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
             kept = right
         elif keep == BUDGET:
             survivals = policy.survivals([len(c) for c in conf], [[] for _ in conf], conf)
-            kept = (budget.TwoPart(price.plain, price.per_token, price.per_column, B)
-                    .allot(survivals) if any(survivals) else [0] * B)
+            kept = (budget.TwoPart(price.plain, price.per_token, price.per_column, B,
+                                   price.per_pass).allot(survivals)
+                    if any(survivals) else [0] * B)
             for c, k, a, d, r in zip(conf, kept, right, drafts, rest):
                 if k:
                     calibration.add(c[:k], min(a, k))
@@ -144,13 +149,18 @@ def _agree(draft: list[int], rest: list[int]) -> int:
 
 def measured_price(model, tokenizer, make_drafter: Callable[[], Drafter], batch: int,
                    max_g: int) -> Price:
-    """The pass's price as calibration measures it at this batch size: the plain pass and
-    the least-squares slope of the passes of 2 to max_g + 1 tokens a row, per token."""
+    """The pass's price as calibration measures it at this batch size: its ragged passes'
+    fit (policy.PassFit) where it has one; else the plain pass and the least-squares slope
+    of the passes of 2 to max_g + 1 tokens a row, per token."""
     from specq.worker.engine.speculative import SpeculativeEngine
 
     eng = SpeculativeEngine(model, tokenizer, make_drafter(), max_batch_size=batch,
                             max_draft_length=max_g)
     eng.calibrate([batch])
+    fit = eng.policy.costs.pass_fit(batch)
+    if fit is not None:
+        plain, per_pass, per_token, per_column = fit
+        return Price(plain, per_token, per_column, per_pass)
     widths = [(n, eng.policy.costs.verify_seconds(n, batch)) for n in range(1, max_g + 2)]
     points = [(batch * (n - 1), t) for n, t in widths if t is not None]
     if len(points) < 2:
@@ -172,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--max-g", type=int, default=8, help="draft tokens a row is asked for")
     p.add_argument("--draft-lengths", default="1,2,4", help="fixed g replayed beside")
-    p.add_argument("--price", default=None, metavar="PLAIN,PER_TOKEN[,PER_COLUMN]",
+    p.add_argument("--price", default=None, metavar="PLAIN,PER_TOKEN[,PER_COLUMN[,PER_PASS]]",
                    help="seconds of a pass instead of calibration's (e.g. a bench run's fit)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -203,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"replay: {args.pair}, {args.workload}, {len(prompts)} prompts, batch "
           f"{args.batch_size}, {sum(map(len, outputs))} tokens; a pass {1e3 * price.plain:.1f} "
           f"ms + {1e3 * price.per_token:.2f} ms a draft token + {1e3 * price.per_column:.2f} "
-          f"ms a column; plain decoding {plain.passes} passes")
+          f"ms a column + {1e3 * price.per_pass:.2f} ms a drafting pass; plain decoding "
+          f"{plain.passes} passes")
     print(f"{'keep':<8} {'x plain':>7} {'passes':>6} {'carried':>7} {'accepted':>8}")
     for keep in keeps:
         r = replay(prompts, outputs, args.batch_size, SuffixDrafter, keep, price, args.max_g)
