@@ -204,11 +204,11 @@ class PassFit:
             coef = _solve([[a[i][k] for k in used] for i in used], [y[i] for i in used])
         if coef is None:
             return None
-        full = dict(zip(used, coef)) | ({} if 2 in used else {2: 0.0})
+        full = dict(zip(used, coef))
         plain = full.get(0, full.get(1, 0.0))
-        if plain <= 0 or not {2, 3, 4} <= set(full):
+        if plain <= 0 or not {3, 4} <= set(full):
             return None
-        return plain, max(full[2], 0.0), max(full[3], 0.0), max(full[4], 0.0)
+        return plain, max(full.get(2, 0.0), 0.0), max(full[3], 0.0), max(full[4], 0.0)
 
 
 def _solve(a: list[list[float]], y: list[float]) -> list[float] | None:
@@ -307,7 +307,8 @@ class CostTable:
 
     def state(self) -> dict[str, Any]:
         """The table as JSON (a calibration cache keeps it between processes): per batch
-        size, per width, the decayed mean's [weight, total]; and the draft token's."""
+        size, per width, the decayed mean's [weight, total]; the draft token's; and the
+        packed pass's fit (PassFit.state)."""
         return {"verify": {str(b): {str(n): [d.weight, d.total] for n, d in t.items()}
                            for b, t in self.verify.items()},
                 "draft": {str(b): [d.weight, d.total] for b, d in self.draft.items()},
