@@ -101,3 +101,18 @@ def test_a_fresh_calibration_keeps_to_its_budget(pair):
     assert set(big.policy.snapshot()["t_verify"]) == {1}
     assert pair.engine(max_batch_size=16).calibrate(budget=3600.0) == [1, 16]
     assert pair.engine(max_batch_size=300).calibrate(budget=3600.0) == [1, 16, 256, 300]
+
+
+def test_a_saved_fit_loads_whole_and_a_broken_one_is_measured_again(pair, engine, tmp_path):
+    """The packed pass's fit (calibration's ragged shapes in it) comes back from the file
+    as it was saved; a file whose fit cannot be read is calibrated afresh, not half-used."""
+    cache = start_costs(engine, pair.preset, tmp_path, budget=60)
+    measured = engine.policy.costs.pass_fit(4)
+    assert measured is not None
+    again = pair.engine(max_batch_size=4)
+    assert CostCache(tmp_path, pair.preset, again).load()
+    assert again.policy.costs.pass_fit(4) == pytest.approx(measured)
+    saved = json.loads(cache.path.read_text())
+    saved["costs"]["passes"]["4"].pop("prior_xtx")
+    cache.path.write_text(json.dumps(saved))
+    assert not CostCache(tmp_path, pair.preset, pair.engine(max_batch_size=4)).load()
