@@ -145,27 +145,47 @@ class PromptLookup(_Stateless):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
 
     def propose(self, batch: DraftInputs, g: int) -> Proposal:
-        B = len(batch.tokens)
-        ids = torch.zeros(B, g, dtype=torch.long)
-        num = torch.zeros(B, dtype=torch.long)
-        for b, seq in enumerate(batch.tokens):
-            cont = self.lookup(torch.tensor(seq), g)
-            ids[b, : len(cont)] = cont
-            num[b] = len(cont)
-        return Proposal(ids, num, None)
+        # lists, then one tensor for all rows: torch ops a row (unfold, compare, nonzero per
+        # n-gram) took 1.0 ms a step at 16 rows of 300 tokens, beside a 60 ms pass
+        conts = [self.lookup(seq, g) for seq in batch.tokens]
+        B = len(conts)
+        ids = torch.tensor([c + [0] * (g - len(c)) for c in conts], dtype=torch.long)
+        return Proposal(ids.reshape(B, g), torch.tensor([len(c) for c in conts],
+                                                        dtype=torch.long), None)
 
-    def lookup(self, seq: torch.Tensor, g: int) -> torch.Tensor:
-        """The g tokens after the latest earlier occurrence of seq's last n tokens."""
-        N = seq.shape[0]
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if N <= n:
-                continue
-            windows = seq[:-1].unfold(0, n, 1)  # [N - n, n]: starts 0 .. N - n - 1
-            hits = (windows == seq[-n:]).all(1).nonzero()
-            if hits.numel():
-                start = int(hits[-1]) + n
+    def lookup(self, seq: list[int], g: int) -> list[int]:
+        """The g tokens after the latest earlier occurrence of seq's last n tokens, n from
+        max_ngram down to min_ngram (the longest match that occurs wins, then the latest).
+
+        One scan back over the occurrences of the last token (list.index in C over the
+        reversed tokens), each extended back to its match length: the first occurrence
+        matching n tokens is the latest for that n."""
+        N = len(seq)
+        top = min(self.max_ngram, N - 1)  # a match of n tokens needs n + 1 of them
+        if top < self.min_ngram:
+            return []
+        last, rev = seq[-1], seq[-2::-1]  # rev[i] = seq[N - 2 - i]
+        latest: dict[int, int] = {}  # match length -> the latest end with it
+        i = 0
+        while True:
+            try:
+                i = rev.index(last, i)
+            except ValueError:
+                break
+            end = N - 2 - i
+            m = 1
+            while m < top and end - m >= 0 and seq[end - m] == seq[N - 1 - m]:
+                m += 1
+            latest.setdefault(m, end)
+            if m == top:
+                break
+            i += 1
+        for n in range(top, self.min_ngram - 1, -1):
+            ends = [e for m, e in latest.items() if m >= n]
+            if ends:
+                start = max(ends) + 1
                 return seq[start : start + g]
-        return seq[:0]
+        return []
 
 
 class DraftModel(_JobBlind):

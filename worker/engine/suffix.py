@@ -225,18 +225,20 @@ class SuffixDrafter:
                 size -= before - self.index.size
 
     def propose(self, batch: DraftInputs, g: int) -> Proposal:
-        B = len(batch.tokens)
-        ids = torch.zeros(B, g, dtype=torch.long)
-        num = torch.zeros(B, dtype=torch.long)
-        confidence = torch.zeros(B, g)
-        for b, seq in enumerate(batch.tokens):
+        # lists, then one tensor each for all rows: a tensor a row cost more than the
+        # lookups themselves (0.2 of 0.37 ms a step at 16 rows of 300 tokens)
+        ids, num, confidence = [], [], []
+        for seq in batch.tokens:
             own, job = lookup(seq, g), self.index.propose(seq, g)
             draft = job if job.score > own.score else own
-            n = len(draft.tokens)
-            ids[b, :n] = torch.tensor(draft.tokens, dtype=torch.long)
-            confidence[b, :n] = torch.tensor(draft.probs)
-            num[b] = n
-        return Proposal(ids, num, None, confidence)
+            pad = g - len(draft.tokens)
+            ids.append(draft.tokens + [0] * pad)
+            confidence.append(draft.probs + [0.0] * pad)
+            num.append(len(draft.tokens))
+        B = len(batch.tokens)
+        return Proposal(torch.tensor(ids, dtype=torch.long).reshape(B, g),
+                        torch.tensor(num, dtype=torch.long),
+                        None, torch.tensor(confidence, dtype=torch.float32).reshape(B, g))
 
     def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None: ...
     def select(self, rows: torch.Tensor) -> None: ...

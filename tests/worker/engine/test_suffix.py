@@ -73,8 +73,36 @@ def test_own_lookup_is_prompt_lookup_where_matches_are_unique():
     for _ in range(50):
         seq = gen.sample(range(1000), 30)
         seq += seq[gen.randrange(0, 25):][:gen.randrange(1, 5)]  # one repeat, unique tokens
-        want = pl.lookup(torch.tensor(seq), 4).tolist()
+        want = pl.lookup(seq, 4)
         assert lookup(seq, 4)[0] == want
+
+
+def _unfold_lookup(seq: list[int], g: int, max_ngram: int, min_ngram: int) -> list[int]:
+    """Prompt lookup as it was written first, in torch ops: every window of n tokens
+    compared at once, the last hit taken."""
+    t = torch.tensor(seq)
+    N = t.shape[0]
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if N <= n:
+            continue
+        hits = (t[:-1].unfold(0, n, 1) == t[-n:]).all(1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return t[start : start + g].tolist()
+    return []
+
+
+@pytest.mark.parametrize("ngrams", [(3, 1), (2, 1), (3, 2), (4, 4)])
+def test_prompt_lookups_scan_finds_what_every_window_compared_finds(ngrams):
+    """The list scan (one pass back over the last token's occurrences) against the windows
+    compared all at once: the same continuation for any sequence, repeats and overlaps
+    included (a vocabulary of 4 tokens repeats everything), any length from 0."""
+    gen = random.Random(1)
+    pl = PromptLookup(*ngrams)
+    for _ in range(3000):
+        seq = [gen.randrange(gen.choice([2, 4, 50])) for _ in range(gen.randrange(0, 40))]
+        g = gen.randrange(0, 6)
+        assert pl.lookup(seq, g) == _unfold_lookup(seq, g, *ngrams), seq
 
 
 def test_the_drafter_takes_the_better_scored_draft_per_row():
