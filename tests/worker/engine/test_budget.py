@@ -282,3 +282,32 @@ def test_the_pass_fit_is_kept_with_the_cost_table():
     table = CostTable.from_state(saved, max_weight=2.0)
     assert table.pass_fit(16) == pytest.approx(policy.costs.pass_fit(16), rel=1e-6)
     assert table.passes[16].xtx[0][0] == pytest.approx(2.0)
+
+
+def test_a_lone_row_is_priced_by_its_passes_whole_curve():
+    """At batch 1 a packed pass over w + 1 tokens is the table's own: the budget reads the
+    whole curve, steps and all. Priced by its first slope (1 -> 2 tokens, 0.7 ms here) a
+    token looked free and the budget verified 4 drafts where 2 paid best (on a CPU a pass
+    of 4 tokens cost 49 ms against 37 for 3: docs/benchmarks.md)."""
+    policy = Widths(default=4, max_g=8)
+    policy.record_costs(1, {1: [0.0324] * 2, 2: [0.0331] * 2, 3: [0.0374] * 2,
+                            4: [0.0493] * 2, 5: [0.0504] * 2}, [0.0001] * 2)
+    policy.choose(batch=1)
+    policy.measuring = False
+    conf = [0.65] * 8  # survivals 0.65, 0.42, 0.27, 0.18, ... (the bins' prior)
+    survivals = policy.survivals([8], [[]], [conf])[0]
+    kept = policy.allot([8], [[]], [conf], packed=True)
+    seconds = [policy.t_verify(n, 1) for n in range(1, 6)]
+
+    def rate(w):
+        return (1 + sum(survivals[:w])) / seconds[w]
+
+    assert kept == [max(range(5), key=rate)] == [2]
+    # two rows: a ragged pass is not one row's curve, and the first slope prices it still
+    policy.record_costs(2, {1: [0.04] * 2, 2: [0.06] * 2}, [0.0001] * 2)
+    policy.choose(batch=2)
+    policy.measuring = False
+    two = policy.survivals([8, 8], [[], []], [[0.95] * 8] * 2)
+    seconds2 = [policy.t_verify(n, 2) for n in range(1, 10)]
+    assert policy.allot([8, 8], [[], []], [[0.95] * 8] * 2, packed=True) == Packed.from_widths(
+        seconds2, 2).allot(two)
