@@ -184,5 +184,10 @@ def chain(factors: list[float]) -> list[float]:
 def verify_cost(seconds: list[float], batch: int, packed: bool, step: float = 0.0) -> VerifyCost:
     """The verify pass's price at this batch size from the cost table's seconds of a padded
     pass over w + 1 tokens per row (w = 0, 1, ...); ``step``: the host seconds a drafting
-    step adds."""
-    return Packed.from_widths(seconds, batch, step) if packed else Padded(seconds, batch, step)
+    step adds. A lone row's packed pass over w + 1 tokens is the table's own pass of that
+    width: it is priced by the whole curve, as a padded one, not by its first slope (at
+    batch 1 on a CPU a pass of 1-2 tokens took 32 ms, 3 tokens 37, 4 tokens 49: the first
+    slope priced a token at 0.7 ms, and the budget verified 4 drafts where 2 paid best)."""
+    if packed and batch > 1:
+        return Packed.from_widths(seconds, batch, step)
+    return Padded(seconds, batch, step)

@@ -620,12 +620,9 @@ class DraftLengthPolicy:
             plain, per_pass, per_token, per_column = fit
             cost: budget.VerifyCost = budget.TwoPart(plain, per_token, per_column,
                                                      len(num_draft), step + per_pass)
-        else:  # a lone row's packed pass over w + 1 tokens is the table's own, padded or
-            # not: priced by the whole curve, not its first slope (at batch 1 on a CPU a pass
-            # of 1-2 tokens 32 ms, 3 tokens 37, 4 tokens 49: the first slope priced a token
-            # at 0.7 ms, and the budget verified 4 drafts where 2 paid best)
+        else:
             cost = budget.verify_cost([t for t in seconds if t is not None], len(num_draft),
-                                      packed and len(num_draft) > 1, step)
+                                      packed, step)
         return cost.allot(self.survivals(num_draft, forced, confidence))
 
     def survivals(self, num_draft: list[int], forced: list[list[int]],

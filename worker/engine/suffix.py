@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import torch
 
-from specq.worker.engine.drafters import DraftInputs, Proposal
+from specq.worker.engine.drafters import DraftInputs, Proposal, padded
 
 log = logging.getLogger(__name__)
 
@@ -225,20 +225,13 @@ class SuffixDrafter:
                 size -= before - self.index.size
 
     def propose(self, batch: DraftInputs, g: int) -> Proposal:
-        # lists, then one tensor each for all rows: a tensor a row cost more than the
-        # lookups themselves (0.2 of 0.37 ms a step at 16 rows of 300 tokens)
-        ids, num, confidence = [], [], []
+        drafts = []
         for seq in batch.tokens:
             own, job = lookup(seq, g), self.index.propose(seq, g)
-            draft = job if job.score > own.score else own
-            pad = g - len(draft.tokens)
-            ids.append(draft.tokens + [0] * pad)
-            confidence.append(draft.probs + [0.0] * pad)
-            num.append(len(draft.tokens))
-        B = len(batch.tokens)
-        return Proposal(torch.tensor(ids, dtype=torch.long).reshape(B, g),
-                        torch.tensor(num, dtype=torch.long),
-                        None, torch.tensor(confidence, dtype=torch.float32).reshape(B, g))
+            drafts.append(job if job.score > own.score else own)
+        return Proposal(padded([d.tokens for d in drafts], g, torch.long),
+                        torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long),
+                        None, padded([d.probs for d in drafts], g, torch.float32))
 
     def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None: ...
     def select(self, rows: torch.Tensor) -> None: ...
