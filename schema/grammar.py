@@ -17,11 +17,18 @@ compile is refused where the request is read, naming the field. The worker compi
 same text against its tokenizer (worker/engine/grammar.py). JSON is written in one layout:
 ``", "`` between items, ``": "`` after keys, no other whitespace (Python's json.dumps): the
 grammar then fixes every key, quote and brace, which the engine drafts for free.
+
+An object schema that names its ``properties`` and says nothing of others is closed: the
+output has the named keys and no others (``closed``), as OpenAI's strict mode requires and
+vLLM's default grammar backend does, so a model cannot ramble on in keys nobody asked for
+until ``max_new_tokens`` cuts it. ``"strict": false`` keeps JSON Schema's own reading
+(other keys allowed).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from functools import lru_cache
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -54,8 +61,9 @@ class JsonObjectFormat(_Format):
 
 
 class JsonSchemaSpec(_Format):
-    """OpenAI's ``json_schema`` member: a name, the schema, and ``strict`` (always kept:
-    the output validates whatever strict says)."""
+    """OpenAI's ``json_schema`` member: a name, the schema, and ``strict``. The output
+    validates against the schema whatever strict says; unless strict is false, an object
+    schema with ``properties`` and no word on other keys allows no others (``closed``)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
 
@@ -138,8 +146,10 @@ def _compile(spec: str) -> str:
             text = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
         elif kind == "json_schema":
             field = "json_schema.schema"
-            text = LLMatcher.grammar_from_json_schema(fmt["json_schema"]["schema"],
-                                                      defaults=JSON_LAYOUT)
+            schema = fmt["json_schema"]["schema"]
+            if fmt["json_schema"].get("strict") is not False:
+                schema = closed(schema)
+            text = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
         elif kind == "regex":
             text = LLMatcher.grammar_from_regex(fmt["regex"])
         else:
@@ -152,6 +162,108 @@ def _compile(spec: str) -> str:
     if problem:
         raise ValueError(f"{field}: the grammar library refused it: {_one_line(problem)}")
     return text
+
+
+# Keywords under which a closed object would change what the schema accepts: their
+# subschemas judge the same instance as a sibling (allOf, a $ref beside other keywords,
+# if/then/else, dependentSchemas) or are negated (not). Nothing under them is closed.
+_KEEP = ("allOf", "not", "if", "then", "else", "dependentSchemas", "dependencies",
+         "unevaluatedProperties")
+_OPEN = ("additionalProperties", "patternProperties", "propertyNames", "$ref", "anyOf",
+         "oneOf") + _KEEP  # an object with any of these keeps its own reading
+# Where a schema holds schemas: maps of them, lists of them, one of them (the rest of its
+# keys, enum and const and default among them, hold data)
+_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas",
+         "dependencies")
+_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+_ONE = ("items", "additionalProperties", "additionalItems", "contains", "not", "if", "then",
+        "else", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+
+
+def closed(schema: Any) -> Any:
+    """A copy of the schema where each object schema that lists ``properties`` and says
+    nothing of other keys allows no others. Left as they are: an object whose ``required``
+    names a key it does not list, one beside a ``$ref`` or combinators of its own, and
+    everything under a keyword whose subschemas share their instance with another schema
+    or are negated (``_KEEP``; anyOf/oneOf branches too where the parent lists properties
+    of its own), with the definitions those reach by ``$ref``: closing them would refuse
+    what the schema accepts. So the result accepts a subset of what the schema does."""
+    kept: set[str] = set()  # "#/$defs/x" pointers whose schemas stay as they are
+    _kept_refs(schema, schema, False, kept)
+    return _close(schema, "#", False, kept)
+
+
+def _subschemas(node: dict) -> Iterator[tuple[str, str | int | None, str, Any]]:
+    """(keyword, its slot: a name in a map, an index in a list or None, JSON pointer
+    suffix, subschema) for each schema the schema holds."""
+    for key, value in node.items():
+        at = "/" + _escape(key)
+        if key in _MAPS and isinstance(value, dict):
+            for name, sub in value.items():
+                yield key, name, f"{at}/{_escape(name)}", sub
+        elif key in _LISTS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                yield key, i, f"{at}/{i}", sub
+        elif key in _ONE:
+            yield key, None, at, value
+
+
+def _escape(key: str) -> str:
+    return key.replace("~", "~0").replace("/", "~1")
+
+
+def _keeps(node: dict, key: str) -> bool:
+    """Nothing under this keyword of this schema is closed."""
+    return key in _KEEP or key in ("anyOf", "oneOf") and "properties" in node
+
+
+def _kept_refs(root: Any, node: Any, keep: bool, out: set[str]) -> None:
+    """Collect the local $ref pointers reached from where nothing may be closed, and the
+    ones their schemas reach in turn."""
+    if not isinstance(node, dict):
+        return
+    ref = node.get("$ref")
+    if isinstance(ref, str) and (keep or len(node) > 1) and ref not in out:
+        out.add(ref)
+        _kept_refs(root, _resolve(root, ref), True, out)
+    for key, _, _, sub in _subschemas(node):
+        _kept_refs(root, sub, keep or _keeps(node, key), out)
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """The schema a local JSON pointer ("#/$defs/x") names, or None."""
+    if not ref.startswith("#"):
+        return None
+    node = root
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, dict) and part in node:
+            node = node[part]
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node
+
+
+def _close(node: Any, path: str, keep: bool, kept: set[str]) -> Any:
+    if not isinstance(node, dict):
+        return node  # true, false
+    keep = keep or path in kept
+    out = dict(node)
+    for key, slot, at, sub in _subschemas(node):
+        new = _close(sub, path + at, keep or _keeps(node, key), kept)
+        if slot is None:
+            out[key] = new
+            continue
+        if out[key] is node[key]:  # the map or list copied before its first change
+            out[key] = type(node[key])(node[key])
+        out[key][slot] = new
+    props, required = node.get("properties"), node.get("required", [])
+    if (not keep and isinstance(props, dict) and not any(k in node for k in _OPEN)
+            and isinstance(required, list) and set(required) <= set(props)):
+        out["additionalProperties"] = False
+    return out
 
 
 def _one_line(problem: object) -> str:

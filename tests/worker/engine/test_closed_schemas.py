@@ -1,0 +1,112 @@
+"""An object schema that lists its properties and says nothing of other keys is closed
+(schema/grammar.py ``closed``): the grammar refuses keys nobody asked for, unless strict is
+false; and closing never refuses an instance it must not: one whose keys another schema
+judges too (allOf, a $ref with siblings, if/then, not, required keys not listed)."""
+
+import json
+
+import jsonschema
+import llguidance
+import llguidance.hf
+import pytest
+
+from specq.schema.generation import Request
+from specq.schema.grammar import JSON_LAYOUT, closed, grammar
+
+POINT = {"type": "object", "required": ["x"],
+         "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}}}
+
+# (schema, instances that must stay accepted, instances closing refuses)
+CASES = [
+    (POINT, [{"x": 1}, {"x": 1, "y": 2}], [{"x": 1, "z": 3}]),
+    ({"type": "object", "properties": {"p": POINT, "tags": {"type": "array", "items": POINT}}},
+     [{"p": {"x": 1}, "tags": [{"x": 2, "y": 3}]}, {}],
+     [{"p": {"x": 1, "w": 0}}, {"tags": [{"x": 2, "q": 1}]}, {"other": 1}]),
+    ({"$defs": {"pt": POINT}, "type": "object", "properties": {"a": {"$ref": "#/$defs/pt"}}},
+     [{"a": {"x": 1}}], [{"a": {"x": 1, "k": 2}}]),
+    ({"anyOf": [POINT, {"type": "object", "properties": {"name": {"type": "string"}},
+                        "required": ["name"]}]},
+     [{"x": 1}, {"name": "a"}], [{"name": "a", "x": "s"}]),
+    # keys named like keywords are properties, not keywords
+    ({"type": "object", "properties": {"if": {"type": "object", "properties": {"a": {}}},
+                                       "properties": {"type": "string"}}},
+     [{"if": {"a": 1}, "properties": "s"}], [{"if": {"a": 1, "b": 2}}, {"properties": "s",
+                                                                       "zz": 1}]),
+    # the same instance judged by two schemas: nothing under them is closed
+    ({"allOf": [{"properties": {"a": {"type": "integer"}}},
+                {"properties": {"b": {"type": "integer"}}}]}, [{"a": 1, "b": 2}], []),
+    ({"$defs": {"base": {"properties": {"a": {"type": "integer"}}}},
+      "allOf": [{"$ref": "#/$defs/base"}, {"properties": {"b": {"type": "integer"}}}]},
+     [{"a": 1, "b": 2}], []),
+    ({"$defs": {"base": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+      "$ref": "#/$defs/base", "properties": {"b": {"type": "integer"}}}, [{"a": 1, "b": 2}], []),
+    ({"type": "object", "properties": {"kind": {"enum": ["a", "b"]}},
+      "anyOf": [{"properties": {"x": {"type": "integer"}}}, {"properties": {"y": {}}}]},
+     [{"kind": "a", "x": 1}], []),
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
+     [{"a": 1, "b": True}], []),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "patternProperties": {"^x-": {"type": "string"}}}, [{"a": 1, "x-note": "n"}], []),
+    ({"type": "object", "properties": {"a": {"type": "integer"}},
+      "additionalProperties": {"type": "string"}}, [{"a": 1, "more": "text"}], []),
+]
+
+
+@pytest.fixture(scope="module")
+def lltok(tiny_tokenizer):
+    return llguidance.hf.from_tokenizer(tiny_tokenizer)
+
+
+def accepts(lltok, tokenizer, response_format: dict, value: object) -> bool:
+    """The request's grammar takes the value, written in the engine's one JSON layout,
+    whole."""
+    text = json.dumps(value, separators=(JSON_LAYOUT["item_separator"],
+                                         JSON_LAYOUT["key_separator"]))
+    fmt = Request(prompt_token_ids=[3], response_format=response_format).response_format
+    matcher = llguidance.LLMatcher(lltok, grammar(fmt), log_level=0)
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    return matcher.consume_tokens(tokens) and matcher.is_accepting()
+
+
+def schema_format(schema: dict, strict: bool | None = True) -> dict:
+    spec = {"name": "s", "schema": schema} | ({} if strict is None else {"strict": strict})
+    return {"type": "json_schema", "json_schema": spec}
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_closing_refuses_other_keys_and_nothing_the_schema_needs(case, lltok,
+                                                                 tiny_tokenizer):
+    schema, keep, refuse = CASES[case]
+    before = json.dumps(schema)
+    for value in keep + refuse:  # the cases themselves are right: all valid as written
+        jsonschema.validate(value, schema)
+    for strict in (True, None):
+        for value in keep:
+            assert accepts(lltok, tiny_tokenizer, schema_format(schema, strict), value), value
+        for value in refuse:
+            assert not accepts(lltok, tiny_tokenizer, schema_format(schema, strict), value), \
+                value
+    for value in keep + refuse:  # strict false: the schema's own reading, other keys too
+        assert accepts(lltok, tiny_tokenizer, schema_format(schema, False), value), value
+    assert json.dumps(schema) == before  # the request's own schema is left as it was
+
+
+# "not" is a keyword the grammar library refuses; closing leaves what is under it alone
+NEGATED = ({"type": "object", "properties": {"a": {"type": "integer"}},
+            "not": {"properties": {"z": {"type": "integer"}}, "required": ["z"]}},
+           [{"a": 1}], [{"a": 1, "q": 2}])
+
+
+@pytest.mark.parametrize("case", range(len(CASES) + 1))
+def test_a_closed_schema_accepts_only_what_the_schema_does(case):
+    """What closing accepts validates against the schema as the user wrote it."""
+    schema, keep, refuse = (CASES + [NEGATED])[case]
+    tight = jsonschema.Draft202012Validator(closed(schema))
+    loose = jsonschema.Draft202012Validator(schema)
+    probes = keep + refuse + [{}, {"x": 1, "zz": 0}, {"a": "s"}, {"a": 1, "b": 2, "c": 3},
+                              {"a": 1, "z": 2}, {"a": 1, "z": 2, "q": 3}]
+    for value in probes:
+        if tight.is_valid(value):
+            assert loose.is_valid(value), value
+    for value in keep:
+        assert tight.is_valid(value), value
