@@ -178,12 +178,18 @@ _MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSc
 _LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 _ONE = ("items", "additionalProperties", "additionalItems", "contains", "not", "if", "then",
         "else", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+# Keywords beside a $ref that judge no keys (annotations, definitions, the type): the $ref's
+# schema is then the only one to judge the instance's keys (pydantic's root {"$ref", "$defs"})
+_BESIDE_REF = frozenset({"$ref", "$defs", "definitions", "title", "description", "$schema",
+                         "$id", "$anchor", "$comment", "default", "examples", "type",
+                         "deprecated", "readOnly", "writeOnly"})
 
 
 def closed(schema: Any) -> Any:
     """A copy of the schema where each object schema that lists ``properties`` and says
     nothing of other keys allows no others. Left as they are: an object whose ``required``
-    names a key it does not list, one beside a ``$ref`` or combinators of its own, and
+    names a key it does not list, one beside a ``$ref`` or combinators of its own, the
+    schema of a ``$ref`` beside keywords that judge keys too (required, properties, ...), and
     everything under a keyword whose subschemas share their instance with another schema
     or are negated (``_KEEP``; anyOf/oneOf branches too where the parent lists properties
     of its own), with the definitions those reach by ``$ref``: closing them would refuse
@@ -223,7 +229,7 @@ def _kept_refs(root: Any, node: Any, keep: bool, out: set[str]) -> None:
     if not isinstance(node, dict):
         return
     ref = node.get("$ref")
-    if isinstance(ref, str) and (keep or len(node) > 1) and ref not in out:
+    if isinstance(ref, str) and (keep or not node.keys() <= _BESIDE_REF) and ref not in out:
         out.add(ref)
         _kept_refs(root, _resolve(root, ref), True, out)
     for key, _, _, sub in _subschemas(node):

@@ -27,6 +27,13 @@ CASES = [
     ({"anyOf": [POINT, {"type": "object", "properties": {"name": {"type": "string"}},
                         "required": ["name"]}]},
      [{"x": 1}, {"name": "a"}], [{"name": "a", "x": "s"}]),
+    # pydantic's shape for a recursive model: the root a $ref beside its $defs
+    ({"$defs": {"Node": {"type": "object", "title": "Node", "required": ["v", "next"],
+                         "properties": {"v": {"type": "integer"}, "next": {
+                             "anyOf": [{"$ref": "#/$defs/Node"}, {"type": "null"}]}}}},
+      "$ref": "#/$defs/Node", "title": "Root"},
+     [{"v": 1, "next": {"v": 2, "next": None}}],
+     [{"v": 1, "next": None, "w": 0}, {"v": 1, "next": {"v": 2, "next": None, "w": 0}}]),
     # keys named like keywords are properties, not keywords
     ({"type": "object", "properties": {"if": {"type": "object", "properties": {"a": {}}},
                                        "properties": {"type": "string"}}},
@@ -40,6 +47,8 @@ CASES = [
      [{"a": 1, "b": 2}], []),
     ({"$defs": {"base": {"type": "object", "properties": {"a": {"type": "integer"}}}},
       "$ref": "#/$defs/base", "properties": {"b": {"type": "integer"}}}, [{"a": 1, "b": 2}], []),
+    ({"$defs": {"base": {"type": "object", "properties": {"a": {"type": "integer"}}}},
+      "$ref": "#/$defs/base", "required": ["a", "b"]}, [{"a": 1, "b": 2}], []),
     ({"type": "object", "properties": {"kind": {"enum": ["a", "b"]}},
       "anyOf": [{"properties": {"x": {"type": "integer"}}}, {"properties": {"y": {}}}]},
      [{"kind": "a", "x": 1}], []),
