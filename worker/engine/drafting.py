@@ -78,8 +78,11 @@ class Drafting:
         prop, matchers = full.cut(g), [r.matcher for r in rows]
         forced: list[list[int]] = [[] for _ in rows]
         if self.grammar is not None and any(m is not None for m in matchers):
+            # a text lookup's tokens are priced one by one where the policy adapts (its
+            # budget: policy.allot), else they keep to the fixed g like the drafter's own
+            text = self.policy.max_g if self.policy.adapts else g
             prop, forced = self.grammar.merge(prop, matchers, inputs.tokens, g,
-                                              self.policy.max_g)
+                                              self.policy.max_g, text)
         return self.spend(g, prop, forced, packed)
 
     def spend(self, g: int, prop: Proposal, forced: list[list[int]], packed: bool

@@ -46,6 +46,9 @@ from specq.worker.engine.profile import Profile, Stopwatch
 log = logging.getLogger(__name__)
 MAX_TEMPLATES = 256  # compiled grammars kept per worker (one per job and schema, in practice)
 MAX_FORCED = 16  # forced tokens drafted at most per row and step
+# The text lookup (ForcedDrafts.text): the longest end of a row's text, TEXT_MIN to TEXT_MAX
+# bytes, found earlier in its last TEXT_CONTEXT tokens; TEXT_AHEAD bytes after it proposed
+TEXT_MIN, TEXT_MAX, TEXT_AHEAD, TEXT_CONTEXT = 3, 24, 48, 1024
 # threads computing a step's masks: a row's is too small to pay for a pool's hand-offs
 MASK_THREADS = 1  # figures: docs/benchmarks.md#2026-12-01-grammar-mask-threads
 
@@ -342,18 +345,39 @@ class ForcedDrafts:
             tokens += more[: matcher.validate_tokens(tokens + more) - len(tokens)]
         return tokens[:MAX_FORCED]
 
-    def chain(self, matcher, context: list[int], own: list[int], budget: int
-              ) -> tuple[list[int], list[int]]:
-        """One row's proposal: what the grammar forces now, else the drafter's own tokens;
-        then, in turn, what the grammar forces after them and the follower's continuation
-        (``budget`` follower tokens in all, own ones included), till neither adds a token.
-        A value copied from the prompt (``"Ada Lovelace",``) is followed by the next key,
-        quoted and with its colon, in the same proposal. The matcher goes through the
-        tokens to read what is forced after them, and is rolled back.
+    def text(self, context: list[int], budget: int) -> list[int]:
+        """The row's text looked up in itself by bytes, not tokens: the tokens of what
+        followed the longest end of the text found earlier (``budget`` at most). A value
+        a schema copies from the prompt starts after a quote where the prompt has a space
+        (" Madrid" is one token in the prompt, "Mad" + "rid" in ``"city": "Madrid"``), so
+        token lookup misses its rest; the bytes match."""
+        if budget <= 0:
+            return []
+        lltok = self.grammars.library_tokenizer()
+        text = lltok.decode_bytes(context[-TEXT_CONTEXT:])
+        for n in range(min(TEXT_MAX, len(text) - 1), TEXT_MIN - 1, -1):
+            at = text.rfind(text[-n:], 0, len(text) - 1)
+            if at >= 0:
+                return lltok.tokenize_bytes(text[at + n: at + n + TEXT_AHEAD])[:budget]
+        return []
+
+    def chain(self, matcher, context: list[int], own: list[int], budget: int,
+              text_budget: int = 0) -> tuple[list[int], list[int]]:
+        """One row's proposal: what the grammar forces now, else the drafter's own tokens
+        (none: the row's text lookup's, ``text``, ``text_budget`` at most); then, in turn,
+        what the grammar forces after them and the follower's continuation (``budget``
+        follower tokens in all, own ones included), till neither adds a token. A value
+        copied from the prompt (``"Ada Lovelace",``) is followed by the next key, quoted
+        and with its colon, in the same proposal. The matcher goes through the tokens to
+        read what is forced after them, and is rolled back.
         -> (tokens, positions of the forced ones)"""
-        cap = budget + MAX_FORCED
         seq = self.forced(matcher)
         at = list(range(len(seq)))
+        if not seq and not own:
+            with self.grammars.masking.paused(), self.following:  # drafting, not masking
+                own = self.text(context, text_budget)
+            budget = max(budget, len(own))
+        cap = budget + MAX_FORCED
         if not seq:
             seq, budget = list(own), budget - len(own)
         fed = 0
@@ -387,9 +411,10 @@ class ForcedDrafts:
         return seq, [p for p in at if p < len(seq)]
 
     def merge(self, prop: Proposal, matchers: list, tokens: list[list[int]], g: int,
-              max_g: int) -> tuple[Proposal, list[list[int]]]:
+              max_g: int, text: int = 0) -> tuple[Proposal, list[list[int]]]:
         """The proposal with each shaped row's chain (``chain``: forced tokens and the
-        follower's, in turn); unshaped rows keep their own. A draft model's tokens keep
+        follower's, in turn; ``text`` tokens at most of a row's text lookup where the
+        drafter has none); unshaped rows keep their own. A draft model's tokens keep
         their q where they lead a row's chain; every other token is a point mass (what the
         grammar forces, or the follower proposes, is fixed by the tokens before it).
         -> (proposal, positions of the forced tokens per row)"""
@@ -404,7 +429,7 @@ class ForcedDrafts:
                     forced.append([])
                     lead.append(len(own))
                     continue
-                seq, at = self.chain(m, tokens[b], own, min(g, max_g))
+                seq, at = self.chain(m, tokens[b], own, min(g, max_g), text)
                 rows.append(seq)
                 forced.append(at)
                 lead.append(0 if at and at[0] == 0 else min(len(own), len(seq)))

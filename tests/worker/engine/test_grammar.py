@@ -201,6 +201,58 @@ def test_forced_tokens_and_the_drafter_s_take_turns_in_one_proposal(
     assert chained, "no proposal had forced tokens after the drafter's"
 
 
+def test_a_value_the_prompt_holds_is_looked_up_by_its_bytes(tiny_models, tiny_tokenizer,
+                                                             check_shaped):
+    """Where nothing is forced and the drafter has nothing, the chain proposes what followed
+    the longest end of the row's text found earlier in it, by bytes: a value copied after a
+    quote where the prompt has it after a space (a token lookup's miss on a real
+    tokenizer's words). Proposed whole, then judged: the output is the reference's."""
+    from specq.worker.engine.grammar import ForcedDrafts, Grammars
+
+    grammars = Grammars(tiny_tokenizer, tiny_models["target"].config.vocab_size)
+    drafts = ForcedDrafts(grammars)
+    encode = lambda text: tiny_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    decode = lambda ids: tiny_tokenizer.decode(ids)  # noqa: E731
+    context = encode('Text: Maria Lopez is a nurse.\n{"name": "Maria')
+    rest = " Lopez is a nurse."  # what followed "Maria" in the text
+    looked = drafts.text(context, 8)
+    assert len(looked) == 8 and rest.startswith(decode(looked)) and len(decode(looked)) >= 6
+    assert drafts.text(context, 0) == [] and drafts.text(encode("abcdefg"), 8) == []
+    assert decode(drafts.text(encode("xyz abc xyz"), 4)).startswith(" a")  # the longest end
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "object", "properties": {"name": {"type": "string", "maxLength": 40}},
+        "required": ["name"]}}}
+    matcher = grammars.matcher(Request(prompt_token_ids=[3], response_format=fmt)
+                               .response_format)
+    assert matcher.consume_tokens(encode('{"name": "Maria'))
+    seq, at = drafts.chain(matcher, context, [], 0, 8)
+    assert seq == looked and at == []  # nothing forced; the grammar allows every token
+    seq, _ = drafts.chain(matcher, context, encode("X"), 0, 8)
+    assert decode(seq) == "X"  # the drafter's own tokens first: no lookup then
+    assert drafts.chain(matcher, context, [], 0, 0) == ([], [])
+    # whole generations where a copy follows a quote, greedy equal to the reference
+    requests = [Request(id=i, prompt_token_ids=encode(f"Name {i}: Ada Lovelace. Name {i}: "
+                                                      '"Ada')[i:], max_new_tokens=24,
+                        response_format=fmt) for i in range(4)]
+    steps = []
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, _Blank(),
+                               max_batch_size=4, draft_length=4, adaptive=False,
+                               grammar_drafts=True, on_step=steps.append)
+    assert check_shaped(requests, engine.generate(requests)) == 0
+    looked_up = [(n, k) for s in steps for n, k, f in zip(s.num_draft, s.accepted, s.forced)
+                 if n > len(f)]  # tokens that neither the drafter nor the grammar gave
+    assert looked_up  # proposed and judged (a tiny random model takes what it takes)
+
+
+class _Blank(PromptLookup):
+    """A free drafter that never finds anything: every token not forced is the lookup's."""
+
+    def propose(self, batch, g):
+        from specq.worker.engine.drafting import nothing
+
+        return nothing(len(batch.tokens))
+
+
 def _chained(models, tokenizer, rows: int, max_new: int
              ) -> tuple[list[Request], SpeculativeEngine]:
     """Requests whose grammar forces a key after each value the prompt offers to copy (the
