@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CONVERTED = "converted"  # under the data dir: GGUF checkpoints saved as safetensors, once
+FINGERPRINT_BYTES = 1 << 20  # read from each end of a GGUF file to name its conversion
 
 
 def resolve_device(device: str) -> torch.device:
@@ -108,14 +109,27 @@ def _converted(where: str, kwargs: dict, dtype: torch.dtype, data_dir: Path) -> 
     transformers parses and de-quantizes a GGUF file on every load, many times slower than
     loading the same weights saved as safetensors
     (docs/benchmarks.md#2026-11-30-gguf-conversion). The folder is named for the file's
-    path, size and modification time and the dtype, so a changed file is converted again.
+    contents (its name, size, first and last FINGERPRINT_BYTES) and the dtype, not for where
+    it lies: a new virtual environment's copy of the same package finds the conversion the
+    last one made, and a changed file is converted again.
     """
     gguf = Path(where) / kwargs["gguf_file"] if kwargs.get("gguf_file") else None
     if gguf is None or not gguf.is_file():
         return None
-    gguf, stat = gguf.resolve(), gguf.stat()
-    key = f"{gguf}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}"
+    key = f"{gguf.name}|{_fingerprint(gguf)}|{dtype}"
     return data_dir / CONVERTED / f"{gguf.stem}-{hashlib.sha1(key.encode()).hexdigest()[:16]}"
+
+
+def _fingerprint(path: Path) -> str:
+    """The file's size and a hash of its first and last FINGERPRINT_BYTES (a GGUF file's
+    header and metadata lead it; a few milliseconds to read, not the whole checkpoint)."""
+    size = path.stat().st_size
+    digest = hashlib.sha1()
+    with path.open("rb") as f:
+        digest.update(f.read(FINGERPRINT_BYTES))
+        f.seek(max(size - FINGERPRINT_BYTES, 0))
+        digest.update(f.read(FINGERPRINT_BYTES))
+    return f"{size}-{digest.hexdigest()}"
 
 
 def _save_converted(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase,

@@ -54,6 +54,29 @@ def test_the_gguf_checkpoint_is_converted_once_and_loads_the_same(smollm2, smoll
     assert again.engine().context == smollm2.engine().context
 
 
+def test_a_conversion_is_named_for_the_file_not_where_it_lies(tmp_path):
+    """Two copies of one GGUF file (a new virtual environment's package) share a conversion;
+    a file whose size or ends (a GGUF file's header and metadata lead it) differ, or another
+    dtype, names another."""
+    from specq.worker.pairs import FINGERPRINT_BYTES, _converted
+
+    body = bytes(range(256)) * (3 * FINGERPRINT_BYTES // 256)
+    for where in ("a", "b", "c", "d"):
+        (tmp_path / where).mkdir()
+    (tmp_path / "a" / "m.gguf").write_bytes(body)
+    (tmp_path / "b" / "m.gguf").write_bytes(body)
+    (tmp_path / "c" / "m.gguf").write_bytes(body[:-1] + b"x")  # the last byte changed
+    (tmp_path / "d" / "m.gguf").write_bytes(body + b"x")  # one byte longer
+    data = tmp_path / "data"
+
+    def name(where: str, dtype=torch.float32):
+        return _converted(str(tmp_path / where), {"gguf_file": "m.gguf"}, dtype, data)
+
+    assert name("a") == name("b") and name("a").parent == data / CONVERTED
+    assert len({name("a"), name("c"), name("d"), name("a", torch.bfloat16)}) == 4
+    assert _converted(str(tmp_path / "a"), {}, torch.float32, data) is None  # not GGUF
+
+
 def test_prompt_lookup_greedy_equals_plain_generate(smollm2):
     requests = [Request(id=i, messages=[{"role": "user", "content": p}], max_new_tokens=40)
                 for i, p in enumerate(PROMPTS)]
