@@ -63,6 +63,7 @@ class Drafting:
     def __init__(self, drafter: Drafter, policy: DraftLengthPolicy) -> None:
         self.drafter, self.policy = drafter, policy
         self.grammar: ForcedDrafts | None = None  # the grammar drafter, when it is on
+        self.looked: list[bool] = []  # per row of the latest step: led by a text lookup
 
     def draft(self, inputs: DraftInputs, rows: list[Row], packed: bool = False
               ) -> tuple[int, Proposal, list[list[int]]]:
@@ -77,12 +78,13 @@ class Drafting:
             inputs.grammar.rewind()  # what is forced is read at the rows' own states
         prop, matchers = full.cut(g), [r.matcher for r in rows]
         forced: list[list[int]] = [[] for _ in rows]
+        self.looked = [False] * len(rows)
         if self.grammar is not None and any(m is not None for m in matchers):
             # a text lookup's tokens are priced one by one where the policy adapts (its
             # budget: policy.allot), else they keep to the fixed g like the drafter's own
             text = self.policy.max_g if self.policy.adapts else g
-            prop, forced = self.grammar.merge(prop, matchers, inputs.tokens, g,
-                                              self.policy.max_g, text)
+            prop, forced, self.looked = self.grammar.merge(prop, matchers, inputs.tokens, g,
+                                                           self.policy.max_g, text)
         return self.spend(g, prop, forced, packed)
 
     def spend(self, g: int, prop: Proposal, forced: list[list[int]], packed: bool
@@ -91,7 +93,8 @@ class Drafting:
         what the drafter was asked for (the policy prices a draft token by it), or 0 where
         the budget kept none of the drafter's tokens: nothing of its was judged."""
         num = prop.num_draft.tolist()
-        kept = self.policy.allot(num, forced, self.confidence(prop, len(num)), packed)
+        kept = self.policy.allot(num, forced, self.confidence(prop, len(num)), packed,
+                                 self.looked)
         if kept == num:
             return g, prop, forced
         prop.num_draft = torch.tensor(kept, dtype=torch.long)
@@ -110,8 +113,16 @@ class Drafting:
         return g, (self.drafter.propose(inputs, g) if g else nothing(len(rows)))
 
     def observe(self, step: Step, rows: list[Row], emitted: list[list[int]]) -> None:
-        """What the step did (after the rows took its tokens: ``emitted`` per row)."""
-        self.policy.observe(step.g, *own(step), step.t_draft, step.t_verify,
+        """What the step did (after the rows took its tokens: ``emitted`` per row). A text
+        lookup's tokens teach its own acceptance, not the drafter's."""
+        num, acc = own(step)
+        looked = self.looked if len(self.looked) == len(num) else [False] * len(num)
+        if any(looked):
+            self.policy.observe_lookup([n for n, t in zip(num, looked) if t],
+                                       [k for k, t in zip(acc, looked) if t])
+            num = [0 if t else n for n, t in zip(num, looked)]
+            acc = [0 if t else k for k, t in zip(acc, looked)]
+        self.policy.observe(step.g, num, acc, step.t_draft, step.t_verify,
                             step.verify_tokens, carried=sum(step.num_draft),
                             t_host=max(0.0, step.t_step - step.t_draft - step.t_verify))
 
@@ -149,14 +160,17 @@ class Scored(Drafting):
 
     def confidence(self, prop: Proposal, batch: int) -> list[list[float]]:
         """The scorer's confidences, read from its proposal at max_g (a grammar's merge
-        drops them: its own tokens lead a shaped row, policy.survivals)."""
-        return self._full.confidences if self._full is not None else super().confidence(
-            prop, batch)
+        drops them: its own tokens lead a shaped row, policy.survivals). A row the step's g
+        cut to none of them and a text lookup's tokens lead has none: theirs are not its."""
+        if self._full is None:
+            return super().confidence(prop, batch)
+        looked = self.looked or [False] * batch
+        return [[] if lead else c for c, lead in zip(self._full.confidences, looked)]
 
     def observe(self, step: Step, rows: list[Row], emitted: list[list[int]]) -> None:
         super().observe(step, rows, emitted)
         if self._full is not None:
-            step.judged = verdicts(self._full, step)
+            step.judged = verdicts(self._full, step, self.confidence(self._full, len(rows)))
             self.policy.observe_confidence(step.judged)
             self._full = None
 
@@ -175,7 +189,8 @@ def own(step: Step) -> tuple[list[int], list[int]]:
     return num, acc
 
 
-def verdicts(full: Proposal, step: Step) -> list[tuple[list[float], int]]:
+def verdicts(full: Proposal, step: Step, confidences: list[list[float]] | None = None
+             ) -> list[tuple[list[float], int]]:
     """The target's verdicts on a scored proposal made at max_g and cut by the budget.
 
     A row that verified some of the scorer's tokens: their confidences (the budget or a
@@ -183,12 +198,14 @@ def verdicts(full: Proposal, step: Step) -> list[tuple[list[float], int]]:
     (a plain step, or the budget kept nothing of the row) judges its first draft token all
     the same: the target emitted a token there, and a point-mass draft is accepted exactly
     when it equals the target's own draw. Rows the grammar drafted are not the scorer's:
-    no verdict.
+    no verdict. ``confidences``: per row, those of the scorer's tokens the step proposed
+    (default: all of the proposal's; none where other tokens took their place).
     """
     first = full.token_ids[:, :1].tolist()
     forced = step.forced or [[] for _ in step.num_draft]
     judged = []
-    for conf, k, toks, d, n, at in zip(full.confidences, step.accepted, step.tokens, first,
+    confs = full.confidences if confidences is None else confidences
+    for conf, k, toks, d, n, at in zip(confs, step.accepted, step.tokens, first,
                                        step.num_draft, forced):
         if at and at[0] == 0:
             continue

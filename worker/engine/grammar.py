@@ -411,17 +411,19 @@ class ForcedDrafts:
         return seq, [p for p in at if p < len(seq)]
 
     def merge(self, prop: Proposal, matchers: list, tokens: list[list[int]], g: int,
-              max_g: int, text: int = 0) -> tuple[Proposal, list[list[int]]]:
+              max_g: int, text: int = 0) -> tuple[Proposal, list[list[int]], list[bool]]:
         """The proposal with each shaped row's chain (``chain``: forced tokens and the
         follower's, in turn; ``text`` tokens at most of a row's text lookup where the
-        drafter has none); unshaped rows keep their own. A draft model's tokens keep
+        drafter's are none); unshaped rows keep their own. A draft model's tokens keep
         their q where they lead a row's chain; every other token is a point mass (what the
         grammar forces, or the follower proposes, is fixed by the tokens before it).
-        -> (proposal, positions of the forced tokens per row)"""
+        -> (proposal, positions of the forced tokens per row, per row: a text lookup's
+        tokens lead it)"""
         owns = [d[:n] for d, n in zip(prop.token_ids.tolist(), prop.num_draft.tolist())]
         rows: list[list[int]] = []
         forced: list[list[int]] = []
         lead: list[int] = []
+        looked = [False] * len(owns)
         with self.grammars.masking:  # the grammar's own work (the follower's is paused)
             for b, (m, own) in enumerate(zip(matchers, owns)):
                 if m is None:
@@ -432,9 +434,10 @@ class ForcedDrafts:
                 seq, at = self.chain(m, tokens[b], own, min(g, max_g), text)
                 rows.append(seq)
                 forced.append(at)
+                looked[b] = bool(seq) and not own and not (at and at[0] == 0)
                 lead.append(0 if at and at[0] == 0 else min(len(own), len(seq)))
         if rows == owns and not any(forced):
-            return prop, forced
+            return prop, forced, looked
         width = max(len(r) for r in rows)
         ids = torch.zeros(len(rows), width, dtype=torch.long)
         for b, r in enumerate(rows):
@@ -448,4 +451,4 @@ class ForcedDrafts:
                 probs[b, :k] = prop.probs[b, :k]
         num = torch.tensor([len(r) for r in rows], dtype=torch.long)
         # the chained tokens' confidences are not the scoring drafter's: none is given
-        return Proposal(ids, num, probs, None), forced
+        return Proposal(ids, num, probs, None), forced, looked

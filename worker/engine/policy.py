@@ -511,6 +511,7 @@ class DraftLengthPolicy:
     def forget_data(self) -> None:
         """Drop acceptance, steps and history (they describe the data seen); keep costs."""
         self.acceptance = Acceptance(self.prior_alpha)
+        self.lookup = Acceptance(PRIOR_ALPHA)  # a text lookup's tokens (grammar.py: text)
         self.calibration = Calibration()
         self.steps = 0
         self.history: deque[int] = deque(maxlen=HISTORY)  # g of each step
@@ -601,13 +602,15 @@ class DraftLengthPolicy:
     # -- the budget (budget.py) -------------------------------------------------------
 
     def allot(self, num_draft: list[int], forced: list[list[int]],
-              confidence: list[list[float]], packed: bool) -> list[int]:
+              confidence: list[list[float]], packed: bool,
+              looked: list[bool] | None = None) -> list[int]:
         """Per row, how many of its ``num_draft`` proposed tokens this step verifies: the
         budget of the verify pass (budget.py), spent on the tokens likeliest to survive
         (``survivals``). A measuring step (``choose``) and a batch size without costs keep
         every token. ``forced``: per row, the positions a grammar forced; ``confidence``:
         per row, the scoring drafter's confidence in each of its own tokens (empty: none);
-        ``packed``: the verify pass costs the tokens it carries (batch.py)."""
+        ``packed``: the verify pass costs the tokens it carries (batch.py); ``looked``: per
+        row, a text lookup's tokens lead it (grammar.ForcedDrafts.text)."""
         widest = max(num_draft, default=0)
         if self.measuring or not widest:
             return list(num_draft)
@@ -623,20 +626,23 @@ class DraftLengthPolicy:
         else:
             cost = budget.verify_cost([t for t in seconds if t is not None], len(num_draft),
                                       packed, step)
-        return cost.allot(self.survivals(num_draft, forced, confidence))
+        return cost.allot(self.survivals(num_draft, forced, confidence, looked))
 
     def survivals(self, num_draft: list[int], forced: list[list[int]],
-                  confidence: list[list[float]]) -> list[list[float]]:
+                  confidence: list[list[float]], looked: list[bool] | None = None
+                  ) -> list[list[float]]:
         """Per row, each proposed token's predicted survival: the chain product of its
         acceptance and that of the tokens before it. A forced token's is 1 (the grammar
         allows nothing else), a scored token's its calibrated confidence (the scorer's own
-        tokens lead a row, before the first forced one), any other's alpha."""
+        tokens lead a row, before the first forced one), a text lookup's the acceptance its
+        tokens have shown (``looked`` rows: ``lookup``), any other's alpha."""
         out = []
-        for n, at, conf in zip(num_draft, forced, confidence):
+        looked = looked or [False] * len(num_draft)
+        for n, at, conf, text in zip(num_draft, forced, confidence, looked):
             own = min(at[0] if at else n, len(conf))
-            fixed = set(at)
+            fixed, other = set(at), self.lookup.alpha if text else self.alpha
             out.append(budget.chain([1.0 if j in fixed else self.calibration(conf[j])
-                                     if j < own else self.alpha for j in range(n)]))
+                                     if j < own else other for j in range(n)]))
         return out
 
     def width(self, confidence: list[list[float]]) -> int:
@@ -697,6 +703,11 @@ class DraftLengthPolicy:
         for confidence, accepted in judged:
             self.calibration.add(confidence, accepted)
 
+    def observe_lookup(self, num_draft: list[int], num_accepted: list[int]) -> None:
+        """Verdicts on a text lookup's tokens, per row that carried them (judged, accepted;
+        the grammar's forced ones left out)."""
+        self.lookup.add(num_draft, num_accepted)
+
     def observe_acceptance(self, num_draft: list[int], num_accepted: list[int]) -> None:
         """Record proposals judged while g = 0: a free drafter's, scored (shadow.py)."""
         self.acceptance.add(num_draft, num_accepted)
@@ -705,6 +716,7 @@ class DraftLengthPolicy:
         """The current estimates, for benchmarks and logs."""
         return {
             "alpha": self.alpha,
+            "lookup_alpha": self.lookup.alpha,
             "propose_rate": self.propose_rate,
             "calibration": self.calibration.snapshot(),
             "t_draft": {b: d.mean for b, d in sorted(self.costs.draft.items())},
@@ -778,5 +790,6 @@ class Pinned(DraftLengthPolicy):
         return self.default
 
     def allot(self, num_draft: list[int], forced: list[list[int]],
-              confidence: list[list[float]], packed: bool) -> list[int]:
+              confidence: list[list[float]], packed: bool,
+              looked: list[bool] | None = None) -> list[int]:
         return list(num_draft)

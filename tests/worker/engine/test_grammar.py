@@ -207,6 +207,7 @@ def test_a_value_the_prompt_holds_is_looked_up_by_its_bytes(tiny_models, tiny_to
     the longest end of the row's text found earlier in it, by bytes: a value copied after a
     quote where the prompt has it after a space (a token lookup's miss on a real
     tokenizer's words). Proposed whole, then judged: the output is the reference's."""
+    from specq.worker.engine.drafters import Proposal
     from specq.worker.engine.grammar import ForcedDrafts, Grammars
 
     grammars = Grammars(tiny_tokenizer, tiny_models["target"].config.vocab_size)
@@ -230,6 +231,14 @@ def test_a_value_the_prompt_holds_is_looked_up_by_its_bytes(tiny_models, tiny_to
     seq, _ = drafts.chain(matcher, context, encode("X"), 0, 8)
     assert decode(seq) == "X"  # the drafter's own tokens first: no lookup then
     assert drafts.chain(matcher, context, [], 0, 0) == ([], [])
+    # merged into a step's proposal, marked as the lookup's: a scorer's confidences, cut
+    # from the row by the step's g, must not price it or learn from its verdicts
+    empty = Proposal(torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.long),
+                     None)
+    merged, at, marked = drafts.merge(empty, [matcher], [context], 0, 8, 8)
+    assert merged.token_ids[0, : int(merged.num_draft[0])].tolist() == looked
+    assert at == [[]] and marked == [True]
+    assert drafts.merge(empty, [matcher], [context], 0, 8, 0)[2] == [False]
     # whole generations where a copy follows a quote, greedy equal to the reference
     requests = [Request(id=i, prompt_token_ids=encode(f"Name {i}: Ada Lovelace. Name {i}: "
                                                       '"Ada')[i:], max_new_tokens=24,
@@ -242,6 +251,40 @@ def test_a_value_the_prompt_holds_is_looked_up_by_its_bytes(tiny_models, tiny_to
     looked_up = [(n, k) for s in steps for n, k, f in zip(s.num_draft, s.accepted, s.forced)
                  if n > len(f)]  # tokens that neither the drafter nor the grammar gave
     assert looked_up  # proposed and judged (a tiny random model takes what it takes)
+
+
+def test_a_row_a_text_lookup_leads_keeps_no_confidence_of_the_scorer():
+    """Where the step's g cut a scored row to none of the scorer's tokens and a text lookup
+    filled it, the scorer's confidences neither price the row's tokens nor learn from their
+    verdicts (they were for other tokens); the other rows keep theirs."""
+    from specq.worker.engine.drafters import Proposal
+    from specq.worker.engine.drafting import Scored, verdicts
+    from specq.worker.engine.policy import Widths
+    from specq.worker.engine.step import Step
+
+    full = Proposal(torch.tensor([[5, 6], [7, 8]]), torch.tensor([2, 2]), None,
+                    torch.tensor([[0.9, 0.8], [0.7, 0.6]]))
+    scored = Scored(SuffixDrafter(), Widths(max_g=8))
+    scored._full, scored.looked = full, [True, False]
+    mine = scored.confidence(full, 2)
+    assert mine[0] == [] and mine[1] == pytest.approx([0.7, 0.6])
+    step = Step(0, [3, 0], [1, 0], 0.0, 0.0, 4, tokens=[[40, 41], [7]], forced=[[], []])
+    # row 0: the lookup's tokens, no verdict for the scorer; row 1: a plain row, the
+    # scorer's first token judged against the target's (7: right)
+    assert verdicts(full, step, mine) == [(pytest.approx([0.7]), 1)]
+    assert len(verdicts(full, step)) == 2  # without the mask row 0 would teach it wrongly
+    # the lookup's tokens are priced by what its own tokens have shown, and teach only that
+    policy = scored.policy
+    for _ in range(20):
+        policy.observe_lookup([4], [0])  # rejected at once, again and again
+    drafter_alpha = policy.alpha
+    lookup, other = policy.survivals([2, 2], [[], []], [[], []], [True, False])
+    assert lookup[0] < 0.1 < other[0] == pytest.approx(drafter_alpha)
+    step.g, step.t_step = 2, 0.01
+    scored._full = None  # a step whose lookup row carried 3 tokens and accepted 1
+    scored.observe(step, [], [])
+    assert policy.alpha == pytest.approx(drafter_alpha)  # the drafter's own: untouched
+    assert policy.lookup.alpha > lookup[0]
 
 
 class _Blank(PromptLookup):
