@@ -355,11 +355,16 @@ class ForcedDrafts:
             return []
         lltok = self.grammars.library_tokenizer()
         text = lltok.decode_bytes(context[-TEXT_CONTEXT:])
-        for n in range(min(TEXT_MAX, len(text) - 1), TEXT_MIN - 1, -1):
+        found = None  # (where, length) of the longest end found earlier, its latest place
+        for n in range(TEXT_MIN, min(TEXT_MAX, len(text) - 1) + 1):
             at = text.rfind(text[-n:], 0, len(text) - 1)
-            if at >= 0:
-                return lltok.tokenize_bytes(text[at + n: at + n + TEXT_AHEAD])[:budget]
-        return []
+            if at < 0:
+                break  # an end n bytes long found nowhere: no longer one is either
+            found = at, n
+        if found is None:
+            return []
+        at, n = found
+        return lltok.tokenize_bytes(text[at + n: at + n + TEXT_AHEAD])[:budget]
 
     def chain(self, matcher, context: list[int], own: list[int], budget: int,
               text_budget: int = 0) -> tuple[list[int], list[int]]:
