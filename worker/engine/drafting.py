@@ -116,7 +116,7 @@ class Drafting:
         """What the step did (after the rows took its tokens: ``emitted`` per row). A text
         lookup's tokens teach its own acceptance, not the drafter's."""
         num, acc = own(step)
-        looked = self.looked if len(self.looked) == len(num) else [False] * len(num)
+        looked = self.looked or [False] * len(num)  # set by this step's draft
         if any(looked):
             self.policy.observe_lookup([n for n, t in zip(num, looked) if t],
                                        [k for k, t in zip(acc, looked) if t])

@@ -335,6 +335,31 @@ def test_a_follower_that_raises_mid_chain_leaves_every_matcher_where_it_was(
     _left_where_they_were(engine, requests, failing, check_shaped)
 
 
+def test_a_text_lookup_that_raises_leaves_every_matcher_where_it_was(
+        tiny_models, tiny_tokenizer, check_shaped):
+    """The same for the chain's text lookup (a drafter that finds nothing, fixed g: every
+    row not forced asks it): the error reaches the caller, no matcher moved."""
+    from specq.worker.engine.grammar import ForcedDrafts
+
+    class FailingText(ForcedDrafts):
+        armed = False
+
+        def text(self, context, budget):
+            if self.armed:
+                raise RuntimeError("the text lookup failed (injected by the test)")
+            return super().text(context, budget)
+
+    requests, _ = _chained(tiny_models, tiny_tokenizer, rows=4, max_new=40)
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, _Blank(),
+                               max_batch_size=4, draft_length=3, adaptive=False)
+    failing = FailingText(engine.grammars)
+    engine.drafting.grammar = failing
+    engine.on_step = lambda step: setattr(failing, "armed", True)  # after the first step
+    with pytest.raises(RuntimeError, match="injected by the test"):
+        engine.generate(requests)
+    _left_where_they_were(engine, requests, failing, check_shaped)
+
+
 def _left_where_they_were(engine, requests, failing, check_shaped) -> None:
     """After a raise mid-step: each shaped row's matcher allows exactly what a fresh one fed
     the row's tokens allows, and, disarmed, the engine's next generation is the reference's."""
