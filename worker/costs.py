@@ -4,7 +4,8 @@ A worker and `specq run` choose the draft length from measured costs (engine/pol
 Measuring them from nothing at every start cost a worker's start far more than reading them
 (docs/benchmarks.md#2026-12-02-calibration-cache), so the cost table is kept as JSON under
 ``data_dir/calibration``, keyed by everything the costs depend on: the pair's preset, the
-device, the dtype, torch's threads, torch's version and the host. A start with the same key
+device, the dtype, torch's threads, torch's version, the forward's paths (packed,
+linear layers prepacked: packed.py) and the host. A start with the same key
 loads it; any other key calibrates afresh within ``calibration_budget`` seconds. The steps
 then refine the table as always, and the refined table is written back (after each chunk and
 at the end of `specq run`), so a calibration made on a busy machine is mended by the jobs
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from specq.configs.presets import PairPreset
+from specq.worker.engine import packed as packing
 from specq.worker.engine.calibration import REPEATS
 from specq.worker.engine.policy import CostTable
 from specq.worker.engine.speculative import SpeculativeEngine
@@ -31,8 +33,9 @@ from specq.worker.engine.speculative import SpeculativeEngine
 log = logging.getLogger(__name__)
 
 FOLDER = "calibration"  # under the data directory
-VERSION = 3  # of the file and of what it holds (2: the largest batch size measured too;
-# 3: the packed pass's two-part fit, calibration's ragged passes in it)
+VERSION = 4  # of the file and of what it holds (2: the largest batch size measured too;
+# 3: the packed pass's two-part fit, calibration's ragged passes in it; 4: linear layers
+# prepacked on a CPU, passes about 3x cheaper than the costs kept before)
 
 
 def cost_key(preset: PairPreset, engine: SpeculativeEngine) -> dict[str, Any]:
@@ -41,6 +44,9 @@ def cost_key(preset: PairPreset, engine: SpeculativeEngine) -> dict[str, Any]:
             "preset": preset.model_dump(mode="json"),
             "device": str(engine.target.device), "dtype": str(engine.target.dtype),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
+            # the forward's paths: packed (packed.py), and its linear layers prepacked
+            "packed": [packing.enabled() and packing.refusal(engine.target) is None,
+                       packing.prepacking()],
             "host": socket.gethostname()}
 
 

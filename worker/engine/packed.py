@@ -17,6 +17,12 @@ the cache's end as transformers' forward writes them: a row keeps no holes where
 drafts were (the next pass writes over them), and the cache is as wide as its longest row,
 not as the sum of every pass's widest row (docs/benchmarks.md, "a row's own length").
 
+On a CPU the linear layers (the projections, the MLP, the head) run as oneDNN's linear over
+a copy of each weight reordered once for it (``prepacked``), the way torch.compile's CPU
+freezing runs them: at 4-16 tokens a pass PyTorch's default path took 2-5x longer per
+layer, the head 6 ms for one token (docs/benchmarks.md, "prepacked linear layers"). The copy
+costs the weights' memory once more. SPECQ_PACKED_LINEAR=0 keeps every layer's own call.
+
 ``refusal`` says why a model cannot take this path (another architecture, a sliding
 window, query/key norms, ...): such a model keeps transformers' forward, which is also the
 reference the tests hold this one to. SPECQ_PACKED_FORWARD=0 forces that fallback for
@@ -25,7 +31,9 @@ every model (for comparison).
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -33,7 +41,12 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+log = logging.getLogger(__name__)
+
 ENV = "SPECQ_PACKED_FORWARD"  # "0", "false", "off" or "no": transformers' forward always
+LINEAR_ENV = "SPECQ_PACKED_LINEAR"  # "0", ...: each linear layer's own call (no prepacking)
+OFF = ("0", "false", "off", "no")
+PROBE_TOLERANCE = 1e-3  # a prepacked layer's output beside the module's on a probe, relative
 # An attention call on a CPU, priced in query x key columns (about 0.024 us each on 2 cores,
 # three query heads a key head): a row in a call reads its keys and values once, as many as
 # ROW_QUERIES queries would, and a call of its own (the SDPA call, the slices of queries and
@@ -55,7 +68,7 @@ class Columns(Protocol):
 
 def enabled() -> bool:
     """False when the environment turns the packed forward off for every model."""
-    return os.environ.get(ENV, "1").strip().lower() not in ("0", "false", "off", "no")
+    return os.environ.get(ENV, "1").strip().lower() not in OFF
 
 
 def refusal(model: PreTrainedModel) -> str | None:
@@ -96,6 +109,113 @@ def refusal(model: PreTrainedModel) -> str | None:
                 or cfg.num_attention_heads % cfg.num_key_value_heads):
             return "head counts that do not match the config"
     return None
+
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def prepacking() -> bool:
+    """Whether linear layers on a CPU may run prepacked: oneDNN is in this build of torch
+    and the environment does not turn it off (LINEAR_ENV)."""
+    return (os.environ.get(LINEAR_ENV, "1").strip().lower() not in OFF
+            and torch.backends.mkldnn.is_available())
+
+
+def prepacked(module: nn.Linear) -> Linear:
+    """``module`` as the packed forward calls it: on a CPU (float32 or bfloat16 weights, and
+    oneDNN in this build of torch), oneDNN's linear over a copy of the weight reordered
+    once into the layout its kernels read (torch.ops.mkldnn, as torch.compile's CPU freezing
+    uses it); elsewhere, or where the library refuses the weight or disagrees with the
+    module on a probe, the module itself."""
+    if not prepacking():
+        return module
+    layer = _Prepacked(module)
+    return layer if layer.packed is not None else module
+
+
+class _Prepacked:
+    """An nn.Linear run by oneDNN over its weight reordered once (``prepacked``). A weight
+    that changes (replaced, written in place, moved to another dtype or device: ``_state``)
+    is reordered and probed again; where that fails, the module's own call."""
+
+    def __init__(self, module: nn.Linear) -> None:
+        self.module = module
+        self._pack()
+
+    def _pack(self) -> None:
+        weight, bias = self.module.weight, self.module.bias
+        self.weight, self.state = weight, _state(weight)
+        self.bias = None if bias is None else bias.detach()
+        self.packed: torch.Tensor | None = None
+        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+            return
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            probe = torch.randn(3, self.module.in_features,
+                                generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+            with torch.inference_mode():
+                want = self.module(probe)
+                got = torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none",
+                                                         [], "")
+        except (RuntimeError, AttributeError) as exc:  # an op missing, a dtype refused
+            log.info("linear layer %s %s kept as it is: %s", tuple(weight.shape),
+                     weight.dtype, exc)
+            return
+        scale = want.abs().max().item() or 1.0
+        if got.shape != want.shape or (got - want).abs().max().item() > PROBE_TOLERANCE * scale:
+            log.warning("linear layer %s %s kept as it is: oneDNN's output differs from "
+                        "the module's on a probe", tuple(weight.shape), weight.dtype)
+            return
+        self.packed = packed
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.module.weight
+        if weight is not self.weight or _state(weight) != self.state:
+            self._pack()
+        if self.packed is None:
+            return self.module(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def _state(weight: torch.Tensor) -> tuple:
+    """What a reordered copy of the weight was made from: its storage, dtype and version
+    counter (which moves when it is written in place; a tensor made under inference mode
+    keeps none, and cannot be written outside it). ``module.to(dtype)`` swaps the storage
+    of the same parameter."""
+    try:
+        version = weight._version
+    except RuntimeError:
+        version = None
+    return weight.data_ptr(), weight.dtype, weight.device, version
+
+
+class _MLP:
+    """The Llama MLP, down(act(gate(x)) * up(x)), over prepacked linear layers."""
+
+    def __init__(self, mlp: Any) -> None:
+        self.gate, self.up = prepacked(mlp.gate_proj), prepacked(mlp.up_proj)
+        self.down, self.act = prepacked(mlp.down_proj), mlp.act_fn
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(self.act(self.gate(x)) * self.up(x))
+
+
+def _mlp(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The layer's MLP over prepacked layers where it has the Llama parts, else itself."""
+    parts = ("gate_proj", "up_proj", "down_proj")
+    if all(isinstance(getattr(mlp, p, None), nn.Linear) for p in parts) and callable(
+            getattr(mlp, "act_fn", None)):
+        return _MLP(mlp)
+    return mlp
+
+
+class _Attention:
+    """A layer's attention projections, prepacked, beside the module's head sizes."""
+
+    def __init__(self, attn: Any) -> None:
+        self.q_proj, self.k_proj = prepacked(attn.q_proj), prepacked(attn.k_proj)
+        self.v_proj, self.o_proj = prepacked(attn.v_proj), prepacked(attn.o_proj)
+        self.head_dim, self.scaling = attn.head_dim, attn.scaling
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -161,7 +281,10 @@ class PackedForward:
         base = model.model
         self.embed, self.norm, self.rope = base.embed_tokens, base.norm, base.rotary_emb
         self.layers = list(base.layers[: model.config.num_hidden_layers])
-        self.head = model.lm_head
+        self.attention = [_Attention(layer.self_attn) for layer in self.layers]
+        self.mlps = [_mlp(layer.mlp) for layer in self.layers]
+        self.head = prepacked(model.lm_head) if isinstance(model.lm_head, nn.Linear) else (
+            model.lm_head)
         cfg = model.config
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads  # queries per key
 
@@ -200,10 +323,10 @@ class PackedForward:
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]
         allowed = row_mask(new, columns, valid, self.groups)  # [B, 1, groups * T, L']
         plan = self._plan(dev, rows, max(host[:B], default=0), stops)
-        for i, layer in enumerate(self.layers):
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cache, i,
+        for i, (layer, attn, mlp) in enumerate(zip(self.layers, self.attention, self.mlps)):
+            x = x + self._attention(attn, layer.input_layernorm(x), cache, i,
                                     index, place, (B, T, width), cos, sin, allowed, plan)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + mlp(layer.post_attention_layernorm(x))
         x = self.norm(x)  # [N, hidden]
         if last_only:
             last = _spread(x, index, B, T)[:, -1:]  # [B, 1, hidden]

@@ -4,6 +4,7 @@ steps, keep and compaction, with the dense work done on the valid tokens only.""
 
 import pytest
 import torch
+from torch import nn
 from transformers import (
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
@@ -164,24 +165,70 @@ def test_prefix_rows_refills_and_removals_stay_exact_when_packed(family):
     assert torch.allclose(logits[1], _alone(model, seqs[1] + [83, 84, 85])[-3:], atol=ATOL)
 
 
-def test_the_dense_parts_see_only_the_tokens_the_rows_carry():
+def test_the_dense_parts_see_only_the_tokens_the_rows_carry(monkeypatch):
     """A verify pass where one row carries 5 tokens and three carry 1: the MLPs and the
     head run on 8 tokens, not 4 * 5 (the cost follows what the rows carry)."""
     model = _family("smollm2")
     seen: list[int] = []
-    hooks = [m.register_forward_hook(lambda m, args, out: seen.append(args[0].shape[:-1].numel()))
-             for m in (model.model.layers[0].mlp, model.lm_head)]
+
+    def spy(layer):
+        def call(x):
+            seen.append(x.shape[:-1].numel())
+            return layer(x)
+        return call
+
     kv = KVRows(model)
-    try:
-        with torch.inference_mode():
-            kv.forward(*left_pad([[5, 6, 7], [8], [9, 10], [11]], 0, "cpu"))
-            seen.clear()
-            valid = torch.tensor([[True] * 5] + [[True] + [False] * 4] * 3)  # [4, 5]
-            kv.forward(torch.randint(3, 290, (4, 5)), valid)
-    finally:
-        for h in hooks:
-            h.remove()
+    forward = kv._packed
+    assert forward is not None
+    monkeypatch.setattr(forward, "mlps", [spy(forward.mlps[0]), *forward.mlps[1:]])
+    monkeypatch.setattr(forward, "head", spy(forward.head))
+    with torch.inference_mode():
+        kv.forward(*left_pad([[5, 6, 7], [8], [9, 10], [11]], 0, "cpu"))
+        seen.clear()
+        valid = torch.tensor([[True] * 5] + [[True] + [False] * 4] * 3)  # [4, 5]
+        kv.forward(torch.randint(3, 290, (4, 5)), valid)
     assert seen == [8, 8]  # layer 0's MLP, then the head
+
+
+def test_linear_layers_run_prepacked_on_a_cpu_and_follow_their_weights(monkeypatch):
+    """On a CPU each linear layer runs over a copy of its weight reordered for oneDNN: the
+    same outputs as the module's (float tolerance, bias included, whatever the rows in the
+    call: a row's output does not depend on the others), a weight written in place or
+    replaced is read again, and the switch or a library that disagrees keeps the module."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96)
+    fast = packed.prepacked(layer)
+    assert fast is not layer
+    x = torch.randn(9, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), layer(x), rtol=1e-4, atol=1e-5)
+        assert torch.equal(fast(x[:1]), fast(x)[:1])  # a row alone as in the batch
+        torch.testing.assert_close(fast(x[None]), layer(x[None]), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        layer.weight.mul_(2.0)  # in place: its version moves
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), layer(x), rtol=1e-4, atol=1e-5)
+    layer.weight = nn.Parameter(torch.randn(96, 64))  # replaced
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), layer(x), rtol=1e-4, atol=1e-5)
+    layer.to(torch.bfloat16)  # the same parameters on other storage: prepacked again where
+    with torch.inference_mode():  # oneDNN has bfloat16 kernels, else the module's call
+        torch.testing.assert_close(fast(x.bfloat16()), layer(x.bfloat16()), rtol=2e-2,
+                                   atol=2e-2)
+    layer.to(torch.float32)
+
+    monkeypatch.setenv(packed.LINEAR_ENV, "0")
+    assert packed.prepacked(layer) is layer
+    monkeypatch.delenv(packed.LINEAR_ENV)
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise",
+                        lambda *args: real(*args) + 1.0)  # a library that computes wrong
+    assert packed.prepacked(layer) is layer
+    monkeypatch.undo()
+    model = _family("smollm2")  # and the packed forward holds such layers
+    forward = packed.PackedForward(model)
+    assert not isinstance(forward.head, nn.Linear)
+    assert not isinstance(forward.attention[0].q_proj, nn.Linear)
 
 
 def test_other_architectures_keep_transformers_forward(monkeypatch):
