@@ -18,10 +18,11 @@ drafts were (the next pass writes over them), and the cache is as wide as its lo
 not as the sum of every pass's widest row (docs/benchmarks.md, "a row's own length").
 
 On a CPU the linear layers (the projections, the MLP, the head) run as oneDNN's linear over
-a copy of each weight reordered once for it (``prepacked``), the way torch.compile's CPU
-freezing runs them: at 4-16 tokens a pass PyTorch's default path took 2-5x longer per
-layer, the head 6 ms for one token (docs/benchmarks.md, "prepacked linear layers"). The copy
-costs the weights' memory once more. SPECQ_PACKED_LINEAR=0 keeps every layer's own call.
+a copy of each weight reordered once for it (``prepacked``; q, k and v as one layer, gate and
+up as one: ``fused``), the way torch.compile's CPU freezing runs them: at 4-16 tokens a pass
+PyTorch's default path took 2-5x longer per layer, the head 6 ms for one token
+(docs/benchmarks.md, "linear layers prepacked on a CPU"). The copy costs the weights' memory
+once more. SPECQ_PACKED_LINEAR=0 keeps every layer's own call.
 
 ``refusal`` says why a model cannot take this path (another architecture, a sliding
 window, query/key norms, ...): such a model keeps transformers' forward, which is also the
@@ -130,51 +131,71 @@ def prepacked(module: nn.Linear) -> Linear:
     if not prepacking():
         return module
     layer = _Prepacked(module)
-    return layer if layer.packed is not None else module
+    return (lambda x: layer(x)[0]) if layer.packed is not None else module
+
+
+def fused(*modules: nn.Linear) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+    """Linear layers that read the same input (q, k and v; gate and up) as one prepacked
+    layer over their weights stacked, its output split back: one call where there were
+    several (at 16 tokens 80 -> 56 us for a SmolLM2 layer's q, k and v). Each module's own
+    call where they cannot run prepacked."""
+    layer = _Prepacked(*modules) if prepacking() else None
+    if layer is not None and layer.packed is not None:
+        return layer
+    return lambda x: tuple(m(x) for m in modules)
 
 
 class _Prepacked:
-    """An nn.Linear run by oneDNN over its weight reordered once (``prepacked``). A weight
-    that changes (replaced, written in place, moved to another dtype or device: ``_state``)
-    is reordered and probed again; where that fails, the module's own call."""
+    """Linear layers run by oneDNN as one, over their weights stacked and reordered once
+    (``prepacked``, ``fused``); a call returns each layer's output. A weight that changes
+    (replaced, written in place, moved to another dtype or device: ``_state``) is reordered
+    and probed again; where that fails, the modules' own calls."""
 
-    def __init__(self, module: nn.Linear) -> None:
-        self.module = module
+    def __init__(self, *modules: nn.Linear) -> None:
+        self.modules = modules
+        self.sizes = [m.out_features for m in modules]
         self._pack()
 
     def _pack(self) -> None:
-        weight, bias = self.module.weight, self.module.bias
-        self.weight, self.state = weight, _state(weight)
-        self.bias = None if bias is None else bias.detach()
+        weights = [m.weight for m in self.modules]
+        self.weights, self.states = weights, [_state(w) for w in weights]
         self.packed: torch.Tensor | None = None
-        if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        first = weights[0]
+        if (first.device.type != "cpu" or first.dtype not in (torch.float32, torch.bfloat16)
+                or any(w.dtype != first.dtype or w.device != first.device for w in weights)):
             return
+        biases = [m.bias for m in self.modules]
+        self.bias = None if all(b is None for b in biases) else torch.cat([
+            b.detach() if b is not None else first.new_zeros(n)
+            for b, n in zip(biases, self.sizes)])
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            probe = torch.randn(3, self.module.in_features,
-                                generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+            packed = torch.ops.mkldnn._reorder_linear_weight(
+                torch.cat([w.detach() for w in weights]) if len(weights) > 1
+                else first.detach(), None)
+            probe = torch.randn(3, self.modules[0].in_features,
+                                generator=torch.Generator().manual_seed(0)).to(first.dtype)
             with torch.inference_mode():
-                want = self.module(probe)
+                want = torch.cat([m(probe) for m in self.modules], -1)
                 got = torch.ops.mkldnn._linear_pointwise(probe, packed, self.bias, "none",
                                                          [], "")
         except (RuntimeError, AttributeError) as exc:  # an op missing, a dtype refused
-            log.info("linear layer %s %s kept as it is: %s", tuple(weight.shape),
-                     weight.dtype, exc)
+            log.info("linear layers %s %s kept as they are: %s", self.sizes, first.dtype, exc)
             return
         scale = want.abs().max().item() or 1.0
         if got.shape != want.shape or (got - want).abs().max().item() > PROBE_TOLERANCE * scale:
-            log.warning("linear layer %s %s kept as it is: oneDNN's output differs from "
-                        "the module's on a probe", tuple(weight.shape), weight.dtype)
+            log.warning("linear layers %s %s kept as they are: oneDNN's output differs from "
+                        "the modules' on a probe", self.sizes, first.dtype)
             return
         self.packed = packed
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.module.weight
-        if weight is not self.weight or _state(weight) != self.state:
+    def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if any(m.weight is not w or _state(m.weight) != s
+               for m, w, s in zip(self.modules, self.weights, self.states)):
             self._pack()
         if self.packed is None:
-            return self.module(x)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+            return tuple(m(x) for m in self.modules)
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        return (out,) if len(self.sizes) == 1 else out.split(self.sizes, -1)
 
 
 def _state(weight: torch.Tensor) -> tuple:
@@ -193,11 +214,12 @@ class _MLP:
     """The Llama MLP, down(act(gate(x)) * up(x)), over prepacked linear layers."""
 
     def __init__(self, mlp: Any) -> None:
-        self.gate, self.up = prepacked(mlp.gate_proj), prepacked(mlp.up_proj)
+        self.gate_up = fused(mlp.gate_proj, mlp.up_proj)
         self.down, self.act = prepacked(mlp.down_proj), mlp.act_fn
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(self.act(self.gate(x)) * self.up(x))
+        gate, up = self.gate_up(x)
+        return self.down(self.act(gate) * up)
 
 
 def _mlp(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -213,8 +235,8 @@ class _Attention:
     """A layer's attention projections, prepacked, beside the module's head sizes."""
 
     def __init__(self, attn: Any) -> None:
-        self.q_proj, self.k_proj = prepacked(attn.q_proj), prepacked(attn.k_proj)
-        self.v_proj, self.o_proj = prepacked(attn.v_proj), prepacked(attn.o_proj)
+        self.qkv = fused(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o_proj = prepacked(attn.o_proj)
         self.head_dim, self.scaling = attn.head_dim, attn.scaling
 
 
@@ -368,9 +390,10 @@ class PackedForward:
         """
         B, T, L = shape
         D = attn.head_dim
-        q = rotate(attn.q_proj(h).unflatten(-1, (-1, D)), cos, sin)  # [N, heads, D]
-        k = rotate(attn.k_proj(h).unflatten(-1, (-1, D)), cos, sin)  # [N, kv_heads, D]
-        v = attn.v_proj(h).unflatten(-1, (-1, D))  # [N, kv_heads, D]
+        q, k, v = attn.qkv(h)
+        q = rotate(q.unflatten(-1, (-1, D)), cos, sin)  # [N, heads, D]
+        k = rotate(k.unflatten(-1, (-1, D)), cos, sin)  # [N, kv_heads, D]
+        v = v.unflatten(-1, (-1, D))  # [N, kv_heads, D]
         H, Hkv = q.shape[1], k.shape[1]
         G = H // Hkv
         keys, values = cache.write(layer, place, k, v, B, L)  # [B, kv_heads, L, D] each

@@ -228,7 +228,19 @@ def test_linear_layers_run_prepacked_on_a_cpu_and_follow_their_weights(monkeypat
     model = _family("smollm2")  # and the packed forward holds such layers
     forward = packed.PackedForward(model)
     assert not isinstance(forward.head, nn.Linear)
-    assert not isinstance(forward.attention[0].q_proj, nn.Linear)
+    assert not isinstance(forward.attention[0].o_proj, nn.Linear)
+    # layers that read one input run as one: each output as its module's, biases or none
+    a, b = nn.Linear(64, 32), nn.Linear(64, 16, bias=False)
+    both = packed.fused(a, b)
+    with torch.inference_mode():
+        got = both(x)
+        assert [t.shape[-1] for t in got] == [32, 16]
+        torch.testing.assert_close(got[0], a(x), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got[1], b(x), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        b.weight.add_(1.0)  # one of them written: both read again
+    with torch.inference_mode():
+        torch.testing.assert_close(both(x)[1], b(x), rtol=1e-4, atol=1e-5)
 
 
 def test_other_architectures_keep_transformers_forward(monkeypatch):
