@@ -18,8 +18,8 @@ drafts were (the next pass writes over them), and the cache is as wide as its lo
 not as the sum of every pass's widest row (docs/benchmarks.md, "a row's own length").
 
 On a CPU the linear layers (the projections, the MLP, the head) run as oneDNN's linear over
-a copy of each weight reordered once for it (``prepacked``; q, k and v as one layer, gate and
-up as one: ``fused``), the way torch.compile's CPU freezing runs them: at 4-16 tokens a pass
+a copy of each weight reordered once for it (``prepacked``; q, k and v as one layer:
+``fused``), the way torch.compile's CPU freezing runs them: at 4-16 tokens a pass
 PyTorch's default path took 2-5x longer per layer, the head 6 ms for one token
 (docs/benchmarks.md, "linear layers prepacked on a CPU"). The copy costs the weights' memory
 once more. SPECQ_PACKED_LINEAR=0 keeps every layer's own call.
@@ -135,10 +135,10 @@ def prepacked(module: nn.Linear) -> Linear:
 
 
 def fused(*modules: nn.Linear) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
-    """Linear layers that read the same input (q, k and v; gate and up) as one prepacked
-    layer over their weights stacked, its output split back: one call where there were
-    several (at 16 tokens 80 -> 56 us for a SmolLM2 layer's q, k and v). Each module's own
-    call where they cannot run prepacked."""
+    """Linear layers that read the same input (q, k and v) as one prepacked layer over
+    their weights stacked, its output split back: one call where there were several (at 16
+    tokens 80 -> 56 us for a SmolLM2 layer's q, k and v). Each module's own call where they
+    cannot run prepacked."""
     layer = _Prepacked(*modules) if prepacking() else None
     if layer is not None and layer.packed is not None:
         return layer
@@ -214,12 +214,13 @@ class _MLP:
     """The Llama MLP, down(act(gate(x)) * up(x)), over prepacked linear layers."""
 
     def __init__(self, mlp: Any) -> None:
-        self.gate_up = fused(mlp.gate_proj, mlp.up_proj)
+        # gate and up stay two layers: as one, a prefill of 580 tokens took 25 % longer
+        # (500-527 against 363-416 ms), for 2 % off a pass of 16 tokens
+        self.gate, self.up = prepacked(mlp.gate_proj), prepacked(mlp.up_proj)
         self.down, self.act = prepacked(mlp.down_proj), mlp.act_fn
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x)
-        return self.down(self.act(gate) * up)
+        return self.down(self.act(self.gate(x)) * self.up(x))
 
 
 def _mlp(mlp: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
