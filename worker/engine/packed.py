@@ -300,7 +300,6 @@ class PackedForward:
         reason = refusal(model)
         if reason is not None:
             raise ValueError(f"no packed forward for this model: {reason}")
-        self.model = model
         base = model.model
         self.embed, self.norm, self.rope = base.embed_tokens, base.norm, base.rotary_emb
         self.layers = list(base.layers[: model.config.num_hidden_layers])

@@ -2,6 +2,9 @@
 logits within float tolerance on every preset family it takes, over a prefill, ragged verify
 steps, keep and compaction, with the dense work done on the valid tokens only."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +17,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from specq.worker.engine import packed
+from specq.worker.engine import batch, packed
 from specq.worker.engine.batch import KVRows, left_pad
 
 ATOL = 1e-4  # float32 logits: sums in another order, nothing more
@@ -241,6 +244,21 @@ def test_linear_layers_run_prepacked_on_a_cpu_and_follow_their_weights(monkeypat
         b.weight.add_(1.0)  # one of them written: both read again
     with torch.inference_mode():
         torch.testing.assert_close(both(x)[1], b(x), rtol=1e-4, atol=1e-5)
+
+
+def test_a_model_dropped_takes_its_packed_forward_with_it():
+    """The forward made once per model (with its copies of the weights) is kept in a table
+    keyed weakly by the model: it holds the model's layers, not the model, so a model
+    dropped is collected with its forward and nothing of it stays."""
+    gc.collect()  # models earlier tests dropped: gone before the count
+    before = len(batch._PACKED)
+    model = _family("smollm2")
+    kv = KVRows(model)
+    assert kv.packed and len(batch._PACKED) == before + 1
+    dropped = weakref.ref(model)
+    del kv, model
+    gc.collect()
+    assert dropped() is None and len(batch._PACKED) == before
 
 
 def test_other_architectures_keep_transformers_forward(monkeypatch):
