@@ -26,6 +26,7 @@ import torch
 
 from specq.configs.presets import PairPreset
 from specq.worker.engine import packed as packing
+from specq.worker.engine.batch import KVRows
 from specq.worker.engine.calibration import REPEATS
 from specq.worker.engine.policy import CostTable
 from specq.worker.engine.speculative import SpeculativeEngine
@@ -45,8 +46,7 @@ def cost_key(preset: PairPreset, engine: SpeculativeEngine) -> dict[str, Any]:
             "device": str(engine.target.device), "dtype": str(engine.target.dtype),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             # the forward's paths: packed (packed.py), and its linear layers prepacked
-            "packed": [packing.enabled() and packing.refusal(engine.target) is None,
-                       packing.prepacking()],
+            "packed": [KVRows(engine.target).packed, packing.prepacking()],
             "host": socket.gethostname()}
 
 

@@ -128,10 +128,8 @@ def prepacked(module: nn.Linear) -> Linear:
     once into the layout its kernels read (torch.ops.mkldnn, as torch.compile's CPU freezing
     uses it); elsewhere, or where the library refuses the weight or disagrees with the
     module on a probe, the module itself."""
-    if not prepacking():
-        return module
-    layer = _Prepacked(module)
-    return (lambda x: layer(x)[0]) if layer.packed is not None else module
+    layer = _packed(module)
+    return module if layer is None else (lambda x: layer(x)[0])
 
 
 def fused(*modules: nn.Linear) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
@@ -139,10 +137,16 @@ def fused(*modules: nn.Linear) -> Callable[[torch.Tensor], tuple[torch.Tensor, .
     their weights stacked, its output split back: one call where there were several (at 16
     tokens 80 -> 56 us for a SmolLM2 layer's q, k and v). Each module's own call where they
     cannot run prepacked."""
-    layer = _Prepacked(*modules) if prepacking() else None
-    if layer is not None and layer.packed is not None:
-        return layer
-    return lambda x: tuple(m(x) for m in modules)
+    layer = _packed(*modules)
+    return (lambda x: tuple(m(x) for m in modules)) if layer is None else layer
+
+
+def _packed(*modules: nn.Linear) -> _Prepacked | None:
+    """The modules as one prepacked layer, or None where they cannot run prepacked."""
+    if not prepacking():
+        return None
+    layer = _Prepacked(*modules)
+    return layer if layer.packed is not None else None
 
 
 class _Prepacked:
