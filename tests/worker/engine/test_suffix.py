@@ -11,7 +11,15 @@ import torch
 from specq.schema.generation import Request
 from specq.worker.engine.drafters import DraftInputs, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine
-from specq.worker.engine.suffix import END, MAX_CANDIDATES, JobIndex, SuffixDrafter, lookup
+from specq.worker.engine.suffix import (
+    END,
+    LOOKUP_NGRAMS,
+    MAX_CANDIDATES,
+    JobIndex,
+    SuffixDrafter,
+    follow,
+    lookup,
+)
 
 
 def _inputs(*seqs: list[int]) -> DraftInputs:
@@ -103,6 +111,34 @@ def test_prompt_lookups_scan_finds_what_every_window_compared_finds(ngrams):
         seq = [gen.randrange(gen.choice([2, 4, 50])) for _ in range(gen.randrange(0, 40))]
         g = gen.randrange(0, 6)
         assert pl.lookup(seq, g) == _unfold_lookup(seq, g, *ngrams), seq
+
+
+def _every_token_lookup(seq: list[int], g: int) -> tuple[list[int], list[float]]:
+    """The row's own lookup as it was written first: every earlier occurrence of the last
+    token found by a scan in Python, then filtered by each match length."""
+    N = len(seq)
+    if N < 2:
+        return [], []
+    hits = [i for i in range(N - 2, -1, -1) if seq[i] == seq[-1]]  # newest first
+    for n in LOOKUP_NGRAMS:
+        if N <= n:
+            continue
+        ends = [i for i in hits if i >= n - 1 and seq[i - n + 1 : i + 1] == seq[-n:]]
+        if ends:
+            return follow(seq, 0, ends[:MAX_CANDIDATES], g)
+    return [], []
+
+
+def test_own_lookups_scan_finds_what_every_token_compared_finds():
+    """The scan back over the last token's occurrences (stopping at MAX_CANDIDATES of the
+    longest match) against every token compared: the same draft and probabilities for
+    any sequence, short ones, repeats and overlaps included (2 tokens: far more than
+    MAX_CANDIDATES matches of every length)."""
+    gen = random.Random(2)
+    for _ in range(3000):
+        seq = [gen.randrange(gen.choice([2, 4, 50])) for _ in range(gen.randrange(0, 300))]
+        g = gen.randrange(0, 9)
+        assert tuple(lookup(seq, g)) == tuple(_every_token_lookup(seq, g)), seq
 
 
 def test_the_drafter_takes_the_better_scored_draft_per_row():
