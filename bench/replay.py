@@ -15,8 +15,11 @@ The same proposals under each way of keeping drafts:
 - g = k: every row keeps its first k drafts (a fixed draft length).
 
 Only the verify passes are priced, all alike (no prefill, no host work, no drafting), so
-the figures are ratios of decoding time to plain decoding's, not of a run's wall time; a
-machine's noise does not reach them. The price is the one calibration measures on this
+``x plain`` is a ratio of decoding time to plain decoding's, not of a run's wall time; a
+machine's noise does not reach it. ``x run`` adds to both sides the prefill a plain run of
+the same prompts measured (the same work with drafts or without): what the keeping would
+make of a run's wall time if host work cost nothing, the oracle's the ceiling of a run's
+ratio with this drafter at this price. The price is the one calibration measures on this
 machine at the batch size (its ragged passes' fit: plain, per draft token, per column, and
 once for a pass that drafts at all; a batch of fewer than 4 rows has none, and then a pass
 of 1 to max_g + 1 tokens a row gives its plain pass and its slope), or --price.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -68,13 +72,22 @@ class Replayed:
 def greedy_outputs(model, tokenizer, prompts: list[list[int]], max_new: int,
                    batch: int) -> list[list[int]]:
     """The target's greedy output of each prompt (an engine without drafts)."""
+    return plain_run(model, tokenizer, prompts, max_new, batch)[0]
+
+
+def plain_run(model, tokenizer, prompts: list[list[int]], max_new: int, batch: int
+              ) -> tuple[list[list[int]], float, float]:
+    """The target's greedy outputs (an engine without drafts), the seconds the run spent
+    prefilling the prompts and its wall seconds, as measured."""
     from specq.schema.generation import Request
     from specq.worker.engine.speculative import SpeculativeEngine
 
     eng = SpeculativeEngine(model, tokenizer, NoDraft(), max_batch_size=batch)
+    start = time.perf_counter()
     results = eng.generate([Request(id=i, prompt_token_ids=p, max_new_tokens=max_new)
                             for i, p in enumerate(prompts)])
-    return [r.token_ids for r in results]
+    return ([r.token_ids for r in results], eng.prefill_seconds,
+            time.perf_counter() - start)
 
 
 def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
@@ -201,8 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [encode_prompt(pair.tokenizer, Request(messages=m,
                                                      max_new_tokens=args.max_new_tokens),
                              engine.context) for m in convs]
-    outputs = greedy_outputs(pair.target, pair.tokenizer, prompts, args.max_new_tokens,
-                             args.batch_size)
+    plain_run(pair.target, pair.tokenizer, prompts[: args.batch_size], 2, args.batch_size)
+    outputs, prefill, wall = plain_run(pair.target, pair.tokenizer, prompts,
+                                       args.max_new_tokens, args.batch_size)  # warm
     if args.price:
         price = Price(*(float(x) for x in args.price.split(",")))
     else:
@@ -214,13 +228,18 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.batch_size}, {sum(map(len, outputs))} tokens; a pass {1e3 * price.plain:.1f} "
           f"ms + {1e3 * price.per_token:.2f} ms a draft token + {1e3 * price.per_column:.2f} "
           f"ms a column + {1e3 * price.per_pass:.2f} ms a drafting pass; plain decoding "
-          f"{plain.passes} passes")
-    print(f"{'keep':<8} {'x plain':>7} {'passes':>6} {'carried':>7} {'accepted':>8}")
+          f"{plain.passes} passes priced {plain.seconds:.2f} s")
+    print(f"a plain run measured: {wall:.2f} s, of which prefill {prefill:.2f} s (the same "
+          f"work with drafts or without; x run: (prefill + plain decoding) / (prefill + "
+          f"decoding), decoding as priced)")
+    print(f"{'keep':<8} {'x plain':>7} {'x run':>6} {'passes':>6} {'carried':>7} "
+          f"{'accepted':>8}")
     for keep in keeps:
         r = replay(prompts, outputs, args.batch_size, SuffixDrafter, keep, price, args.max_g)
         name = keep if isinstance(keep, str) else f"g = {keep}"
-        print(f"{name:<8} {plain.seconds / r.seconds:>6.3f}x {r.passes:>6} {r.carried:>7} "
-              f"{r.accepted:>8}")
+        run = (prefill + plain.seconds) / (prefill + r.seconds)
+        print(f"{name:<8} {plain.seconds / r.seconds:>6.3f}x {run:>5.3f}x {r.passes:>6} "
+              f"{r.carried:>7} {r.accepted:>8}")
     return 0
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specq.bench.replay import BUDGET, ORACLE, Price, greedy_outputs, replay
+from specq.bench.replay import BUDGET, ORACLE, Price, greedy_outputs, plain_run, replay
 from specq.worker.engine.suffix import SuffixDrafter
 
 MAX_G = 6
@@ -56,3 +56,13 @@ def test_the_budget_keeps_every_draft_when_drafts_are_free_and_none_when_dear(jo
     dear = replay(prompts, outputs, 4, SuffixDrafter, BUDGET, Price(0.1, 1.0), MAX_G)
     assert (dear.passes, dear.carried) == (plain.passes, 0)
     assert dear.seconds == pytest.approx(plain.seconds)
+
+
+def test_a_plain_run_gives_its_outputs_and_the_prefill_within_its_wall_time(
+        job, tiny_models, tiny_tokenizer):
+    """What ``x run`` adds to both sides: the prefill a plain run of the prompts spent,
+    part of the run's wall time; the outputs are the greedy ones the replay steps."""
+    prompts, outputs = job
+    again, prefill, wall = plain_run(tiny_models["target"], tiny_tokenizer, prompts, 24, 4)
+    assert again == outputs
+    assert 0 < prefill < wall
