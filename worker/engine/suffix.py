@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -47,6 +47,7 @@ LOOKUP_NGRAMS = (3, 2, 1)  # prompt lookup's match lengths over the row's own to
 MAX_CANDIDATES = 32  # newest occurrences of a match followed: bounds a proposal's cost
 MIN_PATH_PROB = 0.1  # a job-index draft stops where its running probability falls below
 MAX_TOKENS = 1 << 17  # tokens indexed over all jobs (a few hundred bytes each at most)
+INDEXED_FROM = 512  # a row this long keeps a RowIndex: a scan of its tokens costs more
 END = -1  # closes each indexed sequence: no continuation runs past it
 
 
@@ -98,38 +99,101 @@ def follow(tokens: list[int], base: int, ends: list[int], g: int,
     return Draft(draft, probs)
 
 
-def lookup(seq: list[int], g: int) -> Draft:
+def lookup(seq: list[int], g: int, index: RowIndex | None = None) -> Draft:
     """Prompt lookup over the row's own tokens, followed and scored like the job index:
     the newest MAX_CANDIDATES occurrences of its longest matching last n tokens (n in
     LOOKUP_NGRAMS).
 
-    One scan back over the occurrences of the last token (list.index in C over the
-    reversed tokens, as drafters.PromptLookup), each extended back to its match length; it
-    stops once MAX_CANDIDATES matches of the longest length are found. The scorer proposes
-    at every step, plain ones too: at 64 rows of 2,000 tokens of English a proposal took
-    6.3 ms with a scan in Python over every token, 4.9 ms with this one."""
+    The occurrences of the last token are taken newest first, each extended back to its
+    match length, until MAX_CANDIDATES matches of the longest length are found: from the
+    row's ``index`` (RowIndex.occurrences: those of its last two tokens where they occur
+    earlier), else by one scan back (list.index in C over the reversed tokens, as
+    drafters.PromptLookup). The scorer proposes at every step, plain ones too: at 64 rows
+    of 2,000 tokens of English a proposal took 6.3 ms with a scan in Python over every
+    token, 4.9 ms with the scan in C, 3.6 ms with the rows' indexes (docs/benchmarks.md)."""
     N = len(seq)
     top = min(max(LOOKUP_NGRAMS), N - 1)  # a match of n tokens needs n + 1 of them
     if top < min(LOOKUP_NGRAMS):
         return NO_DRAFT
-    last, rev = seq[-1], seq[-2::-1]  # rev[i] = seq[N - 2 - i]
+    last = seq[-1]
     hits: list[tuple[int, int]] = []  # (end, match length), newest first
-    longest, i = 0, 0
-    while longest < MAX_CANDIDATES:
-        try:
-            i = rev.index(last, i)
-        except ValueError:
-            break
-        end, m = N - 2 - i, 1
+    longest = 0
+    for end in _scan(seq) if index is None else index.occurrences(seq):
+        if seq[end] != last:  # a list changed in place under its index: not a match
+            continue
+        m = 1
         while m < top and end - m >= 0 and seq[end - m] == seq[N - 1 - m]:
             m += 1
         hits.append((end, m))
         longest += m == top
-        i += 1
+        if longest == MAX_CANDIDATES:
+            break
     for n in LOOKUP_NGRAMS:
         if n <= top and (ends := [e for e, m in hits if m >= n]):
             return follow(seq, 0, ends[:MAX_CANDIDATES], g)
     return NO_DRAFT
+
+
+def _scan(seq: list[int]) -> Iterator[int]:
+    """The earlier positions of seq's last token, newest first: list.index in C."""
+    last, rev, i = seq[-1], seq[-2::-1], 0  # rev[i] = seq[N - 2 - i]
+    while True:
+        try:
+            i = rev.index(last, i)
+        except ValueError:
+            return
+        yield len(seq) - 2 - i
+        i += 1
+
+
+def _before(positions: list[int], N: int) -> Iterator[int]:
+    """The positions before N - 1 of an ascending list, newest first."""
+    k = len(positions) - 1
+    while k >= 0 and positions[k] >= N - 1:
+        k -= 1
+    while k >= 0:
+        yield positions[k]
+        k -= 1
+
+
+class RowIndex:
+    """Where each token and each pair of tokens of one row end, kept up to date as the row
+    grows: its lookup visits only the occurrences that can match, not every token
+    (``lookup``). Built for rows of INDEXED_FROM tokens and more (a scan of fewer costs
+    less than the dictionaries it would keep), caught up with the row at each proposal.
+    It holds the row's own list (the engine's rows grow theirs in place): another list is
+    indexed afresh."""
+
+    def __init__(self) -> None:
+        self.seq: list[int] | None = None  # the row's tokens, as the batch hands them
+        self.ones: dict[int, list[int]] = {}  # token -> where it is, ascending
+        self.pairs: dict[tuple[int, int], list[int]] = {}  # two tokens -> where they end
+        self.n = 0  # tokens of the row indexed
+
+    def catch_up(self, seq: list[int]) -> RowIndex:
+        """Index seq's tokens past those indexed (all of them for a list not seen before)."""
+        if seq is not self.seq or self.n > len(seq):
+            self.seq, self.ones, self.pairs, self.n = seq, {}, {}, 0
+        for i in range(self.n, len(seq)):
+            self.ones.setdefault(seq[i], []).append(i)
+            if i:
+                self.pairs.setdefault((seq[i - 1], seq[i]), []).append(i)
+        self.n = len(seq)
+        return self
+
+    def occurrences(self, seq: list[int]) -> Iterator[int]:
+        """The earlier ends of seq's last two tokens, newest first, where there are any (the
+        longest match is then 2 tokens or more, and only they can make it); else those of
+        its last token (every match is then 1 token)."""
+        N = len(seq)
+        if N >= 3:
+            pairs = _before(self.pairs.get((seq[-2], seq[-1]), []), N)
+            first = next(pairs, None)
+            if first is not None:
+                yield first
+                yield from pairs
+                return
+        yield from _before(self.ones.get(seq[-1], []), N)
 
 
 class JobIndex:
@@ -195,7 +259,10 @@ class JobIndex:
 
 class SuffixDrafter:
     """Per row, the better-scored of the job index's draft and prompt lookup's (a point
-    mass, no model). Keeps no per-row state: ``reset`` forgets nothing of the index."""
+    mass, no model). Its per-row state is a RowIndex for each long row, in the batch's
+    order (``admit``, ``select``, ``reset``), a speed-up only: a proposal for rows not in
+    step with them (another batch, a grammar's one-row continuation) scans instead.
+    ``reset`` forgets the rows, nothing of the job index."""
 
     name = "suffix"
     free = True  # costs little next to a target pass: may propose while g = 0 (shadow.py)
@@ -207,6 +274,7 @@ class SuffixDrafter:
         self.jobs: OrderedDict[Hashable, JobIndex] = OrderedDict()  # least recent first
         self.job: Hashable = None
         self.use_job(None)
+        self.rows: list[RowIndex] = []  # per batch row, in order
 
     @property
     def index(self) -> JobIndex:
@@ -242,15 +310,24 @@ class SuffixDrafter:
 
     def propose(self, batch: DraftInputs, g: int) -> Proposal:
         drafts = []
-        for seq in batch.tokens:
-            own, job = lookup(seq, g), self.index.propose(seq, g)
+        rows = self.rows if len(self.rows) == len(batch.tokens) else [None] * len(batch.tokens)
+        for seq, row in zip(batch.tokens, rows):
+            index = row.catch_up(seq) if row is not None and len(seq) >= INDEXED_FROM else None
+            own, job = lookup(seq, g, index), self.index.propose(seq, g)
             drafts.append(job if job.score > own.score else own)
         return Proposal(padded([d.tokens for d in drafts], g, torch.long),
                         torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long),
                         None, padded([d.probs for d in drafts], g, torch.float32))
 
-    def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None: ...
-    def select(self, rows: torch.Tensor) -> None: ...
+    def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None:
+        self.rows += [RowIndex() for _ in prompts]
+
+    def select(self, rows: torch.Tensor) -> None:
+        # a row it never admitted (a caller out of step) starts an index afresh
+        self.rows = [self.rows[b] if b < len(self.rows) else RowIndex() for b in rows.tolist()]
+
     def update(self, accepted: list[int], tokens: list[list[int]]) -> None: ...
     def compact(self) -> None: ...
-    def reset(self) -> None: ...
+
+    def reset(self) -> None:
+        self.rows = []

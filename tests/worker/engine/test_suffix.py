@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specq.schema.generation import Request
+from specq.worker.engine import suffix
 from specq.worker.engine.drafters import DraftInputs, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.engine.suffix import (
@@ -16,6 +17,7 @@ from specq.worker.engine.suffix import (
     LOOKUP_NGRAMS,
     MAX_CANDIDATES,
     JobIndex,
+    RowIndex,
     SuffixDrafter,
     follow,
     lookup,
@@ -129,16 +131,58 @@ def _every_token_lookup(seq: list[int], g: int) -> tuple[list[int], list[float]]
     return [], []
 
 
-def test_own_lookups_scan_finds_what_every_token_compared_finds():
-    """The scan back over the last token's occurrences (stopping at MAX_CANDIDATES of the
-    longest match) against every token compared: the same draft and probabilities for
-    any sequence, short ones, repeats and overlaps included (2 tokens: far more than
-    MAX_CANDIDATES matches of every length)."""
+def test_own_lookups_scan_and_index_find_what_every_token_compared_finds():
+    """The scan back over the last token's occurrences, and a RowIndex's list of them (each
+    stopping at MAX_CANDIDATES of the longest match), against every token compared: the
+    same draft and probabilities for any sequence, short ones, repeats and overlaps
+    included (2 tokens: far more than MAX_CANDIDATES matches of every length)."""
     gen = random.Random(2)
     for _ in range(3000):
         seq = [gen.randrange(gen.choice([2, 4, 50])) for _ in range(gen.randrange(0, 300))]
         g = gen.randrange(0, 9)
-        assert tuple(lookup(seq, g)) == tuple(_every_token_lookup(seq, g)), seq
+        want = tuple(_every_token_lookup(seq, g))
+        assert tuple(lookup(seq, g)) == want, seq
+        assert tuple(lookup(seq, g, RowIndex().catch_up(seq))) == want, seq
+
+
+def test_the_rows_indexes_follow_the_batch_and_never_change_a_proposal():
+    """Rows past INDEXED_FROM tokens keep a RowIndex in the batch's order (admit, select);
+    every proposal equals a stateless drafter's as the rows grow by steps of any length,
+    leave and join, and where a caller is out of step (another batch, another list in a
+    row's place) nothing but the scan's drafts come out."""
+    gen = random.Random(4)
+    kept, plain = SuffixDrafter(), SuffixDrafter()
+    done = [gen.randrange(20) for _ in range(600)]
+    for d in (kept, plain):
+        d.finish(done)
+
+    def text(n: int) -> list[int]:
+        return [gen.randrange(gen.choice([3, 20, 300])) for _ in range(n)]
+
+    def propose(d: SuffixDrafter, rows: list[list[int]]) -> tuple:
+        z = torch.zeros(len(rows), dtype=torch.long)
+        p = d.propose(DraftInputs(rows, z, z.float(), z, torch.ones(len(rows)), greedy=True),
+                      8)
+        return p.token_ids.tolist(), p.num_draft.tolist(), p.confidences
+
+    rows = [text(gen.randrange(400, 700)) for _ in range(5)]
+    kept.admit(rows, [r[-1] for r in rows])
+    for step in range(60):
+        assert propose(kept, rows) == propose(plain, rows)
+        for r in rows:
+            r += text(gen.randrange(1, 9))
+        if step % 7 == 3:  # two rows leave, the rest in another order; one joins
+            order = [len(rows) - 1, 0, 2]
+            kept.select(torch.tensor(order))
+            rows = [rows[b] for b in order] + [text(gen.randrange(300, 900))]
+            kept.admit(rows[-1:], [rows[-1][-1]])
+        if step % 11 == 5:  # another list in a row's place: indexed afresh
+            rows[0] = list(rows[0][:-1]) + [rows[0][-1] + 1]
+    assert sum(len(r.ones) > 0 for r in kept.rows) >= 1  # the long rows were indexed
+    other = [text(800) for _ in range(len(rows) + 1)]  # a batch of another size
+    assert propose(kept, other) == propose(plain, other)
+    kept.reset()
+    assert kept.rows == []
 
 
 def test_the_drafter_takes_the_better_scored_draft_per_row():
@@ -275,3 +319,42 @@ def test_greedy_with_a_warm_index_equals_the_target(bs, tiny_models, tiny_tokeni
         assert check_greedy(requests, results) <= 1
         if not adaptive:  # (the adaptive engine may judge drafting not worth it here)
             assert _accepted(results[8:]) > 0
+
+
+@pytest.mark.parametrize("bs", [1, 3])
+def test_the_engine_keeps_each_rows_index_in_step(bs, monkeypatch, tiny_models, tiny_tokenizer,
+                                                  make_requests, check_greedy):
+    """Every row indexed (INDEXED_FROM 1): through refills, rows that end apart and a second
+    generation, each row is indexed once and caught up after (the rows' order kept), each
+    proposal equals what the scan proposes from the same job index, and greedy output
+    stays the target's."""
+    monkeypatch.setattr(suffix, "INDEXED_FROM", 1)
+    drafter, twin = SuffixDrafter(), SuffixDrafter()
+    twin.jobs = drafter.jobs  # the same job index; no rows of its own: it scans
+    real, indexed = drafter.propose, []
+
+    def checked(batch: DraftInputs, g: int):
+        twin.job = drafter.job
+        got, want = real(batch, g), twin.propose(batch, g)
+        assert got.token_ids.tolist() == want.token_ids.tolist()
+        assert got.num_draft.tolist() == want.num_draft.tolist()
+        assert got.confidences == want.confidences
+        indexed.append(sum(r.seq is s for r, s in zip(drafter.rows, batch.tokens)))
+        return got
+
+    monkeypatch.setattr(drafter, "propose", checked)
+    built, catch_up = [], suffix.RowIndex.catch_up
+
+    def counted(self: suffix.RowIndex, seq: list[int]) -> suffix.RowIndex:
+        built.append(seq is not self.seq)
+        return catch_up(self, seq)
+
+    monkeypatch.setattr(suffix.RowIndex, "catch_up", counted)
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, drafter,
+                               max_batch_size=bs, draft_length=4, adaptive=False)
+    for job in range(2):
+        requests = make_requests(7, seed=job) + _requests(4, offset=job, max_new=16 + 4 * job)
+        results = engine.generate(requests, job="rows")
+        assert check_greedy(requests, results) <= 1
+    assert max(indexed) == bs and _accepted(results) > 0
+    assert 0 < sum(built) <= 22  # each row indexed once, then caught up: in step
