@@ -183,10 +183,10 @@ class RowIndex:
 
     def occurrences(self, seq: list[int]) -> Iterator[int]:
         """The earlier ends of seq's last two tokens, newest first, where there are any (the
-        longest match is then 2 tokens or more, and only they can make it); else those of
-        its last token (every match is then 1 token)."""
+        longest match is then 2 tokens or more, 2 is a length lookup tries, and only they
+        can make it); else those of its last token (every match is then 1 token)."""
         N = len(seq)
-        if N >= 3:
+        if N >= 3 and 2 in LOOKUP_NGRAMS:
             pairs = _before(self.pairs.get((seq[-2], seq[-1]), []), N)
             first = next(pairs, None)
             if first is not None:
