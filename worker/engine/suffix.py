@@ -49,6 +49,7 @@ MIN_PATH_PROB = 0.1  # a job-index draft stops where its running probability fal
 MAX_TOKENS = 1 << 17  # tokens indexed over all jobs (a few hundred bytes each at most)
 INDEXED_FROM = 512  # a row this long keeps a RowIndex: a scan of its tokens costs more
 END = -1  # closes each indexed sequence: no continuation runs past it
+LONE = (1 + 1) / (1 + 2)  # a token's probability followed from one occurrence alone
 
 
 class Draft(NamedTuple):
@@ -80,7 +81,17 @@ def follow(tokens: list[int], base: int, ends: list[int], g: int,
     """
     draft, probs = Draft([], [])
     path, limit = 1.0, len(tokens) + base
-    for _ in range(g):
+    for step in range(g):
+        if len(ends) == 1:  # one occurrence left (the common case): its own continuation,
+            # each token at (1 + 1) / (1 + 2), read off in one slice
+            start = ends[0] + 1 - base
+            for t in tokens[start : start + g - step]:
+                if t == END or path * LONE < min_prob:
+                    break
+                path *= LONE
+                draft.append(t)
+                probs.append(LONE)
+            break
         counts: dict[int, int] = {}
         for e in ends:
             t = tokens[e + 1 - base] if e + 1 < limit else END
