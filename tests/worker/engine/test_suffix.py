@@ -185,6 +185,47 @@ def test_the_rows_indexes_follow_the_batch_and_never_change_a_proposal():
     assert kept.rows == []
 
 
+def _follow_counting_every_token(tokens: list[int], base: int, ends: list[int], g: int,
+                                 min_prob: float) -> tuple[list[int], list[float]]:
+    """``follow`` as it was written first: the occurrences counted at every token, one
+    left or many."""
+    draft: list[int] = []
+    probs: list[float] = []
+    path, limit = 1.0, len(tokens) + base
+    for _ in range(g):
+        counts: dict[int, int] = {}
+        for e in ends:
+            t = tokens[e + 1 - base] if e + 1 < limit else END
+            if t != END:
+                counts[t] = counts.get(t, 0) + 1
+        if not counts:
+            break
+        best = max(counts, key=counts.__getitem__)
+        p = (counts[best] + 1) / (len(ends) + 2)
+        if path * p < min_prob:
+            break
+        path *= p
+        draft.append(best)
+        probs.append(p)
+        ends = [e + 1 for e in ends if e + 1 < limit and tokens[e + 1 - base] == best]
+    return draft, probs
+
+
+def test_follow_reads_a_lone_occurrence_as_counting_would():
+    """One occurrence left is read off in one slice: the same draft and probabilities as
+    counting at every token, up to END, the end of the tokens, g or MIN_PATH_PROB."""
+    gen = random.Random(5)
+    for _ in range(5000):
+        base = gen.randrange(0, 50)
+        tokens = [END if gen.random() < 0.05 else gen.randrange(gen.choice([2, 3, 20]))
+                  for _ in range(gen.randrange(1, 80))]
+        ends = sorted(gen.sample(range(base, base + len(tokens)),
+                                 min(len(tokens), gen.randrange(1, 6))), reverse=True)
+        g, min_prob = gen.randrange(0, 9), gen.choice([0.0, 0.1, 0.3])
+        want = _follow_counting_every_token(tokens, base, ends, g, min_prob)
+        assert tuple(follow(tokens, base, ends, g, min_prob)) == want
+
+
 def test_the_drafter_takes_the_better_scored_draft_per_row():
     d = SuffixDrafter()
     for _ in range(5):
