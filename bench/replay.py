@@ -214,9 +214,10 @@ def main(argv: list[str] | None = None) -> int:
     prompts = [encode_prompt(pair.tokenizer, Request(messages=m,
                                                      max_new_tokens=args.max_new_tokens),
                              engine.context) for m in convs]
+    # a short run first: the measured one's first passes are then not its shapes' first
     plain_run(pair.target, pair.tokenizer, prompts[: args.batch_size], 2, args.batch_size)
     outputs, prefill, wall = plain_run(pair.target, pair.tokenizer, prompts,
-                                       args.max_new_tokens, args.batch_size)  # warm
+                                       args.max_new_tokens, args.batch_size)
     if args.price:
         price = Price(*(float(x) for x in args.price.split(",")))
     else:
