@@ -172,8 +172,9 @@ class RowIndex:
     grows: its lookup visits only the occurrences that can match, not every token
     (``lookup``). Built for rows of INDEXED_FROM tokens and more (a scan of fewer costs
     less than the dictionaries it would keep), caught up with the row at each proposal.
-    It holds the row's own list (the engine's rows grow theirs in place): another list is
-    indexed afresh."""
+    It is bound to the first list it is handed (the engine hands each row's own list at
+    every step, grown in place); another list (a grammar's one-row continuation of it) is
+    scanned, not indexed."""
 
     def __init__(self) -> None:
         self.seq: list[int] | None = None  # the row's tokens, as the batch hands them
@@ -181,10 +182,14 @@ class RowIndex:
         self.pairs: dict[tuple[int, int], list[int]] = {}  # two tokens -> where they end
         self.n = 0  # tokens of the row indexed
 
-    def catch_up(self, seq: list[int]) -> RowIndex:
-        """Index seq's tokens past those indexed (all of them for a list not seen before)."""
-        if seq is not self.seq or self.n > len(seq):
-            self.seq, self.ones, self.pairs, self.n = seq, {}, {}, 0
+    def catch_up(self, seq: list[int]) -> RowIndex | None:
+        """Index seq's tokens past those indexed; None for a list it is not bound to."""
+        if self.seq is None:
+            self.seq = seq
+        elif seq is not self.seq:
+            return None
+        if self.n > len(seq):  # shortened: indexed afresh
+            self.ones, self.pairs, self.n = {}, {}, 0
         for i in range(self.n, len(seq)):
             self.ones.setdefault(seq[i], []).append(i)
             if i:
@@ -272,7 +277,8 @@ class SuffixDrafter:
     """Per row, the better-scored of the job index's draft and prompt lookup's (a point
     mass, no model). Its per-row state is a RowIndex for each long row, in the batch's
     order (``admit``, ``select``, ``reset``), a speed-up only: a proposal for rows not in
-    step with them (another batch, a grammar's one-row continuation) scans instead.
+    step with them (another batch, a grammar's one-row continuation, a list that is not
+    the row's own) scans instead.
     ``reset`` forgets the rows, nothing of the job index."""
 
     name = "suffix"
