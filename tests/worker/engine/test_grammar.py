@@ -201,6 +201,39 @@ def test_forced_tokens_and_the_drafter_s_take_turns_in_one_proposal(
     assert chained, "no proposal had forced tokens after the drafter's"
 
 
+@pytest.mark.parametrize("bs", [1, 3])
+def test_the_suffix_drafters_row_indexes_stay_with_the_rows_under_a_grammar(
+        bs, monkeypatch, tiny_models, tiny_tokenizer, check_shaped):
+    """The chain asks its follower (the suffix drafter) to continue a row from a one-row
+    list of its own making; with every row indexed (INDEXED_FROM 1) that list is scanned and
+    the row's index stays bound to the row's own list (at batch 1 too, where the one-row
+    call matches the batch's size). The output is the reference's."""
+    from specq.worker.engine import suffix
+
+    monkeypatch.setattr(suffix, "INDEXED_FROM", 1)
+    fmt = {"type": "regex", "regex": "n: [a-z]{3}; a: [0-9]{2}; z: [a-z]{3};"}
+    prompt = tiny_tokenizer.encode("n: abc; a: 12; z: xyz; n: abc; a: 12; z: xyz; ",
+                                   add_special_tokens=False)
+    requests = [Request(id=i, prompt_token_ids=prompt[i:], max_new_tokens=40,
+                        response_format=fmt) for i in range(5)]
+    drafter = SuffixDrafter()
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, drafter,
+                               max_batch_size=bs, draft_length=3, adaptive=False)
+    real, calls = drafter.propose, []
+
+    def watched(batch, g):
+        own = [r.tokens for r in engine.rows]
+        calls.append(all(a is b for a, b in zip(batch.tokens, own))
+                     and len(batch.tokens) == len(own))
+        out = real(batch, g)
+        assert all(r.seq is None or r.seq is t for r, t in zip(drafter.rows, own))
+        return out
+
+    monkeypatch.setattr(drafter, "propose", watched)
+    assert check_shaped(requests, engine.generate(requests)) == 0
+    assert any(calls) and not all(calls)  # the batch's own lists, and the chain's
+
+
 def test_a_value_the_prompt_holds_is_looked_up_by_its_bytes(tiny_models, tiny_tokenizer,
                                                              check_shaped):
     """Where nothing is forced and the drafter has nothing, the chain proposes what followed
