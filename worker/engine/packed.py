@@ -151,9 +151,9 @@ def _packed(*modules: nn.Linear) -> _Prepacked | None:
 
 class _Prepacked:
     """Linear layers run by oneDNN as one, over their weights stacked and reordered once
-    (``prepacked``, ``fused``); a call returns each layer's output. A weight that changes
-    (replaced, written in place, moved to another dtype or device: ``_state``) is reordered
-    and probed again; where that fails, the modules' own calls."""
+    (``prepacked``, ``fused``); a call returns each layer's output. A weight or bias that
+    changes (replaced, written in place, moved to another dtype or device: ``_state``) is
+    copied, reordered and probed again; where that fails, the modules' own calls."""
 
     def __init__(self, *modules: nn.Linear) -> None:
         self.modules = modules
@@ -161,8 +161,9 @@ class _Prepacked:
         self._pack()
 
     def _pack(self) -> None:
+        self.params = _params(self.modules)
+        self.states = [_state(t) for t in self.params]
         weights = [m.weight for m in self.modules]
-        self.weights, self.states = weights, [_state(w) for w in weights]
         self.packed: torch.Tensor | None = None
         first = weights[0]
         if (first.device.type != "cpu" or first.dtype not in (torch.float32, torch.bfloat16)
@@ -193,8 +194,8 @@ class _Prepacked:
         self.packed = packed
 
     def __call__(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if any(m.weight is not w or _state(m.weight) != s
-               for m, w, s in zip(self.modules, self.weights, self.states)):
+        if any(t is not u or _state(t) != s
+               for t, u, s in zip(_params(self.modules), self.params, self.states)):
             self._pack()
         if self.packed is None:
             return tuple(m(x) for m in self.modules)
@@ -202,11 +203,18 @@ class _Prepacked:
         return (out,) if len(self.sizes) == 1 else out.split(self.sizes, -1)
 
 
-def _state(weight: torch.Tensor) -> tuple:
-    """What a reordered copy of the weight was made from: its storage, dtype and version
+def _params(modules: tuple[nn.Linear, ...]) -> list[torch.Tensor | None]:
+    """Each module's weight and bias (None where it has none): what a prepacked copy holds."""
+    return [t for m in modules for t in (m.weight, m.bias)]
+
+
+def _state(weight: torch.Tensor | None) -> tuple | None:
+    """What a copy of a weight or bias was made from: its storage, dtype and version
     counter (which moves when it is written in place; a tensor made under inference mode
     keeps none, and cannot be written outside it). ``module.to(dtype)`` swaps the storage
     of the same parameter."""
+    if weight is None:
+        return None
     try:
         version = weight._version
     except RuntimeError:

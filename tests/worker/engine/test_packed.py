@@ -196,8 +196,8 @@ def test_the_dense_parts_see_only_the_tokens_the_rows_carry(monkeypatch):
 def test_linear_layers_run_prepacked_on_a_cpu_and_follow_their_weights(monkeypatch):
     """On a CPU each linear layer runs over a copy of its weight reordered for oneDNN: the
     same outputs as the module's (float tolerance, bias included, whatever the rows in the
-    call: a row's output does not depend on the others), a weight written in place or
-    replaced is read again, and the switch or a library that disagrees keeps the module."""
+    call: a row's output does not depend on the others), a weight or bias written in place
+    or replaced is read again, and the switch or a library that disagrees keeps the module."""
     torch.manual_seed(0)
     layer = nn.Linear(64, 96)
     fast = packed.prepacked(layer)
@@ -209,6 +209,10 @@ def test_linear_layers_run_prepacked_on_a_cpu_and_follow_their_weights(monkeypat
         torch.testing.assert_close(fast(x[None]), layer(x[None]), rtol=1e-4, atol=1e-5)
     with torch.no_grad():
         layer.weight.mul_(2.0)  # in place: its version moves
+    with torch.inference_mode():
+        torch.testing.assert_close(fast(x), layer(x), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        layer.bias.add_(1.0)  # the bias too: the copy holds it
     with torch.inference_mode():
         torch.testing.assert_close(fast(x), layer(x), rtol=1e-4, atol=1e-5)
     layer.weight = nn.Parameter(torch.randn(96, 64))  # replaced
