@@ -11,6 +11,8 @@ figure is each side's median, and the first tokens must agree.
 
 With `--templates N` the prompts use N different system prompts (prompt i the (i mod N)-th),
 so that every admission holds several shared-prefix groups, as a synthesis job's does;
+`--head-tokens K` gives the templates their first K tokens in common (a chat template's
+header and default system prompt, before each task's own instructions);
 `--check-alone` also runs each prompt alone (batch 1, sharing off) and counts the outputs
 that equal it. Every run reports its batch rows per step (the batch stays full).
 
@@ -46,14 +48,20 @@ TOPICS = ["a wooden chair", "a steel kettle", "a wool scarf", "a glass vase", "a
           "a cotton shirt", "a ceramic mug", "a bamboo desk"]
 
 
+HEAD = "You work for a shop's catalogue team and answer in English. "
 TEAMS = ["Furniture", "Kitchen", "Clothing", "Garden", "Toys", "Lighting", "Office", "Sports"]
 
 
-def job(tokenizer, prompts: int, prefix_tokens: int, templates: int = 1) -> list[list[int]]:
+def job(tokenizer, prompts: int, prefix_tokens: int, templates: int = 1,
+        head_tokens: int = 0) -> list[list[int]]:
     """Prompt token ids: one of ``templates`` system prompts of `prefix_tokens` tokens
-    (prompt i takes the (i mod templates)-th), then a question each."""
-    systems = [tokenizer(f"[{TEAMS[t % len(TEAMS)]} desk {t}] " + SYSTEM * (prefix_tokens // 20 + 1)
-                         ).input_ids[:prefix_tokens] for t in range(templates)]
+    (prompt i takes the (i mod templates)-th; the first ``head_tokens`` of them the same in
+    every template), then a question each."""
+    head = tokenizer(HEAD * (head_tokens // 10 + 1)).input_ids[:head_tokens]
+    systems = [head + tokenizer(f"[{TEAMS[t % len(TEAMS)]} desk {t}] "
+                                + SYSTEM * (prefix_tokens // 20 + 1)
+                                ).input_ids[: max(prefix_tokens - head_tokens, 1)]
+               for t in range(templates)]
     return [systems[i % templates]
             + tokenizer(f" Item {i}: rewrite the description of {TOPICS[i % len(TOPICS)]}"
                         f" sold in pack {i // len(TOPICS) + 1}.").input_ids
@@ -98,13 +106,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=positive_int, default=1)
     p.add_argument("--templates", type=positive_int, default=1,
                    help="different system prompts among the prompts")
+    p.add_argument("--head-tokens", type=int, default=0,
+                   help="tokens every template starts with (a chat template's header)")
     p.add_argument("--check-alone", action="store_true",
                    help="also run each prompt alone and count outputs equal to it")
     p.add_argument("--admit-groups", type=_ints,
                    help="compare these refill groups (e.g. 1,4) instead of sharing off/on")
     args = p.parse_args(argv)
     pair = load_model(args)
-    prompts = job(pair.tokenizer, args.prompts, args.prefix_tokens, args.templates)
+    if not 0 <= args.head_tokens < args.prefix_tokens:
+        p.error("--head-tokens: from 0 to --prefix-tokens - 1")
+    prompts = job(pair.tokenizer, args.prompts, args.prefix_tokens, args.templates,
+                  args.head_tokens)
     configs = ([(True, g) for g in args.admit_groups] if args.admit_groups
                else [(False, None), (True, None)])
     new = varied(len(prompts), args.max_new_tokens) if args.admit_groups else args.max_new_tokens
@@ -124,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     same = min(sum(a == b for a, b in zip(first, t)) for t in tokens.values())
     lengths = sorted(map(len, prompts))
     print(f"{args.prompts} prompts of {lengths[0]}-{lengths[-1]} tokens sharing "
-          f"{args.prefix_tokens} in {args.templates} template(s), batch {args.batch}, "
+          f"{args.prefix_tokens} in {args.templates} template(s)"
+          f"{f' ({args.head_tokens} common to all)' if args.head_tokens else ''}, "
+          f"batch {args.batch}, "
           f"{'1-' if args.admit_groups else ''}{args.max_new_tokens} new tokens, "
           f"{args.pair} on {pair.target.device} {str(pair.target.dtype).removeprefix('torch.')}, "
           f"torch threads {torch.get_num_threads()}, median of {args.repeat}")

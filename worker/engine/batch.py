@@ -188,6 +188,17 @@ class KVRows:
                  layer.values[row : row + 1, :, start:stop].clone())
                 for layer in self.cache.buffers]
 
+    @torch.inference_mode()
+    def real_columns(self, row: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A copy of one row's real columns, in order, per layer [1, heads, n, dim] (what
+        ``from_prefix`` takes): its prompt's keys and values after a prefill, wherever the
+        forward put them."""
+        assert self.cache is not None and self.mask is not None, "no columns before a forward"
+        idx = self.mask[row].nonzero()[:, 0]
+        return [(layer.keys[row : row + 1, :, : layer.length].index_select(2, idx),
+                 layer.values[row : row + 1, :, : layer.length].index_select(2, idx))
+                for layer in self.cache.buffers]
+
     @property
     def packed(self) -> bool:
         """True when a forward's cost follows the valid tokens, not the padded block."""

@@ -12,6 +12,7 @@ any leading part of a stored sequence serves a prompt that shares that part.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -69,22 +70,41 @@ class PrefixStore:
             self.entries.popitem(last=False)
 
 
-def _groups(prompts: list[list[int]]) -> list[tuple[list[int], int]]:
-    """Runs of prompts (indices) that share at least MIN_PREFIX leading tokens, and the
-    length they share (at most all but the shortest one's last token)."""
-    order = sorted(range(len(prompts)), key=lambda i: prompts[i])
-    runs: list[list[int]] = [order[:1]]
-    shared: list[int | None] = [None]
-    for prev, i in zip(order, order[1:]):  # sorted: a run shares its least adjacent share
-        n = min(common_length(prompts[prev], prompts[i]),
-                len(prompts[prev]) - 1, len(prompts[i]) - 1)
-        if n >= MIN_PREFIX:
-            runs[-1].append(i)
-            shared[-1] = n if shared[-1] is None else min(shared[-1], n)
-        else:
-            runs.append([i])
-            shared.append(None)
-    return [(r, n) for r, n in zip(runs, shared) if n is not None]
+def _groups(prompts: list[list[int]],
+            served: list[int] | None = None) -> list[tuple[list[int], int]]:
+    """Groups of prompts (indices) worth a shared prefix computed once, and its length.
+
+    In sorted order, a run of prompts shares the least of its neighbours' shares (at most
+    all but the shortest one's last token). A run's prefix saves each of its rows the
+    tokens it shares beyond what the store already serves that row (``served``), and costs
+    its own tokens beyond that; a run is split where its least share falls whenever its
+    parts save more: templates under one chat header share the header with each other but
+    their whole instructions within their own run. A group saves MIN_PREFIX tokens at
+    least (fewer are not worth a pass)."""
+    n = len(prompts)
+    have = served or [0] * n
+    order = sorted(range(n), key=lambda i: prompts[i])
+    shares = [min(common_length(prompts[a], prompts[b]), len(prompts[a]) - 1,
+                  len(prompts[b]) - 1) for a, b in zip(order, order[1:])]
+
+    def best(lo: int, hi: int) -> tuple[int, list[tuple[list[int], int]]]:
+        """The most order[lo:hi] saves, and the groups that save it."""
+        if hi - lo < 2:
+            return 0, []
+        least = min(shares[lo: hi - 1])
+        rows = order[lo:hi]
+        own = -1
+        if least >= MIN_PREFIX:
+            own = (sum(max(0, least - have[i]) for i in rows)
+                   - (least - max(min(have[i], least) for i in rows)))
+        cuts = [k + 1 for k in range(lo, hi - 1) if shares[k] == least]
+        parts = [best(a, b) for a, b in zip([lo] + cuts, cuts + [hi])]
+        split = sum(saved for saved, _ in parts)
+        if own >= MIN_PREFIX and own >= split:
+            return own, [(rows, least)]
+        return split, [g for _, groups in parts for g in groups]
+
+    return best(0, n)[1]
 
 
 @torch.inference_mode()
@@ -92,73 +112,77 @@ def prefill(model: PreTrainedModel, prompts: list[list[int]], pad_id: int,
             store: PrefixStore | None) -> tuple[KVRows, torch.Tensor]:
     """Prefill ``prompts`` (a row each, in order): (their cache, last logits [n, 1, V]).
 
-    Without a store, one padded pass. With one, prompts that share a prefix with a
-    stored sequence, or at least MIN_PREFIX tokens with each other (that prefix is then
-    computed once and stored), take its columns and prefill their suffixes, one pass per
-    prefix; the rest take one plain pass, and their prompts are stored for later rows.
+    Without a store, one padded pass. With one, a row takes the columns of the longest
+    prefix of its prompt that the store holds and computes the rest. Where prompts share
+    more than the store serves them (``_groups``), the shared prefixes are computed first,
+    in one pass of their own, and stored; then every row's rest, in one pass. The prompts
+    of rows that took nothing are stored too, for later rows.
     """
     dev = model.device
     if store is None:
         kv = KVRows(model)
         return kv, kv.forward(*left_pad(prompts, pad_id, dev), last_only=True)
-    plan: dict[int, tuple[Prefix, list[int], list[int]]] = {}  # id -> prefix, rows, lengths
-    plain = []
-    for i, p in enumerate(prompts):
-        prefix, n = store.match(p)
-        if prefix is not None and n >= MIN_PREFIX:
-            _, rows, lengths = plan.setdefault(id(prefix), (prefix, [], []))
+    served = [_base(store, p)[1] for p in prompts]
+    new = [Prefix(tuple(prompts[run[0]][:n]), []) for run, n in _groups(prompts, served)]
+    computed = 0
+    if new:  # their own pass, each from what the store holds of it
+        heads = [_base(store, list(p.tokens)) for p in new]
+        kv, _ = _rest(model, [list(p.tokens) for p in new], heads, pad_id)
+        computed += sum(len(p.tokens) - n for p, (_, n) in zip(new, heads))
+        for b, prefix in enumerate(new):
+            prefix.layers = kv.real_columns(b)
+            store.add(prefix)
+    bases = [_base(store, p, new) for p in prompts]
+    kv, logits = _rest(model, prompts, bases, pad_id)
+    computed += sum(len(p) - n for p, (_, n) in zip(prompts, bases))
+    store.served += sum(map(len, prompts)) - computed
+    # a new template, perhaps: later rows may share it. The store keeps max_entries at most,
+    # so only the last that many are copied (the others would be dropped at once)
+    lone = [b for b, (p, _) in enumerate(bases) if p is None and len(prompts[b]) > MIN_PREFIX]
+    for b in lone[-store.max_entries:]:
+        store.add(Prefix(tuple(prompts[b]), kv.real_columns(b)))
+    return kv, logits
+
+
+def _base(store: PrefixStore, prompt: list[int],
+          new: Sequence[Prefix] = ()) -> tuple[Prefix | None, int]:
+    """The prefix that serves ``prompt`` longest (of the store's, and ``new``: this
+    admission's shared ones, which the store may have dropped already), and how many of
+    its tokens; (None, 0) under MIN_PREFIX tokens."""
+    prefix, n = store.match(prompt)
+    for other in new:
+        m = min(common_length(other.tokens, prompt), len(prompt) - 1)
+        if m > n:
+            prefix, n = other, m
+    return (prefix, n) if prefix is not None and n >= MIN_PREFIX else (None, 0)
+
+
+def _rest(model: PreTrainedModel, prompts: list[list[int]],
+          bases: list[tuple[Prefix | None, int]], pad_id: int) -> tuple[KVRows, torch.Tensor]:
+    """Rows (in order) whose first columns are their base's (a prefix, and how many of its
+    tokens: None, 0 for none), the rest of their prompts computed in one pass.
+    -> (their cache, last logits [n, 1, V])"""
+    dev = model.device
+    parts: dict[int, tuple[Prefix, list[int], list[int]]] = {}  # id -> prefix, rows, lengths
+    for i, (prefix, n) in enumerate(bases):
+        if prefix is not None:
+            if tuple(prompts[i][:n]) != prefix.tokens[:n]:
+                raise AssertionError(f"prefix plan: row {i} was given another prompt's prefix")
+            _, rows, lengths = parts.setdefault(id(prefix), (prefix, [], []))
             rows.append(i)
             lengths.append(n)
-            store.served += n
-        else:
-            plain.append(i)
-    grouped: set[int] = set()
-    for run, n in _groups([prompts[i] for i in plain]):  # run: positions in ``plain``
-        rows = [plain[j] for j in run]
-        one = KVRows(model)
-        tokens = prompts[rows[0]][:n]
-        one.forward(torch.tensor([tokens], device=dev), torch.ones(1, n, dtype=torch.bool,
-                                                                   device=dev))
-        prefix = Prefix(tuple(tokens), one.columns(0, 0, n))
-        store.add(prefix)
-        plan[id(prefix)] = (prefix, rows, [n] * len(rows))
-        store.served += n * (len(rows) - 1)  # the first row paid for it
-        grouped.update(rows)
-    plain = [i for i in plain if i not in grouped]
-    parts: list[tuple[list[int], KVRows, torch.Tensor]] = []
-    for prefix, rows, lengths in plan.values():
-        for i, n in zip(rows, lengths):  # a row takes no prefix but its own
-            if tuple(prompts[i][:n]) != prefix.tokens[:n]:
-                raise AssertionError(f"prefix plan: row {i} was given another prompt's "
-                                     f"prefix")
-        kv = KVRows.from_prefix(model, prefix.layers, lengths)
-        suffixes = [prompts[i][n:] for i, n in zip(rows, lengths)]
-        parts.append((rows, kv, kv.forward(*left_pad(suffixes, pad_id, dev), last_only=True)))
-    if plain:
-        kv = KVRows(model)
-        ids, valid = left_pad([prompts[i] for i in plain], pad_id, dev)
-        parts.append((plain, kv, kv.forward(ids, valid, last_only=True)))
-        # a new template, perhaps: later rows may share it. The store keeps max_entries at
-        # most, so only the last that many are copied (the others would be dropped at once)
-        lone = [(b, i) for b, i in enumerate(plain) if len(prompts[i]) > MIN_PREFIX]
-        marker = kv.marker()  # a prompt's columns end there (either forward: KVRows.marker)
-        ends = marker.tolist() if isinstance(marker, torch.Tensor) else [marker] * kv.rows
-        for b, i in lone[-store.max_entries:]:
-            n = len(prompts[i])
-            store.add(Prefix(tuple(prompts[i]), kv.columns(b, ends[b] - n, ends[b])))
-    return _merge(parts, len(prompts))
-
-
-def _merge(parts: list[tuple[list[int], KVRows, torch.Tensor]],
-           n: int) -> tuple[KVRows, torch.Tensor]:
-    """One cache and one logits tensor over the parts' rows, in prompt order."""
-    kv = parts[0][1]
-    for _, other, _ in parts[1:]:
-        kv.extend(other)
-    order = [i for rows, _, _ in parts for i in rows]  # prompt index of each merged row
-    logits = torch.cat([lg for _, _, lg in parts])  # [n, 1, V]
-    back = sorted(range(n), key=order.__getitem__)  # merged row of each prompt
-    if back != list(range(n)):
+    order = [i for _, rows, _ in parts.values() for i in rows]
+    plain = [i for i, (prefix, _) in enumerate(bases) if prefix is None]
+    kv = KVRows(model)
+    for prefix, _, lengths in parts.values():
+        kv.extend(KVRows.from_prefix(model, prefix.layers, lengths))
+    if plain and order:
+        kv.add_rows(len(plain))  # rows with no column yet: the pass writes them all
+    order += plain
+    rest = [prompts[i][bases[i][1]:] for i in order]
+    logits = kv.forward(*left_pad(rest, pad_id, dev), last_only=True)  # [n, 1, V]
+    back = sorted(range(len(order)), key=order.__getitem__)  # the row of each prompt
+    if back != list(range(len(order))):
         kv.select(back)
         logits = logits[torch.tensor(back, device=logits.device)]
     return kv, logits

@@ -143,3 +143,67 @@ def test_several_groups_in_one_admission_each_take_their_own_prefix(tiny_models,
         assert torch.allclose(kv.forward(nxt, one), plain_kv.forward(nxt, one), atol=1e-4)
     assert len(store.entries) == len(share_lengths)
     assert store.served == sum(share_lengths)  # each group's second row
+
+
+def test_templates_under_one_header_each_share_their_whole_prefix():
+    """A chat header common to every prompt, then each template's own instructions: each
+    template is one group over its whole share, not every prompt one group over the header
+    (which left each row its template to prefill); a store that serves only the header
+    does not stop it either."""
+    head = list(range(3, 3 + 24))
+    templates = [head + [100 + t] * 40 for t in range(3)]
+    prompts = [templates[i % 3] + [200 + i, 7] for i in range(9)]
+    assert sorted(n for _, n in _groups(prompts)) == [64, 64, 64]
+    assert sorted(n for _, n in _groups(prompts, [24] * 9)) == [64, 64, 64]
+    # two templates of two rows each save less apart than under the header alone
+    few = [head + [100 + t] * 5 + [200 + i] for t in range(2) for i in range(2)]
+    assert _groups(few) == [([0, 1, 2, 3], 24)]
+
+
+def _tree_prompts(gen: torch.Generator) -> list[list[int]]:
+    """Prompts drawn from a random tree: a header or none, templates under it, tails."""
+    def tokens(n: int) -> list[int]:
+        return torch.randint(3, 259, (n,), generator=gen).tolist()
+
+    def draw(n: int) -> int:
+        return int(torch.randint(n, (1,), generator=gen))
+
+    heads = [tokens(draw(30)) for _ in range(1 + draw(2))]
+    templates = [heads[draw(len(heads))] + tokens(draw(40)) for _ in range(1 + draw(4))]
+    return [templates[draw(len(templates))] + tokens(1 + draw(6)) for _ in range(2 + draw(9))]
+
+
+@pytest.mark.parametrize("packed", ["1", "0"])
+def test_random_templates_prefill_in_two_passes_and_match_a_plain_prefill(tiny_models,
+                                                                         monkeypatch, packed):
+    """Random trees of headers, templates and tails, over a store that is empty, then warm,
+    then full of other prompts: every row's logits are a plain prefill's, the store's count
+    of tokens served is the tokens not computed, and an admission takes two passes at most
+    (the shared prefixes', then every row's rest). Both forwards: the packed one writes a
+    row's rest right after its prefix, transformers' own after the padding."""
+    from specq.worker.engine import batch
+    from specq.worker.engine import packed as packing
+
+    monkeypatch.setenv(packing.ENV, packed)
+    model = tiny_models["target"]
+    passes: list[int] = []
+    forward = batch.KVRows.forward
+
+    def counted(self, input_ids, valid, last_only=False):
+        passes.append(int(valid.sum()))
+        return forward(self, input_ids, valid, last_only)
+
+    gen = torch.Generator().manual_seed(11)
+    for case in range(12):
+        store = PrefixStore(max_entries=int(torch.randint(1, 9, (1,), generator=gen)))
+        for _ in range(3):  # the same store: empty, then holding the last rounds' prefixes
+            prompts = _tree_prompts(gen)
+            monkeypatch.setattr(batch.KVRows, "forward", forward)
+            _, want = prefill(model, prompts, 0, None)
+            monkeypatch.setattr(batch.KVRows, "forward", counted)
+            passes.clear()
+            before = store.served
+            _, got = prefill(model, prompts, 0, store)
+            assert torch.allclose(got, want, atol=1e-4), case
+            assert len(passes) <= 2, case
+            assert store.served - before == sum(map(len, prompts)) - sum(passes), case
