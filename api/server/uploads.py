@@ -279,11 +279,12 @@ class Upload:
         self._field_bytes = 0
         self._header_bytes = 0
         self._parts = 0
+        self._closed = False  # the form's closing boundary was read
         self._parser = MultipartParser(boundary, {
             "on_part_begin": self._begin, "on_header_field": self._header_name,
             "on_header_value": self._header_value, "on_header_end": self._header_end,
             "on_headers_finished": self._headers_done, "on_part_data": self._data,
-            "on_part_end": self._end})
+            "on_part_end": self._end, "on_end": self._form_end})
 
     @property
     def oversize(self) -> bool:
@@ -304,6 +305,9 @@ class Upload:
             raise MultipartError(f"the body is not a valid multipart form ({exc})") from None
         finally:
             self._close()
+        if not self._closed:  # the parser's finalize checks nothing: a cut body looks whole
+            raise MultipartError("the body ends before the form's closing boundary: a cut "
+                                 "upload is not stored")
         if self.filename is None:
             raise MultipartError("file: required, the batch file as a multipart file part")
         self.scan.finish()
@@ -374,6 +378,9 @@ class Upload:
                                      f"{MAX_FIELD_BYTES} bytes")
             if self._part in KNOWN_FIELDS:
                 self._field.append(piece)
+
+    def _form_end(self) -> None:
+        self._closed = True
 
     def _end(self) -> None:
         if self._part == "":

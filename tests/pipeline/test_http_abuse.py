@@ -205,6 +205,27 @@ def test_an_upload_form_is_bounded_as_a_whole(door, abuse_settings):
     assert list((abuse_settings.files_dir / ".incoming").iterdir()) == []
 
 
+def test_a_cut_upload_is_refused_and_nothing_is_stored(door, abuse_settings):
+    """A body that ends before the form's closing boundary (a client or proxy that cut it)
+    is refused, not stored as a shorter file: after a whole line of the file part, inside
+    a line, or only the closing boundary missing."""
+    key = new_key(abuse_settings)
+    headers = {"Authorization": f"Bearer {key}",
+               "Content-Type": "multipart/form-data; boundary=b0undary"}
+    whole = form(("purpose", None, b"batch"), ("file", "a.jsonl", FILE * 3))
+    ends = whole.index(FILE) + len(FILE)
+    for cut in (whole[:ends], whole[:ends + 10], whole[: -len(b"--b0undary--\r\n")]):
+        got = httpx.post(f"{door.url}/files", content=cut, headers=headers, timeout=30)
+        assert got.status_code == 400, got.text
+        assert "closing boundary" in error_of(got.content)["message"]
+    listed = httpx.get(f"{door.url}/files", headers={"Authorization": f"Bearer {key}"},
+                       timeout=30).json()["data"]
+    assert listed == []
+    got = httpx.post(f"{door.url}/files", content=whole, headers=headers, timeout=30)
+    assert got.status_code == 200 and got.json()["bytes"] == 3 * len(FILE), got.text
+    assert list((abuse_settings.files_dir / ".incoming").iterdir()) == []
+
+
 # -- 2, 3. a create or an upload killed at any point ----------------------------------------
 
 def batches_and_orphans(settings, tenant_key_batches: list[str]) -> tuple[dict, int]:
