@@ -32,7 +32,13 @@ from specq.configs import tokenizer_cache
 from specq.configs.hub import hub_problem
 from specq.configs.presets import ModelSource, PairError, PairPreset, locate
 from specq.configs.settings import Settings
-from specq.schema.generation import Request, RequestError, check_length, context_length
+from specq.schema.generation import (
+    Request,
+    RequestError,
+    check_length,
+    check_size,
+    context_length,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +54,16 @@ class PromptTokenizer:
     tokenizer: Any  # tokenizers.Tokenizer
     chat_template: str | None
     special: dict[str, str]
+    longest_token: int = 0  # bytes, at most, of one token's text (0: read from the vocabulary)
+
+    def __post_init__(self) -> None:
+        if not self.longest_token:
+            self.longest_token = longest_token(self.tokenizer.get_vocab())
 
     def encode(self, request: Request, context: int) -> list[int]:
-        """Token ids of the prompt; RequestError when it cannot fit ``context``."""
+        """Token ids of the prompt; RequestError when it cannot fit ``context`` (one far
+        too long for it is refused by its size, untokenized)."""
+        check_size(request, self.longest_token, context)
         if request.prompt_token_ids is not None:
             ids = list(request.prompt_token_ids)
         elif request.messages is not None:
@@ -71,6 +84,14 @@ class PromptTokenizer:
         except Exception as exc:  # noqa: BLE001 (a model's own Jinja template: anything)
             raise RequestError("messages", f"the model's chat template refused them: "
                                f"{type(exc).__name__}: {exc}") from None
+
+
+def longest_token(vocab: dict[str, int]) -> int:
+    """UTF-8 bytes of the longest token string in a vocabulary: at least as many as the
+    text any of its tokens covers (a byte-level token's characters stand for a byte each
+    and take one or two; a SentencePiece piece's marker stands for one byte and takes
+    three)."""
+    return max((len(t.encode()) for t in vocab), default=1)
 
 
 @lru_cache(maxsize=16)

@@ -141,3 +141,26 @@ def fits_by_size(request: Request, context: int) -> bool:
         assert request.prompt is not None  # a Request holds exactly one of the three
         n = len(request.prompt.encode())
     return n + _TOKENS_BEYOND_BYTES + request.max_new_tokens <= context
+
+
+def text_bytes(request: Request) -> int:
+    """UTF-8 bytes of the text a request's prompt is made of (its messages' contents; 0
+    for token ids): the part of a prompt that a chat template only adds to."""
+    if request.prompt_token_ids is not None:
+        return 0
+    if request.messages is not None:
+        return sum(len(m.content.encode()) for m in request.messages)
+    assert request.prompt is not None  # a Request holds exactly one of the three
+    return len(request.prompt.encode())
+
+
+def check_size(request: Request, longest_token: int, context: int) -> None:
+    """RequestError when the prompt cannot fit ``context`` whatever its tokenization: no
+    token of the model's covers more than ``longest_token`` bytes, so it has at least its
+    bytes over that many tokens. Refuses a prompt far too long before a tokenizer spends
+    hundreds of bytes on each of its tokens (8 MB of text took 1.8 GB)."""
+    least = -(-text_bytes(request) // max(longest_token, 1))
+    if least >= context:
+        raise RequestError("prompt", f"at least {least} tokens ({text_bytes(request)} bytes; "
+                           f"no token of this model's covers more than {longest_token}), "
+                           f"the model's context is {context}")

@@ -74,3 +74,33 @@ def test_the_light_tokenizer_encodes_as_the_engine_does(data_dir, tiny_tokenizer
         assert light.encode(r, 10**9) == encode_prompt(tiny_tokenizer, r, 10**9)
     with pytest.raises(RequestError, match="prompt: .* tokens, the model's context is 512"):
         light.encode(Request(prompt=LONG * 3, max_new_tokens=4), context)
+
+
+def test_the_light_tokenizer_refuses_a_prompt_far_too_long_untokenized(data_dir):
+    """What the engine refuses by size (check_size), a submission refuses the same way,
+    before the tokenizer sees it."""
+    import dataclasses
+
+    settings = Settings(data_dir=data_dir)
+    preset = get_preset("tiny")
+    light, context = prompt_tokenizer(preset, settings), target_context(preset, settings)
+    seen: list[int] = []
+
+    class Spy:
+        def encode(self, text, **kwargs):
+            seen.append(len(text))
+            return light.tokenizer.encode(text, **kwargs)
+
+        def get_vocab(self):
+            return light.tokenizer.get_vocab()
+
+    spying = dataclasses.replace(light, tokenizer=Spy(), longest_token=0)
+    assert spying.longest_token == light.longest_token > 1
+    huge = "the quick brown fox " * 400_000
+    for request in (Request(prompt=huge, max_new_tokens=4),
+                    Request(messages=[{"role": "user", "content": huge}], max_new_tokens=4)):
+        with pytest.raises(RequestError, match="prompt: at least .* the model's context is 512"):
+            spying.encode(request, context)
+    assert seen == []
+    assert spying.encode(Request(prompt="Hi", max_new_tokens=4), context) == light.encode(
+        Request(prompt="Hi", max_new_tokens=4), context)

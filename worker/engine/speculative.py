@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass
@@ -11,7 +12,13 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from specq.schema.generation import Request, RequestError, check_length, context_length
+from specq.schema.generation import (
+    Request,
+    RequestError,
+    check_length,
+    check_size,
+    context_length,
+)
 from specq.worker.engine import calibration
 from specq.worker.engine.batch import KVRows, Row, fill_holes, upload
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
@@ -57,21 +64,43 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, request: Request, context:
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, requests: list[Request], context: int
                    ) -> list[list[int] | RequestError]:
-    """Token ids of each request's prompt, or the RequestError that refuses it. Plain
-    prompts go through the tokenizer in one call (a call costs more than a short prompt)."""
+    """Token ids of each request's prompt, or the RequestError that refuses it (one far too
+    long for the context by its size alone, untokenized: check_size). Plain prompts go
+    through the tokenizer in one call (a call costs more than a short prompt)."""
+    longest = _longest_token(tokenizer)
+    refused: dict[int, RequestError] = {}
+    for b, request in enumerate(requests):
+        try:
+            check_size(request, longest, context)
+        except RequestError as exc:
+            refused[b] = exc
     plain = [b for b, r in enumerate(requests)
-             if r.prompt_token_ids is None and r.messages is None]
+             if r.prompt_token_ids is None and r.messages is None and b not in refused]
     batched = dict(zip(plain, tokenizer([requests[b].prompt for b in plain]).input_ids
                        if plain else []))
     out: list[list[int] | RequestError] = []
     for b, request in enumerate(requests):
         try:
+            if b in refused:
+                raise refused[b]
             ids = list(batched[b]) if b in batched else _encode_one(tokenizer, request)
             check_length(len(ids), request.max_new_tokens, context)
             out.append(ids)
         except RequestError as exc:
             out.append(exc)
     return out
+
+
+_LONGEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _longest_token(tokenizer: PreTrainedTokenizerBase) -> int:
+    """Bytes, at most, of the text one of the tokenizer's tokens covers (read once per
+    tokenizer: api/tokenizer.py, longest_token)."""
+    if tokenizer not in _LONGEST:
+        _LONGEST[tokenizer] = max((len(t.encode()) for t in tokenizer.get_vocab()),
+                                  default=1)
+    return _LONGEST[tokenizer]
 
 
 def _encode_one(tokenizer: PreTrainedTokenizerBase, request: Request) -> list[int]:

@@ -97,3 +97,38 @@ def test_prompts_encoded_together_are_the_ones_encoded_alone(tiny_tokenizer):
         assert got == alone, req.id
     assert [isinstance(g, RequestError) for g in together] == [False, False, True, False,
                                                                True, False, False]
+
+
+class _Spy:
+    """A tokenizer that records the length of every text it is asked to encode."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer, self.texts = tokenizer, []
+
+    def __call__(self, texts, **kwargs):
+        self.texts += [len(t) for t in ([texts] if isinstance(texts, str) else texts)]
+        return self._tokenizer(texts, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_a_prompt_far_too_long_is_refused_by_its_size_untokenized(tiny_tokenizer):
+    """A prompt whose bytes over the vocabulary's longest token already pass the context is
+    refused naming both, and never reaches the tokenizer (8 MB of text cost a tokenizer
+    1.8 GB); the rest of the admission is encoded as before."""
+    from specq.schema.generation import Request, RequestError
+    from specq.worker.engine.speculative import encode_prompts
+
+    spy = _Spy(tiny_tokenizer)
+    huge = "the quick brown fox " * 400_000  # 8 MB
+    requests = [Request(id=0, prompt=huge, max_new_tokens=4),
+                Request(id=1, messages=[{"role": "user", "content": huge}], max_new_tokens=4),
+                Request(id=2, prompt="Fix the grammar: he go home", max_new_tokens=8)]
+    got = encode_prompts(spy, requests, 512)
+    for refused in got[:2]:
+        assert isinstance(refused, RequestError)
+        assert str(refused).startswith("prompt: at least ")
+        assert "the model's context is 512" in str(refused)
+    assert got[2] == tiny_tokenizer(requests[2].prompt).input_ids
+    assert max(spy.texts) < 100
