@@ -281,9 +281,24 @@ def mark(session: Session, *, batch_id: int, column: str) -> bool:
                                         .values({column: utcnow()}))))
 
 
+def lock_tenant(session: Session, tenant_id: int) -> None:
+    """Hold the tenant's row till the transaction ends: the tenant's creates that check
+    its quota go one at a time (a write, so SQLite takes its lock before any read too)."""
+    session.execute(update(Tenant).where(Tenant.id == tenant_id).values(name=Tenant.name))
+
+
 def unfinished_items(session: Session, *, tenant_id: int) -> int:
     """Requests of the tenant's batches whose job is not finished and that have no outcome
-    yet (from the chunks' counts: a few rows per thousand items)."""
+    yet (from the chunks' counts: a few rows per thousand items), and of its batches still
+    validating (their job not stored yet: their input files' lines)."""
+    validating = (select(func.coalesce(func.sum(File.lines), 0))
+                  .select_from(Batch).join(File, File.openai_id == Batch.input_file_id)
+                  .where(Batch.tenant_id == tenant_id, Batch.status == "validating",
+                         Batch.job_id.is_(None)))
+    return _unfinished_jobs(session, tenant_id) + int(session.execute(validating).scalar_one() or 0)
+
+
+def _unfinished_jobs(session: Session, tenant_id: int) -> int:
     c = Chunk.__table__.c
     done = func.coalesce(func.sum(c.completed + c.failed + c.cancelled), 0)
     jobs = (select(Job.id.label("job_id"), Job.total.label("total"), done.label("done"))

@@ -333,10 +333,11 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
                        code="endpoint_mismatch")
     if not failed:
         preset = resolve(scan.model or "", request.app.state.presets)
-        _check_quota(client, who, scan.lines)
     now = utcnow()  # one instant for both: expires_at - created_at is the window exactly
     try:
         with client.sessions.begin() as s:
+            if not failed:  # checked and stored in one transaction, one create at a time
+                _check_quota(client, s, who, scan.lines)
             batch = store.add_batch(
                 s, openai_id="batch_" + secrets.token_hex(12), tenant_id=who.tenant_id,
                 key_id=who.key_id, status="failed" if failed else "validating",
@@ -401,12 +402,15 @@ def _replay(client: Client, who: Caller, key: str, digest: str) -> dict[str, Any
     return read_objects(client, [batch])[0]
 
 
-def _check_quota(client: Client, who: Caller, lines: int) -> None:
+def _check_quota(client: Client, s: Any, who: Caller, lines: int) -> None:
+    """429 when the tenant's unfinished requests and this batch's pass the quota; in the
+    transaction ``s`` that stores the batch, the tenant's row held (store.lock_tenant), so
+    that creates at the same moment cannot each count without the others."""
     quota = client.settings.api_quota_items
     if not quota:
         return
-    with client.sessions() as s:
-        unfinished = store.unfinished_items(s, tenant_id=who.tenant_id)
+    store.lock_tenant(s, who.tenant_id)
+    unfinished = store.unfinished_items(s, tenant_id=who.tenant_id)
     if unfinished + lines > quota:
         raise ApiError(429, f"Quota exceeded: your batches have {unfinished} unfinished "
                        f"requests and this one has {lines}; at most {quota} may be "

@@ -355,6 +355,29 @@ def test_the_quota_is_the_tenants_whatever_key_it_uses(server, http_settings):
     first.batches.cancel(made.id)
 
 
+def test_creates_at_the_same_moment_cannot_pass_the_quota_together(sdk):
+    """Each create counts the tenant's unfinished requests, its batches still validating
+    included, with the tenant's row held: of four creates of 1000 requests sent at once
+    under a quota of 2500, two are made and two answered 429, whichever they are."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    f = upload(sdk, [line(f"c{i}", "x", model="tiny-lookup") for i in range(1000)])
+
+    def attempt(_):
+        try:
+            return create(sdk, f.id).id
+        except openai.RateLimitError as err:
+            assert err.code == "quota_exceeded"
+            return None
+
+    with ThreadPoolExecutor(4) as pool:
+        made = [b for b in pool.map(attempt, range(4)) if b is not None]
+    assert len(made) == 2
+    assert sorted(b.id for b in sdk.batches.list()) == sorted(made)
+    for b in made:
+        sdk.batches.cancel(b)
+
+
 # -- paging and idempotency -----------------------------------------------------------------
 
 def test_lists_page_newest_first(sdk):
