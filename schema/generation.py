@@ -47,6 +47,11 @@ class SamplingParams(Shaped):
             raise ValueError("stop: contains a NUL character (\\u0000)")
         if not all(_is_unicode(s) for s in self.stop):
             raise ValueError("stop: contains a lone surrogate, which is not valid Unicode")
+        if self.stop and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("stop: not with a response_format that shapes the output (a "
+                             "stop string would cut it short of its grammar's end, where "
+                             "it ends by itself)")
         return self
 
 
@@ -161,6 +166,6 @@ def check_size(request: Request, longest_token: int, context: int) -> None:
     hundreds of bytes on each of its tokens (8 MB of text took 1.8 GB)."""
     least = -(-text_bytes(request) // max(longest_token, 1))
     if least >= context:
-        raise RequestError("prompt", f"at least {least} tokens ({text_bytes(request)} bytes; "
-                           f"no token of this model's covers more than {longest_token}), "
-                           f"the model's context is {context}")
+        raise RequestError("prompt", f"at least {least} tokens, the model's context is "
+                           f"{context} ({text_bytes(request)} bytes of text; no token of "
+                           f"this model's covers more than {longest_token})")

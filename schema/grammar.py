@@ -31,6 +31,7 @@ import json
 from collections.abc import Iterator
 from functools import lru_cache
 from typing import TYPE_CHECKING, Annotated, Any, Literal
+from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -147,6 +148,9 @@ def _compile(spec: str) -> str:
         elif kind == "json_schema":
             field = "json_schema.schema"
             schema = fmt["json_schema"]["schema"]
+            problem = _ref_cycle(schema) or _inexact_bound(schema)
+            if problem:
+                raise ValueError(f"{field}: {problem}")
             if fmt["json_schema"].get("strict") is not False:
                 schema = closed(schema)
             text = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
@@ -157,10 +161,10 @@ def _compile(spec: str) -> str:
             text = LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in fmt["choice"]))
     except ValueError as exc:
-        raise ValueError(f"{field}: the grammar library refused it: {_one_line(exc)}") from None
+        raise ValueError(f"{field}: the grammar library refused it: {one_line(exc)}") from None
     problem = LLMatcher.validate_grammar(text)
     if problem:
-        raise ValueError(f"{field}: the grammar library refused it: {_one_line(problem)}")
+        raise ValueError(f"{field}: the grammar library refused it: {one_line(problem)}")
     return text
 
 
@@ -194,9 +198,57 @@ def closed(schema: Any) -> Any:
     or are negated (``_KEEP``; anyOf/oneOf branches too where the parent lists properties
     of its own), with the definitions those reach by ``$ref``: closing them would refuse
     what the schema accepts. So the result accepts a subset of what the schema does."""
+    if any(_resolve(schema, ref) is None for ref in _refs(schema)):
+        return schema  # a $ref by anchor or URL: what it reaches is not known here
     kept: set[str] = set()  # "#/$defs/x" pointers whose schemas stay as they are
     _kept_refs(schema, schema, False, kept)
     return _close(schema, "#", False, kept)
+
+
+def _refs(node: Any) -> Iterator[str]:
+    """Every $ref in the schema."""
+    if isinstance(node, dict):
+        if isinstance(node.get("$ref"), str):
+            yield node["$ref"]
+        for _, _, _, sub in _subschemas(node):
+            yield from _refs(sub)
+
+
+def _ref_cycle(schema: Any) -> str | None:
+    """A chain of schemas that are nothing but a $ref and lead back to themselves (a -> b
+    -> a): no output can match it, and the library accepts it, to allow no token at all."""
+    for ref in _refs(schema):
+        seen = [ref]
+        node = _resolve(schema, ref)
+        while isinstance(node, dict) and node.keys() <= _BESIDE_REF - {"type"} \
+                and isinstance(node.get("$ref"), str):
+            if node["$ref"] in seen:
+                return f"$ref cycle {' -> '.join(seen + [node['$ref']])}: no schema at its end"
+            seen.append(node["$ref"])
+            node = _resolve(schema, node["$ref"])
+    return None
+
+
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+EXACT = 2**53  # the library holds numeric bounds as 64-bit floats: exact up to here
+
+
+def _inexact_bound(node: Any, at: str = "#") -> str | None:
+    """A numeric bound the library cannot hold exactly (past 2**53 in magnitude): its
+    grammar would let out-of-range numbers through."""
+    if not isinstance(node, dict):
+        return None
+    for key in _BOUNDS:
+        value = node.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and abs(value) > EXACT:
+            return (f"{at[1:]}/{key}: {value} is past 2**53, the largest bound the grammar "
+                    f"library holds exactly")
+    for _, _, suffix, sub in _subschemas(node):
+        problem = _inexact_bound(sub, at + suffix)
+        if problem:
+            return problem
+    return None
 
 
 def _subschemas(node: dict) -> Iterator[tuple[str, str | int | None, str, Any]]:
@@ -229,20 +281,27 @@ def _kept_refs(root: Any, node: Any, keep: bool, out: set[str]) -> None:
     if not isinstance(node, dict):
         return
     ref = node.get("$ref")
-    if isinstance(ref, str) and (keep or not node.keys() <= _BESIDE_REF) and ref not in out:
-        out.add(ref)
+    if isinstance(ref, str) and (keep or not node.keys() <= _BESIDE_REF) \
+            and _pointer(ref) not in out:
+        out.add(_pointer(ref))
         _kept_refs(root, _resolve(root, ref), True, out)
     for key, _, _, sub in _subschemas(node):
         _kept_refs(root, sub, keep or _keeps(node, key), out)
 
 
+def _pointer(ref: str) -> str:
+    """A local $ref as ``_close`` spells paths: each part percent-decoded, ~ escapes kept."""
+    return "#" + "/".join(unquote(part) for part in ref[1:].split("/"))
+
+
 def _resolve(root: Any, ref: str) -> Any:
-    """The schema a local JSON pointer ("#/$defs/x") names, or None."""
-    if not ref.startswith("#"):
+    """The schema a local JSON pointer ("#/$defs/x", percent-encoded or not) names, or
+    None (an anchor, a URL, a pointer to nothing)."""
+    if not (ref == "#" or ref.startswith("#/")):
         return None
     node = root
     for part in filter(None, ref[1:].split("/")):
-        part = part.replace("~1", "/").replace("~0", "~")
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
         if isinstance(node, dict) and part in node:
             node = node[part]
         elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
@@ -272,7 +331,7 @@ def _close(node: Any, path: str, keep: bool, kept: set[str]) -> Any:
     return out
 
 
-def _one_line(problem: object) -> str:
+def one_line(problem: object) -> str:
     """A library message on one line (regex errors come with a caret drawing)."""
     lines = [s.strip() for s in str(problem).splitlines() if s.strip()]
     errors = [s for s in lines if s.startswith("error:")]

@@ -58,7 +58,7 @@ LONG = " ".join(["word"] * 600)  # 3000 bytes: beyond the tiny model's 512-token
     ([{"prompt": "ok"}], "no-such-pair", {}, r"pair: unknown pair 'no-such-pair'; known: .*tiny"),
     ([{"prompt": "ok"}, {"prompt": "   "}], "tiny", {}, r"line 2: prompt: must not be empty"),
     ([{"prompt": "ok"}, {"prompt": LONG}], "tiny", {},
-     r"line 2: prompt: \d+ tokens, the model's context is 512"),
+     r"line 2: prompt: (at least )?\d+ tokens, the model's context is 512"),
     ([{"prompt": "ok", "temperature": -1}], "tiny", {},
      r"line 1: temperature: Input should be greater than or equal to 0"),
     ([{"prompt": "ok"}], "tiny", {"temperature": -1},

@@ -468,11 +468,16 @@ class Row:
         return self.result.finish_reason is not None or self.result.error is not None
 
     def fail(self, error: str) -> None:
-        """End the row alone with an error (its batch-mates go on)."""
+        """End the row alone with an error (its batch-mates go on): no finish_reason, and
+        no token after it."""
         self.result.error = error
+        self.result.finish_reason = None
 
     def emit(self, new_tokens: list[int]) -> int:
-        """Append tokens until a stop condition; returns how many were kept."""
+        """Append tokens until a stop condition; returns how many were kept (none once the
+        row failed: its grammar refused the step's tokens)."""
+        if self.result.error is not None:
+            return 0
         for n, tok in enumerate(new_tokens, start=1):
             self.tokens.append(tok)
             if tok in self.eos_ids or self._hit_stop_string():

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from specq.schema.generation import RequestError
-from specq.schema.grammar import ResponseFormat, grammar
+from specq.schema.grammar import ResponseFormat, grammar, one_line
 from specq.worker.engine.batch import Row
 from specq.worker.engine.drafters import Drafter, DraftInputs, PromptLookup, Proposal
 from specq.worker.engine.profile import Profile, Stopwatch
@@ -92,7 +92,10 @@ class Grammars:
     def matcher(self, response_format: ResponseFormat | None):
         """A fresh matcher for a row, or None for a row without a constraint.
         RequestError when the grammar does not compile against this tokenizer."""
-        text = grammar(response_format)
+        try:
+            text = grammar(response_format)
+        except ValueError as exc:  # a request built without validation (model_construct)
+            raise RequestError("response_format", str(exc)) from None
         if text is None:
             return None
         template = self._templates.get(text)
@@ -177,7 +180,7 @@ def advance(matchers: list, tokens: list[list[int]]) -> list[str | None]:
             if m.is_stopped():
                 break
             if not m.consume_token(t):
-                problem = m.get_error() or "the grammar refused the token"
+                problem = one_line(m.get_error() or "the grammar refused the token")
                 break
         problems.append(problem)
     return problems
@@ -304,7 +307,7 @@ class Shaped(Shaping):
         with self._working():
             problems = advance(self.matchers, tokens)
             for b in self.dead:
-                problems[b] = self.matchers[b].get_error() or "no token is allowed"
+                problems[b] = one_line(self.matchers[b].get_error() or "no token is allowed")
             for row, problem in zip(rows, problems):
                 if problem:
                     row.fail(f"response_format: the grammar reached a dead end after "

@@ -119,3 +119,65 @@ def test_a_closed_schema_accepts_only_what_the_schema_does(case):
             assert loose.is_valid(value), value
     for value in keep:
         assert tight.is_valid(value), value
+
+
+NODE = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("schema", [
+    # a definition reached by anchor, by a percent-encoded pointer, by an absolute URL
+    {"$defs": {"node": {**NODE, "$anchor": "nd"}},
+     "allOf": [{"$ref": "#nd"}, {"type": "object", "properties": {"b": {"type": "integer"}},
+                                 "required": ["b"]}]},
+    {"$defs": {"node": NODE}, "allOf": [
+        {"$ref": "#/%24defs/node"},
+        {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+    {"$id": "https://example.com/root", "$defs": {"node": NODE}, "allOf": [
+        {"$ref": "https://example.com/root#/$defs/node"},
+        {"type": "object", "properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+])
+def test_a_ref_closing_cannot_follow_leaves_the_schema_as_written(schema):
+    """Closing follows only pointers it can read; where a $ref names its schema another
+    way, the strict schema is kept as written (no definition under allOf is closed), and
+    an instance both branches judge passes."""
+    before = json.dumps(schema)
+    assert json.dumps(closed(schema)) == before
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema,
+                                                   "strict": True}}
+    Request(prompt="x", response_format=fmt)  # compiles: not refused as unsatisfiable
+    assert jsonschema.Draft202012Validator(schema).is_valid({"a": 1, "b": 2})
+
+
+@pytest.mark.parametrize("schema, says", [
+    ({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+     "$ref cycle #/$defs/a -> #/$defs/b -> #/$defs/a"),
+    ({"type": "object", "properties": {"n": {"$ref": "#/properties/n"}}},
+     "$ref cycle #/properties/n -> #/properties/n"),
+    ({"type": "object", "properties": {"big": {
+        "type": "integer", "minimum": 10**19, "maximum": 10**19 + 9}}},
+     "/properties/big/minimum: 10000000000000000000 is past 2**53"),
+    ({"type": "integer", "maximum": -(2**53 + 2)}, "/maximum: -9007199254740994 is past 2**53"),
+])
+def test_schemas_no_output_could_honour_are_refused_naming_where(schema, says):
+    """A $ref cycle leaves the grammar nothing to allow (the library takes it, and every
+    row would fail on the worker); a numeric bound past 2**53 the library holds inexactly
+    (it let 9223372036854775807 through a minimum of 10**19). Both refused where the
+    request is read."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": schema}}
+    with pytest.raises(ValueError, match="json_schema.schema: ") as err:
+        Request(prompt="x", response_format=fmt)
+    assert says in str(err.value)
+    # bounds the library holds exactly still compile
+    Request(prompt="x", response_format={"type": "json_schema", "json_schema": {
+        "name": "n", "schema": {"type": "integer", "minimum": -(2**53), "maximum": 2**53}}})
+
+
+def test_a_stop_string_is_refused_beside_a_shaping_response_format():
+    """A stop string would end a shaped output short of its grammar's end (and call the
+    broken JSON a stop); beside a free one it stays."""
+    for fmt in ({"type": "json_object"}, {"type": "choice", "choice": ["a", "b"]},
+                {"type": "json_schema", "json_schema": {"name": "n", "schema": POINT}}):
+        with pytest.raises(ValueError, match="stop: not with a response_format"):
+            Request(prompt="x", stop=[","], response_format=fmt)
+        Request(prompt="x", response_format=fmt)
+    assert Request(prompt="x", stop=[","], response_format={"type": "text"}).stop == [","]

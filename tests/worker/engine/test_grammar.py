@@ -18,7 +18,7 @@ from scipy.stats import chisquare
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from specq.schema.generation import Request
-from specq.schema.grammar import grammar
+from specq.schema.grammar import JsonSchemaFormat, JsonSchemaSpec, grammar
 from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.sampling import logits_to_probs
 from specq.worker.engine.speculative import SpeculativeEngine
@@ -488,6 +488,32 @@ def test_a_row_whose_grammar_dies_fails_alone(tiny_models, tiny_tokenizer, check
     assert results[1].error and results[1].error.startswith("response_format: the grammar "
                                                            "reached a dead end")
     others = [0] + list(range(2, 8))
+    assert check_shaped([requests[i] for i in others], [results[i] for i in others]) <= 1
+
+
+def test_a_row_whose_grammar_allows_nothing_or_never_compiles_fails_alone(
+        tiny_models, tiny_tokenizer, check_shaped):
+    """Requests built without validation (``model_construct``, as an in-process caller may):
+    a $ref cycle, whose grammar allows no first token, and a schema the library refuses.
+    Each fails alone with one line naming response_format, no finish_reason and no token;
+    their batch-mates finish as the reference says."""
+    cycle = {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+             "$ref": "#/$defs/a"}
+    bad = [JsonSchemaFormat.model_construct(type="json_schema", json_schema=JsonSchemaSpec
+                                            .model_construct(name="n", schema_=schema,
+                                                             strict=None))
+           for schema in (cycle, {"type": "strng"})]
+    requests = shaped_requests(6, seed=4)
+    requests[1] = requests[1].model_copy(update={"response_format": bad[0]})
+    requests[4] = requests[4].model_copy(update={"response_format": bad[1]})
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
+                               max_batch_size=3)
+    results = engine.generate(requests)
+    for i in (1, 4):
+        assert results[i].error.startswith("response_format: "), results[i].error
+        assert "\n" not in results[i].error and len(results[i].error) < 400
+        assert results[i].finish_reason is None and results[i].token_ids == []
+    others = [0, 2, 3, 5]
     assert check_shaped([requests[i] for i in others], [results[i] for i in others]) <= 1
 
 
