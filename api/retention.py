@@ -177,7 +177,8 @@ def upload_expiry(fields: dict[str, str], settings: Settings, created: datetime
     if anchor != "created_at":
         raise ValueError(f"expires_after.anchor: must be 'created_at', not {str(anchor)[:40]!r}")
     low, high = EXPIRY_LIMITS
-    if seconds is None or not seconds.strip().isdigit() or not low <= int(seconds) <= high:
+    if seconds is None or not (seconds.strip().isascii() and seconds.strip().isdigit()) \
+            or not low <= int(seconds) <= high:  # ASCII digits ("７２００" is a digit too)
         raise ValueError(f"expires_after.seconds: a whole number of seconds from {low} to "
                          f"{high}, not {str(seconds)[:40]!r}")
     return created + timedelta(seconds=int(seconds))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from specq.schema.grammar import Shaped
 
@@ -65,9 +65,31 @@ def _is_unicode(text: str) -> bool:
 
 
 class Message(BaseModel):
+    """A chat message. Its content is text, or OpenAI's list of content parts where every
+    part is text (``{"type": "text", "text": ...}``): their texts joined by newlines, as
+    vLLM joins them for a text-only model."""
+
     model_config = ConfigDict(extra="allow")
     role: Role
     content: str
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, content: Any) -> Any:
+        if not isinstance(content, list):
+            return content
+        texts = []
+        for i, part in enumerate(content):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind != "text":
+                raise ValueError(f"part {i} is {str(kind)[:40]!r}: only text parts "
+                                 f"({{'type': 'text', 'text': ...}}) are served")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(f"part {i}: a text part holds its text as a string")
+            texts.append(part["text"])
+        if not texts:
+            raise ValueError("an empty list of content parts")
+        return "\n".join(texts)
 
 
 class Request(SamplingParams):

@@ -53,7 +53,7 @@ from specq.db.tenants import Caller
 log = logging.getLogger(__name__)
 router = APIRouter(responses=ERRORS)
 Who = Annotated[Caller, Depends(caller)]
-WINDOW = re.compile(r"(\d{1,8})([smhd])")
+WINDOW = re.compile(r"([0-9]{1,8})([smhd])")  # ASCII digits: \d takes "２４" too
 UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 LINE = re.compile(r"line (\d+): (.*)", re.S)
 FIELD = re.compile(r"([\w.\[\]]+): ")

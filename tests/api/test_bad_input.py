@@ -22,7 +22,7 @@ from specq.api.inputs import LINE_FIELDS, InputError
 from specq.configs.settings import Settings, get_settings
 from specq.db.models import Item, Job
 from specq.db.session import migrate
-from specq.schema.generation import SamplingParams
+from specq.schema.generation import Request, SamplingParams
 from tests.conftest import DERANDOMIZE
 
 # BAD_INPUT_EXAMPLES=2000 pytest ... digs deeper than the default run.
@@ -326,6 +326,34 @@ def test_openai_n_above_one_is_refused_by_line_and_one_is_served(lite, scratch):
     assert "3 choices per request are not served" in problem
     path.write_text("".join(json.dumps(x) + "\n" for x in lines[:3]))
     assert lite.submit(path, pair="tiny", enqueue=False).status(check_workers=False).total == 3
+
+
+def test_openai_content_parts_of_text_are_served_and_others_refused_by_line(lite, scratch):
+    """OpenAI's list of content parts, every part text: served as the texts joined by
+    newlines (the request the same line with that string makes); an image part is refused,
+    naming the line and the field."""
+    path = scratch / "parts.jsonl"
+
+    def with_content(cid: str, content) -> dict:
+        return {**OPENAI_BASE, "custom_id": cid,
+                "body": {**OPENAI_BASE["body"],
+                         "messages": [{"role": "user", "content": content}]}}
+
+    parts = [{"type": "text", "text": "Fix: he go"}, {"type": "text", "text": "home"}]
+    path.write_text(json.dumps(with_content("p", parts)) + "\n"
+                    + json.dumps(with_content("s", "Fix: he go\nhome")) + "\n")
+    job = lite.submit(path, pair="tiny", enqueue=False)
+    with lite.sessions() as s:
+        stored = [row[0] for row in s.execute(
+            select(Item.messages).where(Item.job_id == job.id).order_by(Item.index))]
+    # stored as sent; the request the worker builds from each is the same
+    built = [Request(messages=m).messages for m in stored]
+    assert built[0] == built[1] and built[0][0].content == "Fix: he go\nhome"
+    image = [{"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}]
+    path.write_text(json.dumps(with_content("p", parts)) + "\n"
+                    + json.dumps(with_content("i", image)) + "\n")
+    problem = only_problem(refused(lite, path), "line 2", "content")
+    assert "only text parts" in problem
 
 
 @FUZZ

@@ -65,3 +65,13 @@ def test_the_served_openapi_schema_has_the_same_shapes(tmp_path):
             "/" + model)
         assert answers["404"]["content"]["application/json"]["schema"]["$ref"].endswith(
             "/ErrorResponse")
+
+
+def test_a_completion_window_is_ascii_digits_and_a_unit():
+    from specq.api.server.batches import window_seconds
+    from specq.api.server.errors import ApiError
+
+    assert window_seconds("24h", 86400) == 86400 and window_seconds("90s", 86400) == 90
+    for bad in ("\uff12\uff14h", "24", "h", "0h", "2d", " 24h", "24H", "1e3s"):
+        with pytest.raises(ApiError, match="completion_window"):
+            window_seconds(bad, 86400)

@@ -55,6 +55,8 @@ def test_an_upload_expires_as_it_says_or_by_the_operators_default(tmp_path):
                          "expires_after[seconds]": "60"}, "seconds"),
                        ({"expires_after[anchor]": "created_at",
                          "expires_after[seconds]": "1.5e4"}, "seconds"),
+                       ({"expires_after[anchor]": "created_at",  # fullwidth digits
+                         "expires_after[seconds]": "\uff17\uff12\uff10\uff10"}, "seconds"),
                        ({"expires_after[anchor]": "created_at"}, "seconds")):
         with pytest.raises(ValueError, match=f"expires_after.{field}"):
             upload_expiry(bad, s, t0)
