@@ -24,11 +24,16 @@ class InputError(ValueError):
         super().__init__(message)
 
 
+def path(loc: tuple | list) -> str:
+    """A pydantic error's location as the docs spell a field: messages[0].content."""
+    return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
+
+
 def describe(exc: ValidationError) -> list[str]:
     """'field: message' for each error of a pydantic ValidationError."""
     out = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err["loc"])
+        loc = path(err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
         out.append(f"{loc}: {msg}" if loc else msg)
     return out

@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specq.schema.errors import path
+
 log = logging.getLogger(__name__)
 
 TYPES = {401: "invalid_request_error", 429: "insufficient_quota", 500: "server_error"}
@@ -64,8 +66,7 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = (exc.errors() or [{}])[0]
-        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-        param = ".".join(loc) or None
+        param = path([p for p in err.get("loc", ()) if p not in ("body", "query")]) or None
         if err.get("type") == "json_invalid":
             message = ("We could not parse the JSON body of your request: "
                        f"{err.get('ctx', {}).get('error', 'not valid JSON')}")

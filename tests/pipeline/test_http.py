@@ -465,6 +465,8 @@ def test_a_file_of_bad_requests_makes_a_failed_batch_naming_the_line(sdk, http_s
     before = counts(http_settings)
     failed = create(sdk, f.id)
     assert failed.status == "failed" and failed.failed_at and failed.output_file_id is None
+    # no request of a batch that failed validation counts (as OpenAI counts them)
+    assert (failed.request_counts.total, failed.request_counts.failed) == (0, 0)
     error = failed.errors.data[0]
     assert error.code == code and says in f"line {error.line}: {error.message}", error
     assert counts(http_settings) == (before[0], before[1] + 1, before[2])  # no job
