@@ -28,6 +28,7 @@ SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 LINE_FIELDS = frozenset({"custom_id", "prompt", "messages"}) | SAMPLING_FIELDS
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 OPENAI_IGNORED = frozenset({"model", "user", "stream"})  # accepted, not used
+OPENAI_MAX_TEMPERATURE = 2  # OpenAI's range is 0 to 2
 OPENAI_RENAMED = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 # vLLM's guided decoding extras, read as the response_format they mean (schema/grammar.py)
 OPENAI_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice"}
@@ -403,6 +404,9 @@ def _openai(raw: dict[str, Any]) -> dict[str, Any]:
         name = str(err["loc"][0]) if err["loc"] else ""
         field = f"body.{keys.get(name, name)}" if name else "body"
         raise _Problem(f"{field}: {err['msg'].removeprefix('Value error, ')}") from None
+    if params.get("temperature", 0) > OPENAI_MAX_TEMPERATURE:
+        raise _Problem(f"body.{keys['temperature']}: at most {OPENAI_MAX_TEMPERATURE} in an "
+                       f"OpenAI batch line, as OpenAI takes it (specq's own lines take more)")
     return {"custom_id": _custom_id(raw["custom_id"]), "prompt": body.get("prompt"),
             "messages": body.get("messages"), "params": params or None}
 

@@ -45,6 +45,8 @@ def test_openai_batch_line():
     ({"custom_id": "r", "body": {"messages": [], "logit_bias": {}}},
      "body.logit_bias: not supported"),
     ({"body": {"messages": []}}, "custom_id: required"),
+    ({"custom_id": "r", "body": {"messages": [], "temperature": 2.5}},
+     "body.temperature: at most 2 in an OpenAI batch line"),
 ])
 def test_bad_lines_name_the_field(obj, message):
     with pytest.raises(ValueError, match=message):
