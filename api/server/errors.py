@@ -11,6 +11,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from specq.schema.errors import path
 
@@ -96,6 +97,14 @@ def install(app: FastAPI) -> None:
         return respond(ApiError(400, "The request holds a value that cannot be stored (a NUL "
                                 "character, or text that is not UTF-8)",
                                 code="invalid_value"))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        # the client went away mid-body: nothing to answer, and no fault of the server's
+        log.warning("%s %s: the client disconnected before its body ended", request.method,
+                 request.url.path)
+        return respond(ApiError(400, "The request body ended early (the client "
+                                "disconnected)", code="client_disconnected"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

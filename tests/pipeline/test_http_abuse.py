@@ -226,6 +226,24 @@ def test_a_cut_upload_is_refused_and_nothing_is_stored(door, abuse_settings):
     assert list((abuse_settings.files_dir / ".incoming").iterdir()) == []
 
 
+def test_a_client_gone_mid_upload_is_no_server_error(door, abuse_settings):
+    """A client that disconnects half-way through an upload's body leaves nothing staged
+    and no error in the server's log (it is the client's doing, logged as such)."""
+    key = new_key(abuse_settings)
+    body = form(("purpose", None, b"batch"), ("file", "a.jsonl", FILE * 100))
+    head = ["POST /v1/files HTTP/1.1", "Host: door", f"Authorization: Bearer {key}",
+            "Content-Type: multipart/form-data; boundary=b0undary",
+            f"Content-Length: {len(body)}"]
+    before = door.log.read_text()
+    with socket.create_connection(("127.0.0.1", door.port), timeout=30) as s:
+        s.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body[: len(body) // 2])
+    wait_until(lambda: "disconnected before its body ended" in door.log.read_text()[len(before):],
+               timeout=30, what="the server's note of the disconnect")
+    logged = door.log.read_text()[len(before):]
+    assert "Traceback" not in logged and " failed" not in logged, logged
+    assert list((abuse_settings.files_dir / ".incoming").iterdir()) == []
+
+
 # -- 2, 3. a create or an upload killed at any point ----------------------------------------
 
 def batches_and_orphans(settings, tenant_key_batches: list[str]) -> tuple[dict, int]:
