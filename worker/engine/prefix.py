@@ -87,24 +87,31 @@ def _groups(prompts: list[list[int]],
     shares = [min(common_length(prompts[a], prompts[b]), len(prompts[a]) - 1,
                   len(prompts[b]) - 1) for a, b in zip(order, order[1:])]
 
-    def best(lo: int, hi: int) -> tuple[int, list[tuple[list[int], int]]]:
-        """The most order[lo:hi] saves, and the groups that save it."""
+    # each run's best: (tokens saved, its groups), its parts' first (no recursion: prompts
+    # nested one token deeper each would go a frame a level)
+    best: dict[tuple[int, int], tuple[int, list[tuple[list[int], int]]]] = {}
+    todo = [(0, n, False)]
+    while todo:
+        lo, hi, parts_done = todo.pop()
         if hi - lo < 2:
-            return 0, []
+            best[lo, hi] = (0, [])
+            continue
         least = min(shares[lo: hi - 1])
+        cuts = [k + 1 for k in range(lo, hi - 1) if shares[k] == least]
+        parts = list(zip([lo] + cuts, cuts + [hi]))
+        if not parts_done:
+            todo.append((lo, hi, True))
+            todo += [(a, b, False) for a, b in parts]
+            continue
         rows = order[lo:hi]
         own = -1
         if least >= MIN_PREFIX:
             own = (sum(max(0, least - have[i]) for i in rows)
                    - (least - max(min(have[i], least) for i in rows)))
-        cuts = [k + 1 for k in range(lo, hi - 1) if shares[k] == least]
-        parts = [best(a, b) for a, b in zip([lo] + cuts, cuts + [hi])]
-        split = sum(saved for saved, _ in parts)
-        if own >= MIN_PREFIX and own >= split:
-            return own, [(rows, least)]
-        return split, [g for _, groups in parts for g in groups]
-
-    return best(0, n)[1]
+        split = sum(best[p][0] for p in parts)
+        best[lo, hi] = ((own, [(rows, least)]) if own >= MIN_PREFIX and own >= split else
+                        (split, [g for p in parts for g in best[p][1]]))
+    return best[0, n][1]
 
 
 @torch.inference_mode()

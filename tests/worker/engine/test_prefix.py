@@ -34,6 +34,14 @@ def test_groups_are_runs_that_share_enough():
     assert _groups(prompts) == [([3, 0, 2], MIN_PREFIX)]  # in sorted order
     assert _groups([a, a]) == [([0, 1], len(a) - 1)]  # the last token's logits are needed
     assert _groups([[5, 6]]) == []
+    assert _groups([]) == []
+    # prompts nested a token deeper each (a one-token job's admission holds thousands of
+    # rows): planned without a frame a level
+    head = list(range(1000, 3000))
+    nested = [head[:k] + [1, k] for k in range(MIN_PREFIX, 1600)]
+    for rows, n in _groups(nested):
+        assert len(rows) > 1 and n >= MIN_PREFIX
+        assert all(nested[i][:n] == nested[rows[0]][:n] and len(nested[i]) > n for i in rows)
     assert common_length([1, 2, 3], [1, 2, 4]) == 2
 
 
