@@ -76,8 +76,9 @@ PASS_ROUNDS = 5
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--size", choices=sorted(SIZES), default="full",
-                   help="full: Llama-3.2-1B's shape (the GPU check); medium, tiny: CPU sizes")
+    p.add_argument("--size", choices=sorted(SIZES), default=None,
+                   help="full: Llama-3.2-1B's shape (the GPU check; the default on CUDA); "
+                        "medium, tiny: CPU sizes (tiny: the default on a CPU, seconds)")
     p.add_argument("--out", type=Path, default=Path("bench-gpu"), help="output folder")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default on a CPU: 1, steady on a shared machine)")
@@ -395,9 +396,19 @@ def _num(x: float | None, fmt: str = ".2f") -> str:
     return "-" if x is None else format(x, fmt)
 
 
+def default_size(device: torch.device) -> str:
+    """The size a run on this device takes unless told: the real model's on CUDA; on a
+    CPU, where it would take the better part of an hour, the tiny one CI runs."""
+    return "full" if device.type == "cuda" else "tiny"
+
+
 def bench(args: argparse.Namespace, save: Callable[[dict], None] = lambda r: None) -> dict:
     t0 = time.perf_counter()
-    size, dev = SIZES[args.size], torch.device(args.device)
+    dev = torch.device(args.device)
+    if args.size is None:
+        args.size = default_size(dev)
+        log.info("--size %s (the default on %s)", args.size, dev.type)
+    size = SIZES[args.size]
     if args.threads or dev.type == "cpu":
         torch.set_num_threads(args.threads or 1)
     parts = {PARTS.get(p.strip(), p.strip()) for p in args.parts.split(",") if p.strip()}

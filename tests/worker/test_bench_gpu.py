@@ -174,3 +174,10 @@ def test_the_device_paths_plumbing_runs_on_a_cpu(tiny, capsys):
     got = gpu_device.lose_the_device("cpu")
     assert got == {"raised": None, "cause": "", "classified": False}
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == got
+
+
+def test_the_size_defaults_to_the_real_model_on_cuda_only():
+    from specq.bench.gpu import default_size
+
+    assert default_size(torch.device("cuda")) == "full"
+    assert default_size(torch.device("cpu")) == "tiny"
