@@ -290,8 +290,9 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("results", help="export a job's items (streamed): jsonl, openai, parquet")
     s.add_argument("job", type=_job_id)
     s.add_argument("--output", "-o", default="-", type=_output, help="file, or - for stdout")
-    s.add_argument("--format", "-f", default="jsonl", choices=FORMATS,
-                   help="jsonl (stored outcomes), openai (Batch API output lines), parquet")
+    s.add_argument("--format", "-f", default=None, choices=FORMATS,
+                   help="jsonl (stored outcomes), openai (Batch API output lines), parquet "
+                        "(default: parquet for a .parquet file, else jsonl)")
     s.add_argument("--no-input", dest="input", action="store_false",
                    help="leave out each item's prompt, messages and parameters (jsonl, "
                         "parquet): smaller files, joined back by index or custom_id")
@@ -606,7 +607,9 @@ def reconcile_summary(report: dict[str, Any], grace: float) -> list[str]:
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    n = formats.export(Client().job(args.job), args.output, args.format, input=args.input)
+    fmt = args.format or ("parquet" if str(args.output).lower().endswith(".parquet")
+                          else "jsonl")
+    n = formats.export(Client().job(args.job), args.output, fmt, input=args.input)
     if args.output != "-":
         print(f"{n} results written to {args.output}", file=sys.stderr)
     return 0

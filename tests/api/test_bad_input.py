@@ -606,6 +606,19 @@ def test_output_paths_that_cannot_be_written(cli_env, capsys, tmp_path):
         export(None, a_file / "x.parquet", "parquet")
 
 
+def test_results_without_a_format_take_it_from_the_file_name(cli_env, capsys, tmp_path):
+    """`specq results JOB -o out.parquet` writes Parquet (it wrote JSON lines into the
+    .parquet file, saying nothing); any other name, and stdout, JSON lines."""
+    job = Client().submit(["Fix: he go home", "Fix: she go home"], pair="tiny", enqueue=False)
+    for name, head in (("out.parquet", b"PAR1"), ("OUT.PARQUET", b"PAR1"), ("out.jsonl", b"{"),
+                       ("out.txt", b"{")):
+        code, _ = run_cli(["results", str(job.id), "-o", str(tmp_path / name)], capsys)
+        assert code == 0 and (tmp_path / name).read_bytes()[:4].startswith(head), name
+    code, _ = run_cli(["results", str(job.id), "-o", str(tmp_path / "x.parquet"), "-f",
+                       "jsonl"], capsys)
+    assert code == 0 and (tmp_path / "x.parquet").read_bytes()[:1] == b"{"  # as told
+
+
 # -- SPECQ_* settings ----------------------------------------------------------------------
 
 
