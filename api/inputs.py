@@ -327,6 +327,10 @@ def normalise(raw: Any) -> dict[str, Any]:
     if isinstance(raw, str):
         return {"custom_id": None, "prompt": raw, "messages": None, "params": None}
     if isinstance(raw, list):
+        if raw and all(isinstance(m, dict) and "role" not in m for m in raw):
+            raise _Problem("a JSON array of objects without a role: a list on a line is one "
+                           "prompt's chat messages; a file of prompts holds one JSON object "
+                           "per line (JSONL), not an array")
         return {"custom_id": None, "prompt": None, "messages": raw, "params": None}
     if "body" in raw:
         return _openai(raw)

@@ -45,6 +45,7 @@ def test_openai_batch_line():
     ({"custom_id": "r", "body": {"messages": [], "logit_bias": {}}},
      "body.logit_bias: not supported"),
     ({"body": {"messages": []}}, "custom_id: required"),
+    ([{"prompt": "a"}, {"prompt": "b"}], "one JSON object per line \\(JSONL\\), not an array"),
     ({"custom_id": "r", "body": {"messages": [], "temperature": 2.5}},
      "body.temperature: at most 2 in an OpenAI batch line"),
 ])
