@@ -24,7 +24,9 @@ from specq.api.formats import FORMATS, OutputError, check_output
 from specq.api.inputs import InputError, check_count, check_job_id, describe, show
 from specq.broker.names import PRIORITIES
 from specq.configs.presets import PairError, PresetError
-from specq.configs.settings import describe_settings, get_settings
+from specq.configs.settings import describe_settings, get_settings, unknown_settings
+
+log = logging.getLogger(__name__)
 
 SAMPLING_FLAGS = ("max_new_tokens", "temperature", "top_p", "top_k", "stop", "seed")
 
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
     _log_to_stderr(args.verbose)
+    for line in unknown_settings():
+        log.warning("%s", line)
     try:
         code = args.func(args) or 0
         sys.stdout.flush()  # here, where a reader that went away is caught, not at exit
@@ -607,8 +611,8 @@ def reconcile_summary(report: dict[str, Any], grace: float) -> list[str]:
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    fmt = args.format or ("parquet" if str(args.output).lower().endswith(".parquet")
-                          else "jsonl")
+    fmt: formats.Format = args.format or (
+        "parquet" if str(args.output).lower().endswith(".parquet") else "jsonl")
     n = formats.export(Client().job(args.job), args.output, fmt, input=args.input)
     if args.output != "-":
         print(f"{n} results written to {args.output}", file=sys.stderr)

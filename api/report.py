@@ -21,6 +21,12 @@ if TYPE_CHECKING:  # matplotlib is imported where a report is drawn: `specq[repo
     from matplotlib.figure import Figure
 
 NEVER_DRAFTED = "never drafted: no draft token was proposed, every step ran the target alone"
+NEVER_RAN = "nothing generated: no step ran (no item was run)"
+
+
+def _not_drafted(m: JobMetrics) -> str:
+    """Why a job shows no drafting: it never drafted, or it never ran at all."""
+    return NEVER_DRAFTED if m.target_passes else NEVER_RAN
 LABEL = 24  # width of format_metrics' labels
 
 
@@ -71,7 +77,7 @@ def format_metrics(m: JobMetrics) -> str:
                                f"  (target tokens verified per token emitted; plain: 1)"),
     ]
     if not drafted(m):
-        rows.append(("drafting", NEVER_DRAFTED))
+        rows.append(("drafting", _not_drafted(m)))
     if m.forced_proposed:  # shaped rows: the grammar's drafts and the drafter's apart
         own, own_accepted = m.proposed - m.forced_proposed, m.accepted - m.forced_accepted
         rows.append(("grammar drafts", f"{m.forced_accepted / m.forced_proposed:.2f}  "
@@ -150,8 +156,10 @@ def report_figure(m: JobMetrics) -> Figure:
 
 
 def draw_report(m: JobMetrics, path: str | Path) -> Path:
-    """Write the report (report_figure) to ``path`` as a PNG."""
+    """Write the report (report_figure) to ``path`` as a PNG, its folder made if need be
+    (as results' exports make theirs)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     report_figure(m).savefig(path, dpi=100)
     return path
 
@@ -179,7 +187,7 @@ def _say(ax: Axes, text: str) -> None:
 def _by_position(ax: Axes, m: JobMetrics) -> None:
     ax.set_title("acceptance by draft position")
     if not m.acceptance_by_position:
-        _say(ax, NEVER_DRAFTED if not drafted(m) else "no draft token accepted yet")
+        _say(ax, _not_drafted(m) if not drafted(m) else "no draft token accepted yet")
         return
     positions = list(range(1, len(m.acceptance_by_position) + 1))
     bars = ax.bar(positions, m.acceptance_by_position, color="tab:blue")
@@ -191,7 +199,7 @@ def _by_position(ax: Axes, m: JobMetrics) -> None:
 def _steps_by_g(ax: Axes, m: JobMetrics) -> None:
     ax.set_title("steps by draft length g")
     if not sum(m.steps_by_draft_length):
-        _say(ax, "no decoding step recorded yet")
+        _say(ax, "no decoding step recorded")
         return
     lengths = list(range(len(m.steps_by_draft_length)))
     ax.bar(lengths, m.steps_by_draft_length, width=0.6, color="tab:green")
@@ -208,10 +216,11 @@ def _g_over_time(ax: Axes, m: JobMetrics) -> None:
     ax.set_title("draft length over time")
     values = m.draft_length_over_time
     if not drafted(m) or not values:
-        _say(ax, NEVER_DRAFTED if not drafted(m) else "no chunk finished yet")
+        _say(ax, _not_drafted(m) if not drafted(m) else "no chunk finished yet")
         return
     tenths = list(range(1, len(values) + 1))
-    ax.set(xlabel="tenth of the job's chunks in finishing order (one per chunk if fewer)",
+    ax.set(xlabel="tenth of the job in finishing order (of its chunks; of its items under "
+                  "10 chunks)",
            ylabel="mean g per step",
            ylim=(0, max(values) * 1.2 + 0.5))
     ax.set_xticks(tenths)

@@ -419,6 +419,35 @@ def shown_value(name: str, value: Any) -> str:
     return mask_url(text) if name.endswith("_url") or "://" in text else text
 
 
+# SPECQ_ names read elsewhere than Settings: the engine's switches (worker/engine/packed.py),
+# tests' hooks, and docker compose's own (docker-compose.yml reads the same .env)
+OTHER_VARIABLES = frozenset({"SPECQ_PACKED_FORWARD", "SPECQ_PACKED_LINEAR", "SPECQ_API_FAULT",
+                             "SPECQ_FUZZ_RANDOM", "SPECQ_BIND", "SPECQ_CPU_PAIR",
+                             "SPECQ_DATA_VOLUME", "SPECQ_PAIR"})
+
+
+def unknown_settings(env_file: str | os.PathLike = ".env") -> list[str]:
+    """A line for each SPECQ_ name in the environment or the .env file that is no setting
+    (a misspelt one is otherwise ignored without a word), with the setting it may mean."""
+    import difflib
+
+    from dotenv import dotenv_values
+
+    known = {f"SPECQ_{name.upper()}" for name in Settings.model_fields} | OTHER_VARIABLES
+    try:
+        in_file = list(dotenv_values(env_file))
+    except OSError:
+        in_file = []
+    out = []
+    for where, names in (("in the environment", list(os.environ)), (f"in {env_file}", in_file)):
+        for name in sorted(n for n in names if n.upper().startswith("SPECQ_")):
+            if name.upper() not in known:
+                close = difflib.get_close_matches(name.upper(), sorted(known), n=1)
+                out.append(f"{name} ({where}) is no setting of specq's and is ignored"
+                           + (f"; did you mean {close[0]}?" if close else ""))
+    return out
+
+
 def setting_sources(env_file: str | os.PathLike = ".env") -> dict[str, str]:
     """Where each setting came from: 'env' (a SPECQ_ variable), '.env' (the file the
     settings read, in the working directory) or 'default'."""

@@ -622,6 +622,23 @@ def test_results_without_a_format_take_it_from_the_file_name(cli_env, capsys, tm
 # -- SPECQ_* settings ----------------------------------------------------------------------
 
 
+def test_a_misspelt_setting_is_named_not_silently_ignored(cli_env, capsys, caplog,
+                                                          monkeypatch, tmp_path):
+    """A SPECQ_ name that is no setting, in the environment or in .env, draws one warning
+    with the setting it may mean; names read elsewhere (the engine's switches, docker
+    compose's) draw none, and the command still runs."""
+    monkeypatch.setenv("SPECQ_CHUNKSIZE", "3")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / ".env").write_text("SPECQ_CHUNK_SIZ=8\nSPECQ_PACKED_LINEAR=0\nSPECQ_BIND=0.0.0.0\n")
+    code, _ = run_cli(["config"], capsys)
+    assert code == 0
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [
+        "SPECQ_CHUNKSIZE (in the environment) is no setting of specq's and is ignored; did "
+        "you mean SPECQ_CHUNK_SIZE?",
+        "SPECQ_CHUNK_SIZ (in .env) is no setting of specq's and is ignored; did you mean "
+        "SPECQ_CHUNK_SIZE?"]
+
+
 def bound(field, kind: type) -> dict:
     """The numeric bounds (ge, gt, le, lt) of a Settings field."""
     out = {}

@@ -7,7 +7,13 @@ from __future__ import annotations
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from specq.api.client import JobMetrics
-from specq.api.report import NEVER_DRAFTED, draw_report, format_metrics, report_figure
+from specq.api.report import (
+    NEVER_DRAFTED,
+    NEVER_RAN,
+    draw_report,
+    format_metrics,
+    report_figure,
+)
 
 DRAFTED = JobMetrics(
     job_id=12, status="completed", total=40, completed=38, failed=1, cancelled=1, pending=0,
@@ -80,6 +86,19 @@ def test_a_job_that_never_drafted_says_so_instead_of_empty_panels(tmp_path):
     text = format_metrics(NEVER)
     assert "never drafted" in text and "estimated speedup       -" in text
     assert draw_report(NEVER, tmp_path / "n.png").stat().st_size > 10_000
+
+
+def test_a_job_that_never_ran_says_nothing_ran_not_never_drafted(tmp_path):
+    """A job cancelled before any worker took it: no step ran, so 'every step ran the
+    target alone' would be false."""
+    m = JobMetrics(job_id=14, status="cancelled", total=4, completed=0, failed=0,
+                   cancelled=4, pending=0, wall_time=0.0, pair="tiny", drafter="prompt_lookup")
+    p = drawn(m)
+    assert NEVER_RAN in texts(p["draft length over time"])
+    assert NEVER_DRAFTED not in texts(p["acceptance by draft position"])
+    text = format_metrics(m)
+    assert NEVER_RAN in text and "every step ran" not in text
+    assert draw_report(m, tmp_path / "new" / "c.png").stat().st_size > 10_000  # folder made
 
 
 def test_one_chunk_of_draft_lengths_is_a_bar_with_a_note():
