@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import math
@@ -56,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p = parser()
     args, rest = p.parse_known_args(argv)
     if rest and not getattr(args, "heavy", None):
-        p.error(f"unrecognized arguments: {' '.join(rest)}")
+        _unrecognized(p, sys.argv[1:] if argv is None else argv, rest)
     args.rest = rest
     _log_to_stderr(args.verbose)
     for line in unknown_settings():
@@ -149,6 +150,19 @@ def _fail(lines: list[str], code: int) -> int:
         print(f"error: {line}".encode("utf-8", "backslashreplace").decode("utf-8"),
               file=sys.stderr)
     return code
+
+
+def _unrecognized(p: argparse.ArgumentParser, argv: list[str], rest: list[str]) -> NoReturn:
+    """An argument no parser took: refused by the command's own parser (its -h named), with
+    the flag it may mean."""
+    name = next((a for a in argv if not a.startswith("-")), "")
+    command: argparse.ArgumentParser = next((a.choices.get(name) for a in p._actions
+                                             if isinstance(a, argparse._SubParsersAction)),
+                                            None) or p
+    flags = [f for action in command._actions for f in action.option_strings]
+    close = difflib.get_close_matches(rest[0].split("=")[0], flags, n=1)
+    command.error(f"unrecognized arguments: {' '.join(rest)}"
+                  + (f"; did you mean {close[0]}?" if close else ""))
 
 
 class _Parser(argparse.ArgumentParser):
@@ -306,7 +320,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--limit", type=_count(), default=20)
     s.add_argument("--schedule", help="only the runs of this beat schedule")
     s.add_argument("--json", action="store_true",
-                   help="one JSON object per job: state, drafting and figures (job_metrics)")
+                   help="a JSON array, an object per job: state, drafting and figures "
+                        "(job_metrics)")
     s.set_defaults(func=cmd_jobs)
 
     synth = sub.add_parser("synth", help="dataset synthesis from a spec (configs/synth/*.yaml)")
@@ -486,7 +501,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     client = Client(settings, auto_migrate=True)
     job = client.submit(args.file, pair=args.pair, chunk_size=args.chunk_size, enqueue=False,
                         **_sampling(args))
-    print(f"job {job.id}: {job.status(check_workers=False).total} items stored in "
+    total = job.status(check_workers=False).total
+    print(f"job {job.id}: {total} item{'s' if total != 1 else ''} stored in "
           f"{redact(settings.sqlalchemy_url)}; loading pair {args.pair}", file=sys.stderr)
     phases = start_up(settings, args.pair)  # as a worker starts: threads, load, warm-up, costs
     print(f"pair {args.pair} ready in {sum(phases.values()):.1f} s (" + ", ".join(

@@ -622,6 +622,15 @@ def test_results_without_a_format_take_it_from_the_file_name(cli_env, capsys, tm
 # -- SPECQ_* settings ----------------------------------------------------------------------
 
 
+def test_a_misspelt_flag_names_its_commands_help_and_the_flag_it_may_mean(cli_env, capsys):
+    code, lines = run_cli(["results", "1", "--fromat", "parquet"], capsys)
+    assert code == 2 and lines == ["specq results: error: unrecognized arguments: --fromat "
+                                   "parquet; did you mean --format? (see specq results -h)"]
+    code, lines = run_cli(["jobs", "--zzz"], capsys)
+    assert code == 2 and lines == ["specq jobs: error: unrecognized arguments: --zzz (see "
+                                   "specq jobs -h)"]
+
+
 def test_a_misspelt_setting_is_named_not_silently_ignored(cli_env, capsys, caplog,
                                                           monkeypatch, tmp_path):
     """A SPECQ_ name that is no setting, in the environment or in .env, draws one warning
