@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -270,6 +271,9 @@ class ItemResult:
 INPUT_COLUMNS = ("prompt", "messages", "params")  # what a line asked for, as stored
 
 
+GENERATED_ID = re.compile(r"request-(0|[1-9][0-9]*)")  # item_id's for an item without one
+
+
 def item_id(custom_id: str | None, index: int) -> str:
     """An item's id in every result: its custom_id, or request-INDEX when it was submitted
     without one (a plain prompt), as OpenAI Batch output lines need one per request. Stable:
@@ -387,11 +391,14 @@ class Client:
         tokenizer: PromptTokenizer | None = None
         problems: list[str] = []
         seen: dict[str, str] = {}
+        unnamed = bytearray()  # per item: 1 when it has no custom_id (its id: request-INDEX)
         for index, (where, got) in enumerate(parse_entries(entries, defaults)):
             if isinstance(got, list):
                 problems += got
             else:
                 cid = got.row["custom_id"]
+                unnamed.extend(b"\0" * (index + 1 - len(unnamed)))
+                unnamed[index] = cid is None
                 if cid is not None:
                     if cid in seen:
                         problems.append(f"{where}: custom_id: {cid!r} is already used at "
@@ -413,8 +420,15 @@ class Client:
                     yield dict(got.row, index=index)
             if len(problems) >= MAX_PROBLEMS:
                 raise InputError(problems, truncated=True)
+        for cid, where in seen.items():  # an id the results give an item without one
+            generated = GENERATED_ID.fullmatch(cid)
+            at = int(generated.group(1)) if generated else -1
+            if 0 <= at < len(unnamed) and unnamed[at]:
+                problems.append(f"{where}: custom_id: {cid!r} is the id the results give "
+                                f"request {at + 1} of the input, which has none: their "
+                                f"results could not be told apart")
         if problems:
-            raise InputError(problems)
+            raise InputError(problems[:MAX_PROBLEMS], truncated=len(problems) > MAX_PROBLEMS)
 
     # -- reading --------------------------------------------------------------------
 

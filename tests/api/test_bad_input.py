@@ -328,6 +328,23 @@ def test_openai_n_above_one_is_refused_by_line_and_one_is_served(lite, scratch):
     assert lite.submit(path, pair="tiny", enqueue=False).status(check_workers=False).total == 3
 
 
+def test_a_custom_id_an_unnamed_requests_result_gets_is_refused(lite, scratch):
+    """An item without a custom_id is request-INDEX in every result; another item that
+    names itself so would give two results one id. Refused, whichever comes first; the
+    same id on the item of that index, or on none without, is fine."""
+    for entries in ([{"prompt": "a", "custom_id": "request-1"}, "b"],
+                    ["a", "b", {"prompt": "c", "custom_id": "request-1"}]):
+        err = refused(lite, entries)
+        assert len(err.problems) == 1 and "custom_id: 'request-1' is the id the results " \
+            "give request 2" in err.problems[0], err.problems
+    for entries in ([{"prompt": "a", "custom_id": "request-1"}, {"prompt": "b", "custom_id":
+                                                                   "x"}],
+                    ["a", {"prompt": "b", "custom_id": "request-1"}],
+                    ["a", {"prompt": "b", "custom_id": "request-01"}]):
+        assert lite.submit(entries, pair="tiny", enqueue=False).status(
+            check_workers=False).total == 2
+
+
 def test_openai_content_parts_of_text_are_served_and_others_refused_by_line(lite, scratch):
     """OpenAI's list of content parts, every part text: served as the texts joined by
     newlines (the request the same line with that string makes); an image part is refused,
