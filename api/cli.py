@@ -686,8 +686,13 @@ def cmd_synth_run(args: argparse.Namespace) -> int:
 
 def cmd_synth_check(args: argparse.Namespace) -> int:
     from specq.api import synthesis
+    from specq.configs.presets import UnknownPair, get_preset
 
     spec = synthesis.load_spec(args.spec)
+    try:  # as `synth run` finds it, with no model loaded
+        get_preset(spec.pair, get_settings().presets_file)
+    except UnknownPair as exc:
+        raise synthesis.SpecError([f"{args.spec}: pair: {exc.args[0]}"]) from None
     rows = synthesis.check_rows(spec, args.spec)
     print(f"{args.spec}: valid; {rows} seed rows x n={spec.n} = {rows * spec.n} samples")
     return 0

@@ -259,10 +259,18 @@ def seed_rows(spec: SynthSpec) -> Iterator[dict[str, Any]]:
                     yield _json_row(data, n)
     elif fmt == "csv":
         with open(seed, encoding="utf-8", newline="") as f:
-            reader = csv.DictReader(f)
+            missing: Any = object()  # the value of a column a short row lacks
+            reader = csv.DictReader(f, restval=missing)
+            header = reader.fieldnames or []
+            twice = sorted({c for c in header if header.count(c) > 1})
+            if twice:
+                raise SpecError([f"seed_data: line 1: the header names {twice[0]!r} twice"])
             for row in reader:
                 if None in row:
                     raise SpecError([f"seed_data: line {reader.line_num}: more fields than "
+                                     f"the header has columns"])
+                if missing in row.values():
+                    raise SpecError([f"seed_data: line {reader.line_num}: fewer fields than "
                                      f"the header has columns"])
                 yield row
     else:

@@ -89,6 +89,13 @@ def test_synth_check_prints_one_line_and_submits_nothing(tmp_path, capsys, monke
                 err = capsys.readouterr().err
                 assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
                 assert err.startswith(f"error: invalid synthesis spec: {path}: template: row 0")
+        # a pair no preset names: check says so, as run would, not "valid"
+        path = spec_file(tmp_path, pair="nope")
+        capsys.readouterr()
+        assert cli.main(["synth", "check", path]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: invalid synthesis spec: {path}: pair: unknown pair "
+                              f"'nope'; known: "), err
     finally:
         get_settings.cache_clear()
     assert not db.exists() or jobs(f"sqlite:///{db}") == 0
@@ -210,6 +217,14 @@ def test_bad_seed_lines_are_named(tmp_path, content, message):
 def test_bad_csv_seeds_are_named(tmp_path):
     (tmp_path / "s.csv").write_text("topic\ncats\ndogs,extra\n")
     with pytest.raises(SpecError, match="seed_data: line 3: more fields than the header"):
+        load_spec(spec_file(tmp_path, seed_data="s.csv"))
+    # a short row rendered its missing column as "None"; a header naming a column twice
+    # kept the last value
+    (tmp_path / "s.csv").write_text("topic,x\ncats,1\ndogs\n")
+    with pytest.raises(SpecError, match="seed_data: line 3: fewer fields than the header"):
+        load_spec(spec_file(tmp_path, seed_data="s.csv"))
+    (tmp_path / "s.csv").write_text("topic,topic\ncats,dogs\n")
+    with pytest.raises(SpecError, match="seed_data: line 1: the header names 'topic' twice"):
         load_spec(spec_file(tmp_path, seed_data="s.csv"))
     (tmp_path / "s.csv").write_text("topic\ncats\nca\x00ts\n")
     with pytest.raises(SpecError, match=r"template: row 1: the rendered text contains a NUL"):
