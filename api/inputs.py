@@ -178,18 +178,24 @@ class Entry:
 
 def open_source(source: Source) -> tuple[str | None, Iterable[tuple[str, Any]]]:
     """(file name or None, a re-iterable of (where, raw entry)); raw entries from a file are
-    its JSONL lines, still text. A str or path is a file ("-": standard input, read once and
-    kept in memory, since validating and storing each read the lines); anything else holds
-    prompts."""
+    its JSONL lines, still text. A str or path is a file ("-": standard input, and a pipe
+    such as <(cmd), read once and kept in memory, since validating and storing each read
+    the lines); anything else holds prompts."""
     if isinstance(source, str) and source == STDIN:
         return "<stdin>", list(_lines(sys.stdin.buffer))
     if isinstance(source, (str, os.PathLike)):
         path = Path(source)
         name = show(str(path), 200)
         try:
-            is_file, is_dir = path.is_file(), path.is_dir()
+            is_file, is_dir, exists = path.is_file(), path.is_dir(), path.exists()
         except (OSError, ValueError) as exc:  # a NUL in the name, a name too long
             raise InputError([f"{name}: cannot open it ({exc})"]) from None
+        if exists and not is_file and not is_dir:  # a pipe (<(cmd), a FIFO): one reading
+            try:
+                with path.open("rb") as f:
+                    return name, list(_lines(f))
+            except OSError as exc:
+                raise InputError([f"{name}: cannot read it ({exc.strerror or exc})"]) from None
         if not is_file:
             kind = "a directory, not a file" if is_dir else "file not found"
             raise InputError([f"{name}: {kind}"])

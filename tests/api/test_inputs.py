@@ -75,3 +75,25 @@ def test_the_fast_check_of_storable_values_agrees_with_the_full_walk(value):
     from specq.api.inputs import _fine, storable
 
     assert _fine(value) == (storable(value, "prompt") is None)
+
+
+def test_a_pipe_is_read_once_as_standard_input_is(tmp_path):
+    """`specq submit <(cmd)` names a pipe (/dev/fd/N), which can be read once: its lines are
+    kept in memory (as "-" keeps standard input's), not refused as a file not found."""
+    import os
+    import threading
+
+    fifo = tmp_path / "lines"
+    os.mkfifo(fifo)
+
+    def write() -> None:
+        with open(fifo, "wb") as f:
+            f.write(b'{"prompt": "a"}\n\n{"prompt": "b"}\n')
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    name, entries = open_source(str(fifo))
+    writer.join()
+    assert name == str(fifo)
+    assert [normalise(raw)["prompt"] for _, raw in entries] == ["a", "b"]
+    assert [normalise(raw)["prompt"] for _, raw in entries] == ["a", "b"]  # again: kept
