@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -326,7 +327,7 @@ class Client:
         raises rolls the job back. The chunks are sent only after that commit.
         """
         t0 = time.perf_counter()
-        if priority not in PRIORITIES:
+        if not isinstance(priority, str) or priority not in PRIORITIES:
             raise InputError([f"priority: {priority!r} is not one of "
                               f"{', '.join(PRIORITIES)}"])
         preset = self._preset(pair)
@@ -449,6 +450,7 @@ class Client:
         """The latest jobs, newest first (only one beat schedule's runs if ``schedule``),
         with how each drafts and its figures (one query of the view job_metrics), and the
         tenant of those made over HTTP."""
+        check_count("limit", limit)  # as the command's --limit
         with self.sessions() as s:
             ids = repo.latest_job_ids(s, limit=limit, schedule=schedule)
             rows = repo.job_figures(s, job_ids=ids)
@@ -577,6 +579,8 @@ class Job:
         """Block until the job is completed, failed or cancelled; returns its last state.
         ``progress=True`` draws a progress bar on stderr (none by default: a library call
         prints nothing unasked); ``timeout`` seconds, then TimeoutError."""
+        if not isinstance(poll, (int, float)) or not 0 < poll < math.inf:
+            raise ValueError(f"poll: seconds between looks, more than 0, not {poll!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         state = self.status()
         if state.note:

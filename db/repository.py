@@ -614,7 +614,7 @@ def request_cancel(session: Session, *, job_id: int) -> JobStatus:
     cancels its chunk's items at the chunk's start."""
     job = lock_job(session, job_id=job_id)
     if job is None:
-        raise KeyError(job_id)
+        raise KeyError(f"job {job_id}: not found")
     status = JobStatus(job.status)
     if status in (JobStatus.validating, JobStatus.queued):
         cancel_pending(session, job_id=job_id)

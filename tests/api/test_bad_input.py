@@ -345,6 +345,22 @@ def test_a_custom_id_an_unnamed_requests_result_gets_is_refused(lite, scratch):
             check_workers=False).total == 2
 
 
+def test_the_python_api_refuses_odd_arguments_naming_them(lite):
+    """Arguments the command line checks for itself, given from Python: an error naming
+    the argument, never a TypeError, an overflow from the database or a bare number."""
+    from specq.api.client import Job
+
+    for limit, says in ((10**20, "limit: must be at most"), (-1, "limit: must be at least 1"),
+                        ("3", "limit: must be an integer")):
+        with pytest.raises(InputError, match=says):
+            lite.jobs(limit=limit)
+    refused(lite, ["Fix: he go home"], priority=["high"])
+    with pytest.raises(KeyError, match="job 999999: not found"):
+        Job(lite, 999999).cancel()
+    with pytest.raises(ValueError, match="poll: seconds between looks"):
+        Job(lite, 1).wait(poll=-1)
+
+
 def test_openai_content_parts_of_text_are_served_and_others_refused_by_line(lite, scratch):
     """OpenAI's list of content parts, every part text: served as the texts joined by
     newlines (the request the same line with that string makes); an image part is refused,
