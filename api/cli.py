@@ -160,7 +160,8 @@ def _unrecognized(p: argparse.ArgumentParser, argv: list[str], rest: list[str]) 
                                              if isinstance(a, argparse._SubParsersAction)),
                                             None) or p
     flags = [f for action in command._actions for f in action.option_strings]
-    close = difflib.get_close_matches(rest[0].split("=")[0], flags, n=1)
+    close = [f for f in difflib.get_close_matches(rest[0].split("=")[0], flags, n=1)
+             if f != rest[0]]  # after "--" a flag is an argument: no flag to suggest
     command.error(f"unrecognized arguments: {' '.join(rest)}"
                   + (f"; did you mean {close[0]}?" if close else ""))
 

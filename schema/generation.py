@@ -81,6 +81,9 @@ class Message(BaseModel):
         texts = []
         for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            if kind is None:
+                raise ValueError(f"part {i} has no type (a text part: "
+                                 f"{{'type': 'text', 'text': ...}})")
             if kind != "text":
                 raise ValueError(f"part {i} is {str(kind)[:40]!r}: only text parts "
                                  f"({{'type': 'text', 'text': ...}}) are served")
