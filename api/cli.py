@@ -765,9 +765,13 @@ def cmd_config(args: argparse.Namespace) -> int:
 def cmd_cache_tokenizer(args: argparse.Namespace) -> int:
     """The one command that asks the hub for a submitter: workers write the same folder
     when they start (configs/tokenizer_cache.py)."""
+    from huggingface_hub.utils import logging as hub_logging  # (its handler, on import)
+
     from specq.api.tokenizer import cache_from_hub, target_context
     from specq.configs.presets import get_preset
 
+    # the hub's retries are said once, as this command's warnings, not twice
+    hub_logging.get_logger().handlers.clear()
     settings = get_settings()
     preset = get_preset(args.pair, settings.presets_file)
     folder = cache_from_hub(preset, settings)
