@@ -38,6 +38,7 @@ from specq.schema.generation import (
     check_length,
     check_size,
     context_length,
+    longest_token,
 )
 
 log = logging.getLogger(__name__)
@@ -84,14 +85,6 @@ class PromptTokenizer:
         except Exception as exc:  # noqa: BLE001 (a model's own Jinja template: anything)
             raise RequestError("messages", f"the model's chat template refused them: "
                                f"{type(exc).__name__}: {exc}") from None
-
-
-def longest_token(vocab: dict[str, int]) -> int:
-    """UTF-8 bytes of the longest token string in a vocabulary: at least as many as the
-    text any of its tokens covers (a byte-level token's characters stand for a byte each
-    and take one or two; a SentencePiece piece's marker stands for one byte and takes
-    three)."""
-    return max((len(t.encode()) for t in vocab), default=1)
 
 
 @lru_cache(maxsize=16)

@@ -184,13 +184,22 @@ def text_bytes(request: Request) -> int:
     return len(request.prompt.encode())
 
 
+def longest_token(vocab: Mapping[str, int]) -> int:
+    """UTF-8 bytes of the longest token string in a vocabulary: at least as many as the
+    text any of its tokens covers (a byte-level token's characters stand for a byte each
+    and take one or two; a SentencePiece piece's marker stands for one byte and takes
+    three)."""
+    return max((len(t.encode()) for t in vocab), default=1)
+
+
 def check_size(request: Request, longest_token: int, context: int) -> None:
     """RequestError when the prompt cannot fit ``context`` whatever its tokenization: no
     token of the model's covers more than ``longest_token`` bytes, so it has at least its
     bytes over that many tokens. Refuses a prompt far too long before a tokenizer spends
     hundreds of bytes on each of its tokens (8 MB of text took 1.8 GB)."""
-    least = -(-text_bytes(request) // max(longest_token, 1))
+    size = text_bytes(request)
+    least = -(-size // max(longest_token, 1))
     if least >= context:
         raise RequestError("prompt", f"at least {least} tokens, the model's context is "
-                           f"{context} ({text_bytes(request)} bytes of text; no token of "
-                           f"this model's covers more than {longest_token})")
+                           f"{context} ({size} bytes of text; no token of this model's "
+                           f"covers more than {longest_token})")

@@ -129,8 +129,9 @@ def prefill(model: PreTrainedModel, prompts: list[list[int]], pad_id: int,
     if store is None:
         kv = KVRows(model)
         return kv, kv.forward(*left_pad(prompts, pad_id, dev), last_only=True)
-    served = [_base(store, p)[1] for p in prompts]
-    new = [Prefix(tuple(prompts[run[0]][:n]), []) for run, n in _groups(prompts, served)]
+    bases = [_base(store, p) for p in prompts]
+    new = [Prefix(tuple(prompts[run[0]][:n]), [])
+           for run, n in _groups(prompts, [n for _, n in bases])]
     computed = 0
     if new:  # their own pass, each from what the store holds of it
         heads = [_base(store, list(p.tokens)) for p in new]
@@ -139,7 +140,7 @@ def prefill(model: PreTrainedModel, prompts: list[list[int]], pad_id: int,
         for b, prefix in enumerate(new):
             prefix.layers = kv.real_columns(b)
             store.add(prefix)
-    bases = [_base(store, p, new) for p in prompts]
+        bases = [_base(store, p, new) for p in prompts]
     kv, logits = _rest(model, prompts, bases, pad_id)
     computed += sum(len(p) - n for p, (_, n) in zip(prompts, bases))
     store.served += sum(map(len, prompts)) - computed

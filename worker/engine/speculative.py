@@ -18,6 +18,7 @@ from specq.schema.generation import (
     check_length,
     check_size,
     context_length,
+    longest_token,
 )
 from specq.worker.engine import calibration
 from specq.worker.engine.batch import KVRows, Row, fill_holes, upload
@@ -96,10 +97,9 @@ _LONGEST: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def _longest_token(tokenizer: PreTrainedTokenizerBase) -> int:
     """Bytes, at most, of the text one of the tokenizer's tokens covers (read once per
-    tokenizer: api/tokenizer.py, longest_token)."""
+    tokenizer)."""
     if tokenizer not in _LONGEST:
-        _LONGEST[tokenizer] = max((len(t.encode()) for t in tokenizer.get_vocab()),
-                                  default=1)
+        _LONGEST[tokenizer] = longest_token(tokenizer.get_vocab())
     return _LONGEST[tokenizer]
 
 
