@@ -349,7 +349,8 @@ class Client:
                                   origin=origin, drafting=preset.drafting(),
                                   priority=priority)
             stored = repo.insert_items(s, job_id=job.id,
-                                       rows=self._checked(entries, defaults, preset, check))
+                                       rows=self._checked(entries, defaults, preset, check,
+                                                          frozenset(sampling)))
             if stored == 0:
                 raise InputError([f"{name or 'prompts'}: no prompts"])
             unchecked = check.unchecked
@@ -379,7 +380,8 @@ class Client:
             raise InputError([f"pair: {exc}"]) from None
 
     def _checked(self, entries: Any, defaults: dict[str, Any], preset: PairPreset,
-                 check: _Check) -> Iterator[dict[str, Any]]:
+                 check: _Check, given: frozenset[str] = frozenset()
+                 ) -> Iterator[dict[str, Any]]:
         """Each entry checked, the item rows of good ones (numbered in order) while no
         entry was bad; at the end, or at MAX_PROBLEMS, InputError naming every problem.
         ``check.unchecked``: why prompt lengths were not checked (None when they were). The
@@ -393,7 +395,7 @@ class Client:
         problems: list[str] = []
         seen: dict[str, str] = {}
         unnamed = bytearray()  # per item: 1 when it has no custom_id (its id: request-INDEX)
-        for index, (where, got) in enumerate(parse_entries(entries, defaults)):
+        for index, (where, got) in enumerate(parse_entries(entries, defaults, given)):
             if isinstance(got, list):
                 problems += got
             else:
@@ -413,8 +415,10 @@ class Client:
                         problem = grammar_problem(preset, self.settings)
                         if problem:
                             problems.append(f"{where}: response_format: {problem}")
-                except RequestError as exc:
-                    problems.append(f"{where}: {exc}")
+                except RequestError as exc:  # named as the line names the field
+                    name = got.names.get(exc.field)
+                    problems.append(f"{where}: body.{name}: {str(exc).partition(': ')[2]}"
+                                    if name else f"{where}: {exc}")
                 except TokenizerUnavailable as exc:
                     context, check.unchecked = None, unchecked_note(preset, exc)
                 if not problems:

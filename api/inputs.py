@@ -15,19 +15,29 @@ import os
 import reprlib
 import sys
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from specq.schema.errors import InputError, describe
+from specq.schema.errors import path as field_path
 from specq.schema.generation import INT32_MAX, Request, SamplingParams, merge
 
 SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 LINE_FIELDS = frozenset({"custom_id", "prompt", "messages"}) | SAMPLING_FIELDS
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
 OPENAI_IGNORED = frozenset({"model", "user", "stream"})  # accepted, not used
+# OpenAI's own defaults for what a line leaves out (or sends as null): sampled at
+# temperature 1, no cap on new tokens but the model's context; a job's parameters given
+# explicitly (`Client.submit`'s sampling, the CLI's flags) go first
+OPENAI_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "max_new_tokens": None}
+# fields specq does not serve, at the values that ask for nothing (OpenAI's defaults)
+OPENAI_NOOPS: dict[str, tuple[Any, ...]] = {
+    "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0),
+    "frequency_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
+    "tool_choice": ("none",), "parallel_tool_calls": (True, False)}
 OPENAI_MAX_TEMPERATURE = 2  # OpenAI's range is 0 to 2
 OPENAI_RENAMED = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 # vLLM's guided decoding extras, read as the response_format they mean (schema/grammar.py)
@@ -170,10 +180,13 @@ def check_job_id(value: Any) -> int:
 
 @dataclass
 class Entry:
-    """One validated prompt: its item row and the engine request it becomes."""
+    """One validated prompt: its item row and the engine request it becomes; ``names``:
+    the line's own names of specq's fields where they differ (an OpenAI line's
+    max_completion_tokens for max_new_tokens), for problems found later."""
 
     row: dict[str, Any]
     request: Request
+    names: Mapping[str, str] = field(default_factory=dict)
 
 
 def open_source(source: Source) -> tuple[str | None, Iterable[tuple[str, Any]]]:
@@ -247,31 +260,40 @@ class BadLine(str):
 
 
 def parse_entries(
-    raw_entries: Iterable[tuple[str, Any]], defaults: dict[str, Any]
+    raw_entries: Iterable[tuple[str, Any]], defaults: dict[str, Any],
+    given: frozenset[str] = frozenset(),
 ) -> Iterator[tuple[str, Entry | list[str]]]:
     """(where, Entry) for each good entry, (where, [problem]) for each bad one: one line
     naming the entry and the field. A plain prompt (`plain_row`) is checked in a few
     steps, and its request is a copy of one validated with the job's defaults, its prompt
-    and id put in: what validating it would give."""
+    and id put in: what validating it would give. ``given``: the job's parameters its
+    submitter gave, which go before an OpenAI line's defaults (OPENAI_DEFAULTS)."""
     try:
         template: Request | None = Request(id=0, prompt="x", messages=None, **defaults)
     except ValidationError:  # every entry fails: the slow path names how
         template = None
     for index, (where, raw) in enumerate(raw_entries):
-        yield where, read_entry(index, where, raw, defaults, template)
+        yield where, read_entry(index, where, raw, defaults, template, given)
 
 
 def read_entry(index: int, where: str, raw: Any, defaults: dict[str, Any],
-               template: Request | None = None) -> Entry | list[str]:
+               template: Request | None = None,
+               given: frozenset[str] = frozenset()) -> Entry | list[str]:
     """Entry ``index`` (named ``where``) as an Entry, or [the problem naming it]. With a
     ``template`` (a request validated with the job's defaults) a plain prompt takes the
-    fast path; without one every entry is read in full."""
+    fast path; without one every entry is read in full. An OpenAI line's own defaults
+    are stored with its parameters, but for those in ``given``."""
+    names: dict[str, str] = {}
     try:
         value = _loads(raw) if isinstance(raw, JsonLine) else raw
         if template is not None and (row := plain_row(value)) is not None:
             request = template.model_copy(update={"id": index, "prompt": row["prompt"]})
         else:
             row = normalise(value)
+            implied = {k: v for k, v in row.pop("implied", {}).items() if k not in given}
+            names = row.pop("names", {})
+            if implied:
+                row["params"] = {**implied, **(row["params"] or {})}
             request = Request(id=index, prompt=row["prompt"], messages=row["messages"],
                               **merge(defaults, row["params"]))
     except _Problem as exc:
@@ -279,7 +301,7 @@ def read_entry(index: int, where: str, raw: Any, defaults: dict[str, Any],
     except ValidationError as exc:
         return [first_problem(where, exc)]
     row["index"] = index
-    return Entry(row, request)
+    return Entry(row, request, names)
 
 
 def first_problem(where: str, exc: ValidationError) -> str:
@@ -391,10 +413,12 @@ def _openai(raw: dict[str, Any]) -> dict[str, Any]:
     params: dict[str, Any] = {}
     keys: dict[str, str] = {}  # our name -> the body's own
     for key, value in body.items():
-        if key in OPENAI_IGNORED or key == kind:
+        if key in OPENAI_IGNORED or key == kind or value is None:  # null: OpenAI's default
             continue
         if key == "n":
             _one_choice(value)
+            continue
+        if any(value == v and type(value) is type(v) for v in OPENAI_NOOPS.get(key, ())):
             continue
         name = OPENAI_RENAMED.get(key, key)
         if key in OPENAI_GUIDED:
@@ -405,20 +429,33 @@ def _openai(raw: dict[str, Any]) -> dict[str, Any]:
             raise _Problem(f"body.{key}: gives {name} again (already given as body.{keys[name]})")
         params[name] = [value] if name == "stop" and isinstance(value, str) else value
         keys[name] = key
-    if kind not in body:
+    if body.get(kind) is None:
         raise _Problem(f"body.{kind}: required for {url}")
     try:
         SamplingParams.model_validate(params)
     except ValidationError as exc:  # named as the line names it: body.max_tokens
-        err = exc.errors()[0]
-        name = str(err["loc"][0]) if err["loc"] else ""
-        field = f"body.{keys.get(name, name)}" if name else "body"
-        raise _Problem(f"{field}: {err['msg'].removeprefix('Value error, ')}") from None
+        raise _Problem(_openai_problem(exc.errors()[0], keys)) from None
     if params.get("temperature", 0) > OPENAI_MAX_TEMPERATURE:
         raise _Problem(f"body.{keys['temperature']}: at most {OPENAI_MAX_TEMPERATURE} in an "
                        f"OpenAI batch line, as OpenAI takes it (specq's own lines take more)")
     return {"custom_id": _custom_id(raw["custom_id"]), "prompt": body.get("prompt"),
-            "messages": body.get("messages"), "params": params or None}
+            "messages": body.get("messages"), "params": params or None,
+            "implied": {k: v for k, v in OPENAI_DEFAULTS.items() if k not in params},
+            "names": {ours: theirs for ours, theirs in keys.items() if ours != theirs}}
+
+
+def _openai_problem(err: Mapping[str, Any], keys: Mapping[str, str]) -> str:
+    """A validation error of an OpenAI line's parameters, its place as the line names it
+    (``body.max_completion_tokens``, ``body.response_format.json_schema.schema``); a check
+    of several fields names its field in its message (``stop: ...``)."""
+    msg = str(err["msg"]).removeprefix("Value error, ")
+    loc = list(err["loc"])
+    if not loc:
+        head, sep, rest = msg.partition(": ")
+        if sep and head in keys:
+            return f"body.{keys[head]}: {rest}"
+        return f"body: {msg}"
+    return f"body.{keys.get(loc[0], loc[0])}{field_path(loc)[len(str(loc[0])):]}: {msg}"
 
 
 def _guided(kind: str, value: Any) -> dict[str, Any]:

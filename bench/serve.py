@@ -130,7 +130,8 @@ def write_file(path: Path, lines: int, line_bytes: int, model: str, tag: str) ->
         for i in range(lines):
             text = " ".join(rng.choice(words) for _ in range(max(1, line_bytes // 6 - 30)))
             f.write(json.dumps({"custom_id": f"{tag}-{i}", "method": "POST", "url": CHAT,
-                                "body": {"model": model, "max_tokens": 8, "messages": [
+                                "body": {"model": model, "max_tokens": 8,
+                                         "temperature": 0, "messages": [
                                     {"role": "user", "content": f"Rewrite: {text}"}]}}) + "\n")
     return path.stat().st_size
 

@@ -138,9 +138,9 @@ def get_batch(session: Session, *, tenant_id: int, openai_id: str) -> Batch | No
 
 # the columns of its job's job_metrics row (db/views.py) that a Batch object shows
 SHOWN_FIGURES = ("job_id", "status", "pair", "drafter", "finished_at", "total", "completed",
-                 "failed", "cancelled", "pending", "new_tokens", "acceptance_rate",
-                 "mean_acceptance_length", "tokens_per_second", "engine_tokens_per_second",
-                 "estimated_speedup")
+                 "failed", "cancelled", "pending", "prompt_tokens", "new_tokens",
+                 "acceptance_rate", "mean_acceptance_length", "tokens_per_second",
+                 "engine_tokens_per_second", "estimated_speedup")
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,17 @@ class InputError(ValueError):
         super().__init__(message)
 
 
+# fields holding a union told apart by its "type": pydantic puts the type in the location
+# (response_format.json_schema.json_schema.schema), which no document spells
+TAGGED = frozenset({"response_format"})
+
+
 def path(loc: tuple | list) -> str:
-    """A pydantic error's location as the docs spell a field: messages[0].content."""
+    """A pydantic error's location as the docs spell a field: messages[0].content,
+    response_format.json_schema.schema."""
+    loc = list(loc)
+    if len(loc) > 1 and loc[0] in TAGGED and isinstance(loc[1], str):
+        del loc[1]
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
 
 

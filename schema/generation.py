@@ -30,7 +30,9 @@ class SamplingParams(Shaped):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    max_new_tokens: int = Field(256, ge=1, le=INT32_MAX, strict=True)
+    max_new_tokens: int | None = Field(
+        256, ge=1, le=INT32_MAX, strict=True,
+        description="None: until the model's context ends (OpenAI's default, no cap)")
     temperature: float = Field(0.0, ge=0.0, le=1e6, strict=True)
     top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
     top_k: int = Field(0, ge=0, le=INT32_MAX, strict=True, description="0 keeps every token")
@@ -130,11 +132,12 @@ class RequestError(ValueError):
         self.field = field
 
 
-def check_length(prompt_tokens: int, max_new_tokens: int, context: int) -> None:
-    """RequestError unless a prompt of this many tokens and its max_new_tokens fit."""
+def check_length(prompt_tokens: int, max_new_tokens: int | None, context: int) -> None:
+    """RequestError unless a prompt of this many tokens and its max_new_tokens fit (None:
+    the prompt and one new token)."""
     if prompt_tokens >= context:
         raise RequestError("prompt", f"{prompt_tokens} tokens, the model's context is {context}")
-    if prompt_tokens + max_new_tokens > context:
+    if max_new_tokens is not None and prompt_tokens + max_new_tokens > context:
         raise RequestError(
             "max_new_tokens",
             f"{max_new_tokens} after a {prompt_tokens}-token prompt exceeds the model's "
@@ -170,7 +173,15 @@ def fits_by_size(request: Request, context: int) -> bool:
     else:
         assert request.prompt is not None  # a Request holds exactly one of the three
         n = len(request.prompt.encode())
-    return n + _TOKENS_BEYOND_BYTES + request.max_new_tokens <= context
+    return n + _TOKENS_BEYOND_BYTES + (request.max_new_tokens or 1) <= context
+
+
+def new_token_limit(request: Request, prompt_tokens: int, context: int) -> int:
+    """How many tokens the request may generate after its prompt: its max_new_tokens, or
+    (None) what is left of the model's context."""
+    if request.max_new_tokens is not None:
+        return request.max_new_tokens
+    return max(context - prompt_tokens, 1)
 
 
 def text_bytes(request: Request) -> int:

@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from specq.api.client import Client
 from specq.api.inputs import OPENAI_URLS, InputError
 from specq.api.server.auth import caller
-from specq.api.server.errors import ApiError, not_found
+from specq.api.server.errors import NO_RETRY, ApiError, not_found
 from specq.api.server.files import aware, input_bytes, unix, upload_path
 from specq.api.server.models import UnknownModel, resolve
 from specq.api.server.objects import ERRORS, BatchList, BatchObject
@@ -60,15 +60,27 @@ FIELD = re.compile(r"([\w.\[\]]+): ")
 
 
 class BatchCreate(BaseModel):
-    """The create request; fields OpenAI adds (output_expires_after, ...) are accepted and
-    not used."""
+    """The create request. A field it does not name is refused, as OpenAI refuses an
+    unknown argument: a misspelt one silently dropped would change what the batch does.
+    ``output_expires_after`` is refused by name (`_not_served`): the operator's
+    SPECQ_RETENTION_OUTPUTS sets when outputs go."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="forbid")
 
     input_file_id: str = Field(max_length=64)
     endpoint: str = Field(max_length=64)
     completion_window: str = Field(max_length=16)
     metadata: dict[str, str] | None = None
+
+    output_expires_after: Any = None  # refused when given (`_not_served`)
+
+    @field_validator("output_expires_after")
+    @classmethod
+    def _not_served(cls, value: Any) -> Any:
+        if value is not None:
+            raise ValueError("not served: outputs are kept as the operator's "
+                             "SPECQ_RETENTION_OUTPUTS says (docs/http.md)")
+        return value
 
     @field_validator("metadata")
     @classmethod
@@ -146,7 +158,13 @@ def batch_object(read: store.BatchRead, note: str | None = None) -> dict[str, An
         "request_counts": counts,
         "metadata": batch.metadata_,
     }
-    if row is not None:  # specq's own figures: an extra field every OpenAI SDK keeps
+    if row is not None:
+        tokens_in, tokens_out = int(row["prompt_tokens"] or 0), int(row["new_tokens"] or 0)
+        out["usage"] = {"input_tokens": tokens_in, "input_tokens_details": {"cached_tokens": 0},
+                        "output_tokens": tokens_out,
+                        "output_tokens_details": {"reasoning_tokens": 0},
+                        "total_tokens": tokens_in + tokens_out}
+        # specq's own figures: an extra field every OpenAI SDK keeps
         out["specq"] = {
             "job_id": row["job_id"], "pair": row["pair"], "drafter": row["drafter"],
             "cancelled": row["cancelled"], "pending": row["pending"],
@@ -324,8 +342,12 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
                        code="invalid_priority")
     with client.sessions() as s:
         f = store.get_file(s, tenant_id=who.tenant_id, openai_id=body.input_file_id)
-    if f is None or f.kind != "input":
+    if f is None:
         raise not_found("File", body.input_file_id, param="input_file_id")
+    if f.kind != "input":
+        raise ApiError(400, f"input_file_id: {body.input_file_id} is a batch's {f.kind} file "
+                       f"(purpose {f.purpose}); a batch reads a file uploaded with purpose "
+                       f"batch", param="input_file_id", code="invalid_input_file")
     scan = read_requests(client, f, request.app.state.presets)
     # the request's own problems are a 400 (above); the lines' fail the batch, each named
     failed = [line_error(p) for p in scan.problems]
@@ -400,7 +422,8 @@ def _replay(client: Client, who: Caller, key: str, digest: str) -> dict[str, Any
                 return None
     if batch.request_hash != digest:
         raise ApiError(409, "This Idempotency-Key was used with another request body; use a "
-                       "new key for a new batch", code="idempotency_key_reused")
+                       "new key for a new batch", code="idempotency_key_reused",
+                       headers=NO_RETRY)
     return read_objects(client, [batch])[0]
 
 
@@ -417,7 +440,7 @@ def _check_quota(client: Client, s: Any, who: Caller, lines: int) -> None:
         raise ApiError(429, f"Quota exceeded: your batches have {unfinished} unfinished "
                        f"requests and this one has {lines}; at most {quota} may be "
                        f"unfinished at once (SPECQ_API_QUOTA_ITEMS). Wait for batches to "
-                       f"finish, or cancel some.", code="quota_exceeded")
+                       f"finish, or cancel some.", code="quota_exceeded", headers=NO_RETRY)
 
 
 class _Gone(Exception):

@@ -18,6 +18,9 @@ from specq.schema.errors import path
 log = logging.getLogger(__name__)
 
 TYPES = {401: "invalid_request_error", 429: "insufficient_quota", 500: "server_error"}
+# on a 409 or 429 that the same request meets again, whenever it is sent: OpenAI's SDKs
+# retry both unless told not to, and this header tells them
+NO_RETRY = {"x-should-retry": "false"}
 
 
 class ApiError(Exception):

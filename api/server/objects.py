@@ -73,6 +73,25 @@ class RequestCounts(BaseModel):
     failed: int
 
 
+class InputDetails(BaseModel):
+    cached_tokens: int
+
+
+class OutputDetails(BaseModel):
+    reasoning_tokens: int
+
+
+class BatchUsage(BaseModel):
+    """Tokens of the batch's requests so far, in OpenAI's shape (nothing is cached or
+    reasoned apart: those details are 0)."""
+
+    input_tokens: int
+    input_tokens_details: InputDetails
+    output_tokens: int
+    output_tokens_details: OutputDetails
+    total_tokens: int
+
+
 class SpecqFigures(BaseModel):
     """specq's own figures of a batch with a job (an extra field every SDK keeps)."""
 
@@ -113,6 +132,7 @@ class BatchObject(BaseModel):
     cancelled_at: int | None = None
     request_counts: RequestCounts | None = None
     metadata: dict[str, str] | None = None
+    usage: BatchUsage | None = None
     specq: SpecqFigures | None = None
 
 

@@ -18,7 +18,7 @@ from sqlalchemy import func, select
 from specq.api import cli
 from specq.api.client import Client
 from specq.api.formats import OutputError, check_output, export
-from specq.api.inputs import LINE_FIELDS, InputError
+from specq.api.inputs import LINE_FIELDS, OPENAI_NOOPS, InputError
 from specq.configs.settings import Settings, get_settings
 from specq.db.models import Item, Job
 from specq.db.session import migrate
@@ -44,7 +44,7 @@ JSON = st.recursive(
 )
 # What each field of a specq line may be; any other JSON type is wrong.
 TYPES = {"custom_id": (str, int, type(None)), "prompt": (str,), "messages": (list,),
-         "max_new_tokens": (int,), "temperature": (int, float), "top_p": (int, float),
+         "max_new_tokens": (int, type(None)), "temperature": (int, float), "top_p": (int, float),
          "top_k": (int,), "stop": (list,), "seed": (int, type(None))}
 NUL = st.just("\x00")
 SURROGATE = st.integers(0xD800, 0xDFFF).map(chr)
@@ -157,6 +157,11 @@ BODY_FIELDS = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new
                "temperature": "temperature", "top_p": "top_p", "seed": "seed"}
 
 
+def _asks_nothing(key: str, value) -> bool:
+    return value is None or any(value == v and type(value) is type(v)
+                                for v in OPENAI_NOOPS.get(key, ()))
+
+
 @st.composite
 def bad_openai_line(draw) -> tuple[str, bytes]:
     """(what the error must name, an OpenAI Batch request line with one thing wrong)."""
@@ -178,24 +183,26 @@ def bad_openai_line(draw) -> tuple[str, bytes]:
         return field, json.dumps(line).encode()
     if kind == "param":
         key = draw(st.sampled_from(sorted(BODY_FIELDS)))
-        line["body"][key] = draw(bad_value(BODY_FIELDS[key]))
+        # null is OpenAI's "not given": the default, not a problem
+        line["body"][key] = draw(bad_value(BODY_FIELDS[key]).filter(lambda v: v is not None))
         return key, json.dumps(line).encode()
     if kind == "messages":
         line["body"]["messages"] = draw(bad_value("messages"))
         return "messages", json.dumps(line).encode()
     if kind == "stop":
-        line["body"]["stop"] = draw(bad_value("stop").filter(lambda v: not isinstance(v, str))
-                                    | st.just("") | UNSTORABLE_TEXT)
+        line["body"]["stop"] = draw(bad_value("stop").filter(
+            lambda v: not isinstance(v, str) and v is not None) | st.just("") | UNSTORABLE_TEXT)
         return "stop", json.dumps(line).encode()
     if kind == "n":  # one choice per request is served; more is refused, not dropped
         line["body"]["n"] = draw(st.integers(min_value=2) | st.integers(max_value=0)
                                  | st.booleans() | st.floats() | st.text())
         return "body.n", json.dumps(line).encode()
     key = draw(st.sampled_from(["logit_bias", "tools", "response_format", "logprobs"]))
-    # unsupported keys are refused whatever their value; response_format is supported, so
-    # only values it cannot be (null is "not given", and a valid one is served)
+    # unsupported keys are refused at any value that asks for something (null and the
+    # values that ask for nothing, such as "logprobs": false, are OpenAI's defaults);
+    # response_format is supported, so only values it cannot be (a valid one is served)
     line["body"][key] = draw(JSON.filter(_not_a_response_format) if key == "response_format"
-                             else JSON)
+                             else JSON.filter(lambda v: not _asks_nothing(key, v)))
     return key, json.dumps(line).encode()
 
 

@@ -42,8 +42,23 @@ def test_openai_batch_line():
 @pytest.mark.parametrize("obj, message", [
     ({"prompt": "x", "temprature": 1}, "temprature: unknown field"),
     ({"custom_id": "r", "url": "/v1/embeddings", "body": {"input": "x"}}, "url: must be one of"),
-    ({"custom_id": "r", "body": {"messages": [], "logit_bias": {}}},
+    ({"custom_id": "r", "body": {"messages": [], "logit_bias": {"50256": -100}}},
      "body.logit_bias: not supported"),
+    ({"custom_id": "r", "body": {"messages": [], "logprobs": True}},
+     "body.logprobs: not supported"),
+    ({"custom_id": "r", "body": {"messages": [], "presence_penalty": 0.5}},
+     "body.presence_penalty: not supported"),
+    ({"custom_id": "r", "body": {"messages": None}}, "body.messages: required"),
+    ({"custom_id": "r", "body": {"messages": [{"role": "user", "content": "x"}],
+                                 "stop": ["a", ""]}},
+     "body.stop: stop strings must not be empty"),
+    ({"custom_id": "r", "body": {"messages": [{"role": "user", "content": "x"}],
+                                 "max_completion_tokens": 0}},
+     "body.max_completion_tokens: Input should be greater than or equal to 1"),
+    ({"custom_id": "r", "body": {"messages": [{"role": "user", "content": "x"}],
+                                 "response_format": {"type": "json_schema",
+                                                     "json_schema": {"name": "p"}}}},
+     "body.response_format.json_schema.schema: Field required"),
     ({"body": {"messages": []}}, "custom_id: required"),
     ([{"prompt": "a"}, {"prompt": "b"}], "one JSON object per line \\(JSONL\\), not an array"),
     ({"custom_id": "r", "body": {"messages": [], "temperature": 2.5}},
@@ -97,3 +112,33 @@ def test_a_pipe_is_read_once_as_standard_input_is(tmp_path):
     assert name == str(fifo)
     assert [normalise(raw)["prompt"] for _, raw in entries] == ["a", "b"]
     assert [normalise(raw)["prompt"] for _, raw in entries] == ["a", "b"]  # again: kept
+
+
+def test_an_openai_line_takes_openai_defaults_unless_the_job_gives_them():
+    """What an OpenAI line leaves out, or sends as null, is OpenAI's default (sampled at
+    temperature 1, no cap but the context), stored with the line's parameters; a job's
+    parameters given explicitly go first; the values that ask for nothing are accepted;
+    a problem found later names the line's own field."""
+    from specq.api.inputs import parse_entries
+    from specq.schema.generation import SamplingParams
+
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    lines = [{"custom_id": "a", "body": body},
+             {"custom_id": "b", "body": {**body, "temperature": None, "max_tokens": None,
+                                         "stop": None, "logprobs": False, "n": 1,
+                                         "presence_penalty": 0, "frequency_penalty": 0.0,
+                                         "tools": [], "logit_bias": None}},
+             {"custom_id": "c", "body": {**body, "temperature": 0, "max_completion_tokens": 9}}]
+    entries = [(f"line {i + 1}", line(obj)) for i, obj in enumerate(lines)]
+    defaults = SamplingParams().model_dump()
+    got = [e for _, e in parse_entries(entries, defaults)]
+    assert [(e.request.temperature, e.request.max_new_tokens) for e in got] == [
+        (1.0, None), (1.0, None), (0, 9)]
+    assert got[0].row["params"] == {"temperature": 1.0, "max_new_tokens": None}
+    assert got[2].names == {"max_new_tokens": "max_completion_tokens"}
+    job = [e for _, e in parse_entries(entries, {**defaults, "temperature": 0.0,
+                                                 "max_new_tokens": 32},
+                                       frozenset({"temperature", "max_new_tokens"}))]
+    assert [(e.request.temperature, e.request.max_new_tokens) for e in job] == [
+        (0.0, 32), (0.0, 32), (0, 9)]
+    assert job[0].row["params"] is None

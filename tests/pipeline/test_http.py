@@ -31,9 +31,10 @@ MODEL = "tiny-fixed"  # a preset name (the tiny target is shared by four presets
 
 
 def line(cid: str, content: str, max_tokens: int = 8, model: str = MODEL, **body) -> dict:
+    """A request line; greedy unless ``body`` says otherwise (OpenAI's default is 1)."""
     return {"custom_id": cid, "method": "POST", "url": CHAT,
             "body": {"model": model, "messages": [{"role": "user", "content": content}],
-                     "max_tokens": max_tokens, **body}}
+                     "max_tokens": max_tokens, "temperature": 0, **body}}
 
 
 def jsonl(lines: list[dict]) -> bytes:
@@ -163,6 +164,14 @@ def test_upload_create_poll_download_and_a_restart_loses_nothing(
         assert x["response"]["status_code"] == 200 and x["error"] is None
         assert body["object"] == "chat.completion" and body["model"] == MODEL
         assert body["usage"]["completion_tokens"] >= 1
+    tokens_out = sum(x["response"]["body"]["usage"]["completion_tokens"] for x in got)
+    tokens_in = sum(x["response"]["body"]["usage"]["prompt_tokens"] for x in got)
+    assert (done.usage.input_tokens, done.usage.output_tokens, done.usage.total_tokens) == (
+        tokens_in, tokens_out, tokens_in + tokens_out)  # the SDK's BatchUsage
+    # its output is no batch's input: a 400 saying so, not a file unknown
+    with pytest.raises(openai.BadRequestError) as err:
+        create(sdk, done.output_file_id)
+    assert err.value.code == "invalid_input_file" and "purpose batch_output" in err.value.message
     figures = done.model_extra["specq"]  # specq's figures, kept by the SDK as an extra field
     assert figures["pair"] == MODEL and figures["acceptance_rate"] is not None
     assert figures["mean_acceptance_length"] >= 1 and figures["tokens_per_second"] > 0
@@ -338,6 +347,7 @@ def test_a_quota_on_unfinished_requests_answers_429(sdk):
     with pytest.raises(openai.RateLimitError) as err:
         create(sdk, f.id)
     assert "2500" in err.value.message and err.value.code == "quota_exceeded"
+    assert err.value.response.headers["x-should-retry"] == "false"  # the SDK asked once
     assert sdk.batches.list().data == []
 
 
@@ -406,6 +416,7 @@ def test_the_same_idempotency_key_gives_the_same_batch(sdk):
     with pytest.raises(openai.ConflictError) as err:
         create(sdk, f.id, extra_headers=key, metadata={"other": "body"})
     assert err.value.code == "idempotency_key_reused"
+    assert err.value.response.headers["x-should-retry"] == "false"
     sdk.batches.cancel(first.id)
 
 
@@ -491,7 +502,12 @@ def test_refusals_of_uploads_and_creates(sdk, server, http_settings):
                       (dict(endpoint="/v1/completions"), "endpoint"),
                       (dict(endpoint=CHAT, completion_window="forever"), "completion_window"),
                       (dict(endpoint=CHAT, metadata={"priority": "urgent"}),
-                       "metadata.priority")):
+                       "metadata.priority"),
+                      # an argument OpenAI does not know (misspelt), and one not served
+                      (dict(endpoint=CHAT, extra_body={"completion_windw": "1h"}),
+                       "completion_windw"),
+                      (dict(endpoint=CHAT, extra_body={"output_expires_after": {
+                          "anchor": "created_at", "seconds": 3600}}), "output_expires_after")):
         with pytest.raises(openai.BadRequestError) as err:
             sdk.batches.create(input_file_id=f.id, **{"completion_window": "24h", **kw})
         assert err.value.param == param, kw
@@ -506,6 +522,11 @@ def test_refusals_of_uploads_and_creates(sdk, server, http_settings):
     f = upload(sdk, [line("a", "x"), line("b", "y", max_tokens=10**8)])
     (error,) = create(sdk, f.id).errors.data  # specq's max_new_tokens is OpenAI's max_tokens
     assert (error.line, error.param) == (2, "body.max_tokens"), error
+    f = upload(sdk, [line("a", "x"), line("b", "y", max_tokens=None,
+                                          max_completion_tokens=10**8)])
+    (error,) = create(sdk, f.id).errors.data  # the line's own name of it
+    assert (error.line, error.param) == (2, "body.max_completion_tokens"), error
+    assert error.message.startswith("body.max_completion_tokens: 100000000 after a ")
     assert counts(http_settings)[2] == before[2]
 
     headers = {"Authorization": f"Bearer {sdk.api_key}", "Content-Type": "application/json"}
@@ -518,7 +539,7 @@ def test_refusals_of_uploads_and_creates(sdk, server, http_settings):
     nowhere = httpx.get(f"{server.url}/nothing", headers=headers)
     assert nowhere.status_code == 404 and set(nowhere.json()["error"]) == {
         "message", "type", "param", "code"}
-    assert counts(http_settings)[1:] == (before[1] + 2, before[2])  # the failed batches alone
+    assert counts(http_settings)[1:] == (before[1] + 3, before[2])  # the failed batches alone
     assert os.listdir(http_settings.files_dir / ".incoming") == []
 
 

@@ -105,7 +105,7 @@ def test_a_job_default_shapes_every_line(client, engine):
     (_chat("b", guided_regex="([a-z]"),
      "line 2: body.guided_regex: regex: the grammar library refused it: error: unclosed group"),
     ({"prompt": "p", "response_format": {"type": "choice", "choice": []}},
-     "line 2: response_format.choice.choice: List should have at least 1 item"),
+     "line 2: response_format.choice: List should have at least 1 item"),
     ({"prompt": "p", "response_format": {"type": "xml"}},
      "line 2: response_format: Input tag 'xml' found using 'type' does not match"),
     (_chat("c", response_format={"type": "json_schema", "json_schema": {

@@ -36,6 +36,7 @@ import torch
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specq.schema.generation import new_token_limit
 from specq.worker.engine import packed as packing
 
 MIN_COLUMNS = 64  # a fresh buffer's columns; it doubles from there
@@ -442,12 +443,17 @@ def fill_holes(done: list[bool]) -> list[int]:
 class Row:
     """One request in flight: its tokens so far, its limits and its counters."""
 
-    def __init__(self, request, prompt_ids: list[int], eos_ids: set[int], tokenizer) -> None:
+    def __init__(self, request, prompt_ids: list[int], eos_ids: set[int], tokenizer,
+                 context: int | None = None) -> None:
         from specq.worker.engine.result import Result  # local: request imports nothing from here
 
         self.request = request
         self.tokens: list[int] = list(prompt_ids)  # prompt + generated
         self.prompt_len = len(prompt_ids)
+        # new tokens at most: max_new_tokens, or (None) what the model's context leaves
+        if request.max_new_tokens is None and context is None:
+            raise ValueError("a request without max_new_tokens needs the model's context")
+        self.limit: int = new_token_limit(request, self.prompt_len, context or 0)
         self.eos_ids = eos_ids
         self.tokenizer = tokenizer
         self.result = Result(id=request.id, prompt_tokens=len(prompt_ids))
@@ -482,7 +488,7 @@ class Row:
             self.tokens.append(tok)
             if tok in self.eos_ids or self._hit_stop_string():
                 self.result.finish_reason = "stop"
-            elif len(self.tokens) - self.prompt_len >= self.request.max_new_tokens:
+            elif len(self.tokens) - self.prompt_len >= self.limit:
                 self.result.finish_reason = "length"
             if self.ended:
                 return n

@@ -48,7 +48,7 @@ ONE_TOKEN_TOKENS = 256  # prompt tokens of one-token rows past a batch, per plac
 def _takes_place(request: Request) -> bool:
     """Whether the request stays in the batch after its prefill: one of a single new token
     ends at the token the prefill yields."""
-    return request.max_new_tokens > 1
+    return request.max_new_tokens is None or request.max_new_tokens > 1
 
 
 def model_context(model: PreTrainedModel) -> int:
@@ -280,7 +280,7 @@ class SpeculativeEngine:
             return False
         if free == 1 and waiting > 1:  # a lone refill
             hold = self.max_batch_size // REFILL_HOLD
-            return not any(row.request.max_new_tokens - len(row.generated) <= hold
+            return not any(row.limit - len(row.generated) <= hold
                            for row in self.rows)
         return True
 
@@ -342,7 +342,7 @@ class SpeculativeEngine:
                     hand_back(i, Result(id=req.id, error=str(exc)))
                     places += _takes_place(req)
                     continue
-                row = Row(req, ids, self.eos_ids, self.tokenizer)
+                row = Row(req, ids, self.eos_ids, self.tokenizer, self.context)
                 row.matcher = matcher
                 new.append((i, row))
         return new

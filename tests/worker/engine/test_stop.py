@@ -48,3 +48,27 @@ def test_a_stop_string_ends_the_output_exactly_there(drafter, tiny_models, tiny_
             assert res.counters.new_tokens == len(res.token_ids)
             outputs.setdefault(res.id, res.token_ids)
             assert outputs[res.id] == res.token_ids  # same whatever the batch
+
+
+@pytest.mark.parametrize("drafter", ["lookup", "none"])
+def test_no_max_new_tokens_runs_to_the_end_of_the_context(drafter, tiny_models, tiny_tokenizer):
+    """max_new_tokens None (an OpenAI line without max_tokens): each row generates until
+    its end of text or the model's context (512 tokens for the tiny target), whatever its
+    prompt's length, beside a row with a cap of its own."""
+    context = tiny_models["target"].config.max_position_embeddings
+    prompts = [[(7 * i + 3 * k) % 200 + 5 for k in range(n)] for i, n in enumerate((500, 470))]
+    requests = [Request(id=i, prompt_token_ids=p, max_new_tokens=None)
+                for i, p in enumerate(prompts)]
+    requests.append(Request(id=2, prompt_token_ids=prompts[1], max_new_tokens=5))
+    got = _engine(tiny_models, tiny_tokenizer, drafter, 2).generate(requests)
+    for req, res in zip(requests[:2], got):
+        room = context - len(req.prompt_token_ids)
+        assert res.error is None
+        assert len(res.token_ids) == room if res.finish_reason == "length" else \
+            res.token_ids[-1] in {tiny_tokenizer.eos_token_id}
+        assert len(res.token_ids) <= room
+    capped = got[2].token_ids
+    assert len(capped) <= 5 and capped == got[1].token_ids[:len(capped)]
+    assert "length" in {r.finish_reason for r in got[:2]}  # the context's end was reached
+    plain = _engine(tiny_models, tiny_tokenizer, "none", 1).generate(requests)
+    assert [r.token_ids for r in got] == [r.token_ids for r in plain]
