@@ -26,13 +26,17 @@ STANDIN_TEXT = "ok"
 def standin_generate(self: SpeculativeEngine, requests: Iterable[Request],
                      on_result: Callable[[Result], None] | None = None, *,
                      job: Hashable = None,
-                     on_admit: Callable[[list[int | str]], None] | None = None) -> list[Result]:
+                     on_admit: Callable[[list[int | str]], None] | None = None,
+                     check: Callable[[], None] | None = None) -> list[Result]:
     """Every request finished at once with one token; results in request order. The
-    requests join in batches of the engine's size, announced as a real engine does."""
+    requests join in batches of the engine's size, announced as a real engine does (and
+    ``check`` is called once, as before a real engine's step)."""
     requests = list(requests)
     if on_admit:
         for i in range(0, len(requests), self.max_batch_size):
             on_admit([r.id for r in requests[i:i + self.max_batch_size]])
+    if check:
+        check()
     results = []
     for request in requests:
         res = Result(id=request.id, token_ids=[STANDIN_TOKEN], text=STANDIN_TEXT,

@@ -7,9 +7,11 @@ broker, a producer killed between storing a job and sending it, a submission mad
 the broker was down, a worker killed mid-chunk (its lease runs out within
 ``lease_seconds``), and a task that gave up on a long database outage. Re-sending is
 always safe: a worker claims a chunk's lease before running it and writes each item once.
-A chunk sent ``max_chunk_runs`` times that is lost again is not sent once more: its pending
-items fail, with the reason its job keeps (a chunk that fails on every worker before its
-items reach the engine, say, whose messages vanish without a lease). It also ends jobs none
+A chunk sent ``max_chunk_runs`` times that is lost again is not sent once more when
+workers saw it fail (`given_up`): its pending items fail, with the reason its job keeps (a
+chunk that fails on every worker before its items reach the engine, say, whose messages
+vanish without a lease). Messages the broker alone lost are sent again however many times.
+It also ends jobs none
 of whose items is pending (their last writer died before it could),
 and keeps every unfinished job's turn on its queue: a job with chunks not sent yet and
 fewer than ``dispatch_window`` messages on the broker gets its next chunks sent (a producer
@@ -150,13 +152,13 @@ def _reconcile(settings: Settings, *, job_id: int | None,
     report.candidates = len(candidates)
     lost = [c for c in candidates if (c.job_id, c.start) not in held]
     report.on_broker = len(candidates) - len(lost)
-    report.abandoned = [c for c in lost if c.sends >= settings.max_chunk_runs]
+    report.abandoned = [c for c in lost if given_up(c, settings.max_chunk_runs)]
     for c in report.abandoned:
         with sessions.begin() as s:
             abandon_chunk(s, c)
         with sessions.begin() as s:
             report.settled[c.job_id] = repo.settle_job(s, job_id=c.job_id).value
-    lost = [c for c in lost if c.sends < settings.max_chunk_runs]
+    lost = [c for c in lost if not given_up(c, settings.max_chunk_runs)]
     app = app or make_app(settings, tasks=False)
     if lost:
         with sessions.begin() as s:
@@ -182,6 +184,15 @@ def _reconcile(settings: Settings, *, job_id: int | None,
     if report.fed:
         log.info("reconciler: %d chunks sent to fill their jobs' turns", len(report.fed))
     return report
+
+
+def given_up(ref: ChunkRef, most: int) -> bool:
+    """Whether a lost chunk's pending items fail instead of a new send: ``most`` messages
+    were sent for it, and workers took ``most`` leases on it (and died on it) or its job
+    holds a chunk's failure on a worker (one that fails before its items reach the
+    engine). Messages the broker alone lost (flushed, restarted empty) fail nothing: no
+    worker saw the chunk, and it is sent again for as long as it takes."""
+    return ref.sends >= most and (ref.runs >= most or ref.failing)
 
 
 def abandon_chunk(s: Session, ref: ChunkRef) -> int:

@@ -43,6 +43,8 @@ class ChunkRef:
     started: bool = False  # a worker took it before (and died, or gave up on it)
     priority: str = "normal"  # its job's: high | normal | low
     sends: int = 0  # messages sent for it so far (unclaimed reads it)
+    runs: int = 0  # leases taken on it so far (unclaimed reads it)
+    failing: bool = False  # its job holds a chunk's failure on a worker (note_job_error)
 
 
 def insert_chunks(session: Session, *, job_id: int, total: int, chunk_size: int,
@@ -203,7 +205,8 @@ def unclaimed(session: Session, *, grace: float, job_id: int | None = None,
     re-sending (of one deployment's jobs with ``queue_prefix``)."""
     c = Chunk.__table__.c
     stmt = (
-        select(c.job_id, c.start, c.end, Job.queue, c.runs > 0, Job.priority, c.sends)
+        select(c.job_id, c.start, c.end, Job.queue, c.runs > 0, Job.priority, c.sends,
+               c.runs, Job.error.is_not(None))
         .join(Job, Job.id == c.job_id)
         .where(Job.status.in_(RUNNING), Job.queue.is_not(None), c.done.is_(False),
                or_(c.lease_owner.is_(None), c.lease_until < db_now()),

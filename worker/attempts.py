@@ -136,6 +136,12 @@ def generate_with_retries(
                                 isolated=index in alone))
         if on_item:
             on_item()
+        stop_if_told()
+
+    def stop_if_told() -> None:
+        """Stopped once the run should stop (it gave its lease up, lost it, or its job is
+        being cancelled): checked as each item ends and before each engine step, so a
+        run does not generate for seconds what its writes could no longer keep."""
         if run.should_stop():
             raise Stopped
 
@@ -158,7 +164,7 @@ def generate_with_retries(
                         run.launch([int(i) for i in ids], g)
 
                     engine.generate([requests[i] for i in group], on_result=seen, job=job,
-                                    on_admit=admitted)
+                                    on_admit=admitted, check=stop_if_told)
                 break
             except Stopped:
                 raise

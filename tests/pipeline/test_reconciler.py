@@ -158,6 +158,27 @@ def test_a_chunk_sent_max_chunk_runs_times_fails_with_its_jobs_error(settings):
     client.job(job.id).cancel()
 
 
+def test_messages_the_broker_alone_loses_fail_nothing(settings):
+    """A chunk no worker ever saw (no lease, no failure kept on its job) whose messages the
+    broker loses again and again (flushed, restarted empty) is sent again every time, past
+    max_chunk_runs sends: nothing fails for the broker's losses."""
+    own = own_deployment(settings, "rec", reconcile_grace=0.0, max_chunk_runs=2)
+    client = Client(own)
+    job = client.submit([f"flushed {i}" for i in range(3)], pair="tiny-lookup",
+                        max_new_tokens=4, chunk_size=10)
+    queue = f"{own.queue_prefix}.tiny-lookup"
+    r = redis.Redis.from_url(own.broker_url)
+    for _ in range(5):
+        r.delete(*queue_keys(queue, own))
+        report = reconcile(own, job_id=job.id)
+        assert [c.start for c in report.resent] == [0] and report.abandoned == []
+    state = job.status(check_workers=False)
+    assert (state.failed, state.pending) == (0, 3)
+    assert _queued(r, queue, own) != {}
+    r.close()
+    client.job(job.id).cancel()
+
+
 def test_a_deployment_reconciles_its_own_jobs_only(settings):
     """Two deployments on one database and one Redis database, their keys behind their own
     prefixes: the reconciler of one cannot see the other's messages, so it leaves the other's

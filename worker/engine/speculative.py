@@ -223,6 +223,7 @@ class SpeculativeEngine:
     def generate(
         self, requests: Iterable[Request], on_result: Callable[[Result], None] | None = None,
         *, job: Hashable = None, on_admit: Callable[[list[int | str]], None] | None = None,
+        check: Callable[[], None] | None = None,
     ) -> list[Result]:
         """Run every request to completion; results come back in request order.
 
@@ -232,7 +233,9 @@ class SpeculativeEngine:
         finished rows (suffix.py) keeps what it learnt for the job's next generation.
         ``on_admit`` sees the ids of the requests about to join the batch, before any of
         their work starts: a worker records them, so that if its process dies the next
-        run knows which requests were in flight (worker/attempts.py).
+        run knows which requests were in flight (worker/attempts.py). ``check`` is called
+        before each step; what it raises ends the generation there (a worker's run that
+        gave its lease up, or whose job is being cancelled, stops within a step).
         """
         waiting = deque(enumerate(requests))
         results: dict[int, Result] = {}
@@ -254,6 +257,8 @@ class SpeculativeEngine:
                     with phase("upkeep"):
                         self._retire(hand_back)  # max_new_tokens = 1, or EOS first
                 if self.rows:
+                    if check is not None:
+                        check()
                     self._apply(self.step())  # the step books its own phases
                     with phase("upkeep"):
                         self._retire(hand_back)
