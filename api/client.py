@@ -226,6 +226,11 @@ class JobMetrics(Counters):
         return [n / self.draft_steps for n in self.accepted_by_position] if self.draft_steps else []
 
     @property
+    def tokens_per_pass(self) -> float | None:
+        """New tokens per target pass (the view's tokens_per_pass): 1 without drafts."""
+        return self.new_tokens / self.target_passes if self.target_passes else None
+
+    @property
     def tokens_per_second(self) -> float | None:
         return self.new_tokens / self.wall_time if self.wall_time else None
 
@@ -238,8 +243,9 @@ class JobMetrics(Counters):
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for name in ("acceptance_rate", "mean_acceptance_length", "acceptance_by_position",
-                     "tokens_per_second", "engine_tokens_per_second", "mean_draft_length",
-                     "estimated_speedup", "passes_saved", "device_seconds_saved",
+                     "tokens_per_pass", "tokens_per_second", "engine_tokens_per_second",
+                     "mean_draft_length", "estimated_speedup", "passes_saved",
+                     "device_seconds_saved",
                      "forced_acceptance_rate", "mean_drafts_verified", "verified_per_token"):
             d[name] = getattr(self, name)
         return d

@@ -198,14 +198,31 @@ def infer_schema(rows: Iterable[Mapping[str, Any]]) -> pa.Schema:
     for row in rows:
         for key, value in row.items():
             seen.setdefault(key, set()).add(_kind(value))
-    return pa.schema([(key, column_type(kinds)) for key, kinds in seen.items()])
+    return pa.schema([pa.field(key, column_type(kinds),
+                               metadata=JSON_TEXT if _json_text(kinds) else None)
+                      for key, kinds in seen.items()])
 
 
-def _fit(value: Any, type_: pa.DataType) -> Any:
-    """``value`` as a column of ``type_`` holds it: JSON text in a string column."""
+# the metadata of a column of JSON text (values that disagree, or nested): each value is
+# its JSON, strings too ("3" and 3 told apart), as a reader decodes them
+JSON_TEXT = {b"specq": b"json"}
+
+
+def _json_text(kinds: set[str]) -> bool:
+    """Whether column_type holds values of these kinds as JSON text."""
+    kinds = kinds - {"null"}
+    return bool(kinds) and kinds != {"int", "float"} and (
+        len(kinds) > 1 or kinds == {"json"})
+
+
+def _fit(value: Any, field: pa.Field) -> Any:
+    """``value`` as ``field``'s column holds it: JSON text in a JSON text column (strings
+    too), and in a string column a value that is not a string."""
     import pyarrow as pa
 
-    if value is None or isinstance(value, str) or not pa.types.is_string(type_):
+    if value is None or not pa.types.is_string(field.type):
+        return value
+    if isinstance(value, str) and (field.metadata or {}).get(b"specq") != b"json":
         return value
     return _ENCODE(value)
 
@@ -217,7 +234,7 @@ def arrow_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
 
     columns = []
     for field in schema:
-        values = [_fit(row.get(field.name), field.type) for row in rows]
+        values = [_fit(row.get(field.name), field) for row in rows]
         try:
             columns.append(pa.array(values, type=field.type))
         except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError) as exc:

@@ -366,6 +366,9 @@ def normalise(raw: Any) -> dict[str, Any]:
     if unknown:
         raise _Problem(f"{show(unknown[0])}: unknown field (known: "
                        f"{', '.join(sorted(LINE_FIELDS))})")
+    if (raw.get("prompt") is None) == (raw.get("messages") is None):
+        raise _Problem("a line gives a prompt or messages, exactly one of them ("
+                       + ("both given)" if raw.get("prompt") is not None else "neither given)"))
     params = {k: v for k, v in raw.items() if k in SAMPLING_FIELDS}
     return {"custom_id": _custom_id(raw.get("custom_id")), "prompt": raw.get("prompt"),
             "messages": raw.get("messages"), "params": params or None}

@@ -56,7 +56,7 @@ def _drafts_verified(m: JobMetrics) -> str:
 def format_metrics(m: JobMetrics) -> str:
     """The figures a user asks of a finished or running job, one per line (each written by
     api/figures.py, as every other command writes it)."""
-    per_pass = m.new_tokens / m.target_passes if m.target_passes else None
+    per_pass = m.tokens_per_pass
     rows = [
         ("tokens generated", f"{m.new_tokens}"),
         ("tokens/s (wall)", shown("tokens_per_second", m.tokens_per_second)),

@@ -258,7 +258,7 @@ def seed_rows(spec: SynthSpec) -> Iterator[dict[str, Any]]:
                 if data.strip():
                     yield _json_row(data, n)
     elif fmt == "csv":
-        with open(seed, encoding="utf-8", newline="") as f:
+        with open(seed, encoding="utf-8-sig", newline="") as f:
             missing: Any = object()  # the value of a column a short row lacks
             reader = csv.DictReader(f, restval=missing)
             header = reader.fieldnames or []
@@ -448,7 +448,7 @@ def _seed_schema(spec: SynthSpec) -> list[pa.Field]:
         return list(infer_schema(seed_rows(spec)))
     if fmt == "parquet":
         return list(pq.read_schema(seed))
-    with open(seed, encoding="utf-8", newline="") as f:  # csv
+    with open(seed, encoding="utf-8-sig", newline="") as f:  # csv
         return [pa.field(c, pa.string()) for c in next(csv.reader(f), [])]
 
 
@@ -458,6 +458,7 @@ def _output_rows(client: Client, spec: SynthSpec, job_id: int,
     completed it (status completed, finish_reason stop: their grammar reached its end, so a
     JSON schema's output parses and validates); the others' indices go to ``dropped``."""
     rows = seed_rows(spec)
+    renderer = _Renderer(spec, "spec")
     shaped = spec.shape() not in (None, {"type": "text"})
     row: dict[str, Any] = {}
     with client.sessions() as s:
@@ -466,9 +467,12 @@ def _output_rows(client: Client, spec: SynthSpec, job_id: int,
             if k == 0:
                 next_row = next(rows, None)
                 if next_row is None:
-                    raise RuntimeError(f"job {job_id}: {spec.seed_data} has fewer rows than the "
-                                       f"job; it changed since the run was submitted")
+                    raise _changed(spec, job_id, "it has fewer rows than the job")
                 row = next_row
+                sent = item.prompt if item.messages is None else item.messages[0]["content"]
+                if sent is not None and renderer.try_render(r, row)[0] != sent:
+                    raise _changed(spec, job_id, f"its row {r} renders another prompt than "
+                                                 f"the job's item {item.index}")
             if shaped and (item.status != "completed" or item.finish_reason != "stop"):
                 dropped.append(item.index)
                 continue
@@ -481,6 +485,16 @@ def _output_rows(client: Client, spec: SynthSpec, job_id: int,
                    "status": item.status, "error": item.error,
                    "prompt_tokens": item.prompt_tokens,
                    **{c: getattr(item, c) for c in SCALARS}, "acceptance_rate": rate}
+    if next(rows, None) is not None:
+        raise _changed(spec, job_id, "it has more rows than the job")
+
+
+def _changed(spec: SynthSpec, job_id: int, how: str) -> RuntimeError:
+    """The seed data changed since the run was submitted: its columns would not be the
+    rows the job's prompts were rendered from, so no data set is written."""
+    where = "the inline seed rows" if isinstance(spec.seed_data, list) else spec.seed_data
+    return RuntimeError(f"job {job_id}: {where} changed since the run was submitted ({how}); "
+                        f"its data set is not written (submit the run again)")
 
 
 def run(client: Client, spec: SynthSpec, *, wait: bool = True, progress: bool = False,

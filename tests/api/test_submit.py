@@ -70,7 +70,9 @@ LONG = " ".join(["word"] * 600)  # 3000 bytes: beyond the tiny model's 512-token
     ([{"messages": [{"role": "user", "content": "a\u0000b"}]}], "tiny", {},
      r"line 1: prompt: contains a NUL character"),
     ([{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}], "tiny", {},
-     r"line 1: give exactly one of prompt, messages"),
+     r"line 1: a line gives a prompt or messages, exactly one of them \(both given\)"),
+    ([{"custom_id": "x", "max_new_tokens": 3}], "tiny", {},
+     r"line 1: a line gives a prompt or messages, exactly one of them \(neither given\)"),
 ])
 def test_bad_input_names_where_and_stores_nothing(db_client, tmp_path, lines, pair, sampling,
                                                    expected):

@@ -83,8 +83,10 @@ def test_sandbox_refuses_unsafe_templates(tmp_path):
 
 def test_seed_formats(tmp_path):
     (tmp_path / "s.csv").write_text("topic,n\ncats,1\ndogs,2\n")
+    (tmp_path / "bom.csv").write_text("\ufefftopic,n\r\nbats,1\r\n")  # as Excel saves it
     pq.write_table(pa.table({"topic": ["owls"], "n": [3]}), tmp_path / "s.parquet")
-    for name, first in [("s.csv", "About cats"), ("s.parquet", "About owls")]:
+    for name, first in [("s.csv", "About cats"), ("bom.csv", "About bats"),
+                        ("s.parquet", "About owls")]:
         spec = load_spec(spec_file(tmp_path, seed_data=name))
         assert next(requests(spec))["prompt"] == first
     inline = load_spec(spec_file(tmp_path, seed_data=[{"topic": "x"}], chat=True))

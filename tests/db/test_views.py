@@ -27,12 +27,8 @@ FIGURES = views.FIGURES  # the derived columns; each is the JobMetrics property 
 SAVED = ("passes_saved", "device_seconds_saved")  # what speculation saved: likewise
 
 
-def tokens_per_pass(m: JobMetrics) -> float | None:
-    return m.new_tokens / m.target_passes if m.target_passes else None
-
-
 def figure(m: JobMetrics, name: str) -> float | None:
-    return tokens_per_pass(m) if name == "tokens_per_pass" else getattr(m, name)
+    return getattr(m, name)
 
 
 def same(got, want, what: str) -> None:

@@ -155,3 +155,28 @@ def test_a_spec_gives_its_response_format_once():
             "name": "x", "pair": "tiny", "template": "t", "seed_data": [{"a": 1}],
             "sampling": {"response_format": {"type": "json_object"}},
             "response_format": {"type": "json_object"}, "output": {"path": "o.jsonl"}})
+
+
+def test_a_data_set_is_not_written_from_a_seed_file_changed_since_the_run(
+        client, engine, tmp_path):
+    """The data set pairs each sample with its seed row read again from the file: a file
+    changed since the run was submitted (other rows, more rows) writes nothing, naming it."""
+    seed = tmp_path / "seed.jsonl"
+    seed.write_text("".join(json.dumps({"word": w}) + "\n" for w in ("ant", "bee")))
+    spec = synthesis.SynthSpec.model_validate({
+        "name": "changed", "pair": "tiny-lookup", "template": "Say {{ word }}:",
+        "seed_data": str(seed), "sampling": {"max_new_tokens": 3},
+        "output": {"path": str(tmp_path / "out-{job_id}.jsonl")}})
+    job = synthesis.submit(client, spec)
+    run_inline(sessions=client.sessions, engine=engine, pair="tiny-lookup", job_id=job.id,
+               progress=False)
+    seed.write_text("".join(json.dumps({"word": w}) + "\n" for w in ("ant", "cow")))
+    with pytest.raises(RuntimeError, match="changed since the run was submitted .its row 1 "):
+        synthesis.write_output(client, job.id)
+    seed.write_text("".join(json.dumps({"word": w}) + "\n" for w in ("ant", "bee", "cow")))
+    with pytest.raises(RuntimeError, match="it has more rows than the job"):
+        synthesis.write_output(client, job.id)
+    assert not list(tmp_path.glob("out-*"))  # nothing written either time
+    seed.write_text("".join(json.dumps({"word": w}) + "\n" for w in ("ant", "bee")))
+    rows = [json.loads(x) for x in synthesis.write_output(client, job.id).open()]
+    assert [r["word"] for r in rows] == ["ant", "bee"]
