@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 
 import redis
 from sqlalchemy.orm import Session, sessionmaker
@@ -58,6 +58,14 @@ def sweep(settings: Settings, *, sessions: sessionmaker[Session] | None = None,
     now = now or utcnow()
     rows = settings.retention_sweep_rows
     report = SweepReport()
+    while True:  # finished batches' outputs that asked for an expiry get their expires_at
+        with sessions.begin() as s:
+            due = retention.due_outputs(s, limit=rows)
+            for file_id, finished, seconds in due:
+                retention.set_expiry(s, file_id=file_id,
+                                     expires_at=output_expiry(finished, seconds))
+        if len(due) < rows:
+            break
     while True:
         with sessions.begin() as s:
             found = retention.expired_files(s, now=now, limit=rows)
@@ -65,8 +73,10 @@ def sweep(settings: Settings, *, sessions: sessionmaker[Session] | None = None,
         for f in found:
             if f.kind == "input" and f.stored_in == "directory":
                 _unlink(settings, f.openai_id)
-        report.files += len(found)
-        report.file_bytes += sum(f.bytes or 0 for f in found)
+        uploads = [f for f in found if f.kind == "input"]
+        report.files += len(uploads)
+        report.file_bytes += sum(f.bytes or 0 for f in uploads)
+        report.outputs += len(found) - len(uploads)  # a batch's, by its output_expires_after
         if len(found) < rows:
             break
     outputs_before = (None if settings.retention_outputs is None
@@ -155,6 +165,14 @@ def read_swept(client: redis.Redis, settings: Settings) -> dict[str, int]:
     raw = client.hgetall(swept_key(settings))
     got = {k.decode() if isinstance(k, bytes) else k: int(v) for k, v in raw.items()}
     return {name: got.get(name, 0) for name in WHAT}
+
+
+def output_expiry(finished: datetime, seconds: int) -> datetime:
+    """When a batch's output and error files expire: ``seconds`` (its create's
+    output_expires_after) after its job finished (SQLite hands times back without their
+    zone: UTC)."""
+    finished = finished if finished.tzinfo else finished.replace(tzinfo=timezone.utc)
+    return finished + timedelta(seconds=seconds)
 
 
 # -- expires_after on uploads (OpenAI's shape) --------------------------------------------

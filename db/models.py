@@ -331,6 +331,9 @@ class Batch(Base):
     failed_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     cancelling_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     expired_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # seconds after its end when its output and error files expire (OpenAI's
+    # output_expires_after); NULL: the operator's retention_outputs alone
+    output_expires_after: Mapped[int | None] = mapped_column(Integer)
 
 
 # -- webhooks: who is told when a batch or a job ends (db/webhooks.py) --------------------

@@ -2,10 +2,12 @@
 functions over a Session, like db/repository.py; the sweep itself (its order, the files'
 bytes, its counts) is api/retention.py.
 
-Three things expire:
+What expires:
 
     an uploaded file      at its expires_at (its upload's expires_after, or the operator's
                           default retention_files): the row, its parts or its bytes
+    a batch's outputs     at their expires_at, once the batch asked for one
+                          (output_expires_after: its job's end plus those seconds)
     a batch's outputs     retention_outputs after its job ended: the output and error files
                           (rows; their content is the job's results, emptied with them)
     a job's results       retention_results after it ended (retention_outputs for a batch's
@@ -43,6 +45,23 @@ from specq.db.session import changed
 
 FINISHED = tuple(s.value for s in JobStatus if s.finished)
 TEXTS = ("prompt", "messages", "output", "token_ids")  # what emptying a job's results drops
+
+
+def due_outputs(session: Session, *, limit: int) -> list[tuple[int, datetime, int]]:
+    """Output and error files of finished batches that asked for an expiry
+    (output_expires_after) and have no expires_at yet: (file id, its job's finished_at,
+    the seconds), at most ``limit``."""
+    return [tuple(row) for row in session.execute(  # type: ignore[misc]
+        select(File.id, Job.finished_at, Batch.output_expires_after)
+        .join(Batch, Batch.id == File.batch_id).join(Job, Job.id == Batch.job_id)
+        .where(File.kind.in_(("output", "error")), File.expires_at.is_(None),
+               Batch.output_expires_after.is_not(None), Job.finished_at.is_not(None))
+        .order_by(File.id).limit(limit))]
+
+
+def set_expiry(session: Session, *, file_id: int, expires_at: datetime) -> None:
+    session.execute(update(File).where(File.id == file_id, File.expires_at.is_(None))
+                    .values(expires_at=expires_at))
 
 
 def expired_files(session: Session, *, now: datetime, limit: int) -> list[File]:

@@ -29,7 +29,7 @@ import threading
 import time
 from datetime import datetime, timedelta
 from functools import lru_cache
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Header, Query, Request
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -38,6 +38,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from specq.api.client import Client
 from specq.api.inputs import OPENAI_URLS, InputError
+from specq.api.retention import EXPIRY_LIMITS
 from specq.api.server.auth import caller
 from specq.api.server.errors import NO_RETRY, ApiError, not_found
 from specq.api.server.files import aware, input_bytes, unix, upload_path
@@ -59,11 +60,19 @@ LINE = re.compile(r"line (\d+): (.*)", re.S)
 FIELD = re.compile(r"([\w.\[\]]+): ")
 
 
+class OutputExpiry(BaseModel):
+    """OpenAI's output_expires_after: the output and error files expire ``seconds`` after
+    the batch ends (when its output file is complete: OpenAI's created_at of it)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    anchor: Literal["created_at"]
+    seconds: int = Field(ge=EXPIRY_LIMITS[0], le=EXPIRY_LIMITS[1], strict=True)
+
+
 class BatchCreate(BaseModel):
     """The create request. A field it does not name is refused, as OpenAI refuses an
-    unknown argument: a misspelt one silently dropped would change what the batch does.
-    ``output_expires_after`` is refused by name (`_not_served`): the operator's
-    SPECQ_RETENTION_OUTPUTS sets when outputs go."""
+    unknown argument: a misspelt one silently dropped would change what the batch does."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -72,15 +81,7 @@ class BatchCreate(BaseModel):
     completion_window: str = Field(max_length=16)
     metadata: dict[str, str] | None = None
 
-    output_expires_after: Any = None  # refused when given (`_not_served`)
-
-    @field_validator("output_expires_after")
-    @classmethod
-    def _not_served(cls, value: Any) -> Any:
-        if value is not None:
-            raise ValueError("not served: outputs are kept as the operator's "
-                             "SPECQ_RETENTION_OUTPUTS says (docs/http.md)")
-        return value
+    output_expires_after: OutputExpiry | None = None
 
     @field_validator("metadata")
     @classmethod
@@ -369,6 +370,8 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
                 input_file_id=f.openai_id, endpoint=body.endpoint, model=scan.model,
                 completion_window=body.completion_window,
                 metadata_=body.metadata, idempotency_key=idempotency_key, request_hash=digest,
+                output_expires_after=(body.output_expires_after.seconds
+                                      if body.output_expires_after else None),
                 created_at=now, expires_at=now + timedelta(seconds=seconds))
     except IntegrityError:  # the same key, at the same moment, from another request
         seen = _replay(client, who, idempotency_key or "", digest)

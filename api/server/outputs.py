@@ -15,8 +15,10 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from specq.api.formats import openai_line
+from specq.api.retention import output_expiry
 from specq.db import batches as store
 from specq.db import repository as repo
+from specq.db import retention
 from specq.db.models import Batch, File, ItemStatus, JobStatus
 
 BATCH = 1000
@@ -50,6 +52,11 @@ def settle_size(client: Any, row: File) -> File:
         return row  # still growing: its size is not known yet
     for _ in _lines(client, row, batch, job):
         pass  # (which stores the size once the whole file was made)
+    if batch.output_expires_after is not None and row.expires_at is None \
+            and job.finished_at is not None:  # the sweep would set it too
+        with client.sessions.begin() as s:
+            retention.set_expiry(s, file_id=row.id, expires_at=output_expiry(
+                job.finished_at, batch.output_expires_after))
     with client.sessions() as s:
         return s.get(File, row.id) or row
 

@@ -6,7 +6,7 @@ stays."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import timedelta, timezone
 
 import pytest
 from sqlalchemy import func, select
@@ -179,3 +179,37 @@ def test_old_webhook_deliveries_go_once_made_or_given_up(own_url, tmp_path):
     with sessions() as s:
         assert list(s.scalars(select(WebhookDelivery.status))) == ["pending"]
         assert s.scalar(select(func.count()).select_from(WebhookAttempt)) == 0
+
+
+def test_a_batchs_outputs_expire_as_its_create_asked(own_url, tmp_path):
+    """output_expires_after: a finished batch's output and error files get expires_at, its
+    job's end plus the seconds asked, and go once it passed; another batch's stay."""
+    sessions = session_factory(own_url)
+    jobs = [make_job(sessions, name=f"b{i}", n=1, outcomes=[
+        done(0, counters([1], 1, 2, [0, 1], 2, 2, 0.1, 0.1), 0.0, 1.0)]) for i in range(2)]
+    with sessions.begin() as s:
+        tid = tenants.authenticate(s, key=tenants.create_key(s, tenant="x")).tenant_id
+        for i, (job, asked) in enumerate(zip(jobs, (3600, None))):
+            b = store.add_batch(s, openai_id=f"batch_{i}", tenant_id=tid, status="validating",
+                                input_file_id="file-in", endpoint="/v1/completions",
+                                completion_window="24h", expires_at=utcnow(),
+                                output_expires_after=asked)
+            store.attach_job(s, batch_id=b.id, job_id=job.id)
+            for kind in ("output", "error"):
+                store.add_file(s, openai_id=f"file-{kind}{i}", tenant_id=tid, kind=kind,
+                               purpose="batch_output", filename=f"{kind}.jsonl", batch_id=b.id)
+    with sessions() as s:
+        ended = repo.get_job(s, job_id=jobs[0].id).finished_at
+    settings = settings_for(own_url, tmp_path, retention_sweep_rows=1)
+    assert sweep(settings, now=ended + timedelta(minutes=59)).outputs == 0
+    with sessions() as s:
+        expiry = {f.openai_id: f.expires_at for f in s.scalars(select(File))}
+    want = ended if ended.tzinfo else ended.replace(tzinfo=timezone.utc)
+    for name in ("file-output0", "file-error0"):
+        got = expiry[name] if expiry[name].tzinfo else expiry[name].replace(tzinfo=timezone.utc)
+        assert got == want + timedelta(hours=1)
+    assert expiry["file-output1"] is None and expiry["file-error1"] is None
+    report = sweep(settings, now=ended + timedelta(minutes=61))
+    assert (report.outputs, report.files) == (2, 0)
+    with sessions() as s:
+        assert sorted(s.scalars(select(File.openai_id))) == ["file-error1", "file-output1"]

@@ -145,7 +145,8 @@ def test_upload_create_poll_download_and_a_restart_loses_nothing(
     assert sdk.files.retrieve(f.id) == f
     assert sdk.files.content(f.id).content == jsonl(lines)
 
-    batch = create(sdk, f.id, metadata={"priority": "high", "team": "a"})
+    batch = create(sdk, f.id, metadata={"priority": "high", "team": "a"},
+                   output_expires_after={"anchor": "created_at", "seconds": 7200})
     assert batch.status == "in_progress" and batch.request_counts.total == 40
     assert batch.model == MODEL and batch.metadata == {"priority": "high", "team": "a"}
     done = wait_for(sdk, batch.id, ("completed", "failed", "expired", "cancelled"))
@@ -154,7 +155,9 @@ def test_upload_create_poll_download_and_a_restart_loses_nothing(
     assert done.completed_at and done.in_progress_at and done.finalizing_at
     assert done.error_file_id is None and done.output_file_id
     assert [x.filename for x in sdk.files.list()] == [f"{batch.id}_output.jsonl", "in.jsonl"]
-    size = sdk.files.retrieve(done.output_file_id).bytes  # known before any download
+    output = sdk.files.retrieve(done.output_file_id)
+    assert output.expires_at == done.completed_at + 7200  # output_expires_after, from its end
+    size = output.bytes  # known before any download
     assert size > 0 and size == len(sdk.files.content(done.output_file_id).content)
 
     got = outputs(sdk, done.output_file_id)
@@ -506,8 +509,9 @@ def test_refusals_of_uploads_and_creates(sdk, server, http_settings):
                       # an argument OpenAI does not know (misspelt), and one not served
                       (dict(endpoint=CHAT, extra_body={"completion_windw": "1h"}),
                        "completion_windw"),
-                      (dict(endpoint=CHAT, extra_body={"output_expires_after": {
-                          "anchor": "created_at", "seconds": 3600}}), "output_expires_after")):
+                      (dict(endpoint=CHAT, output_expires_after={
+                          "anchor": "created_at", "seconds": 60}),
+                       "output_expires_after.seconds")):
         with pytest.raises(openai.BadRequestError) as err:
             sdk.batches.create(input_file_id=f.id, **{"completion_window": "24h", **kw})
         assert err.value.param == param, kw
