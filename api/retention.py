@@ -127,6 +127,8 @@ def _sweep_job(settings: Settings, sessions: sessionmaker[Session], job_id: int,
                                                                rows=rows)
     with sessions.begin() as s:
         if keep:
+            report.outputs += retention.delete_files(
+                s, file_ids=retention.outputs_of(s, job_id=job_id))
             retention.mark_swept(s, job_id=job_id, now=now)
             report.jobs_emptied += 1
         else:

@@ -98,26 +98,51 @@ class Answer:
 
 
 def post(url: str, body: str, head: dict[str, str], settings: Settings) -> Answer:
-    """POST ``body`` to ``url`` once (no redirect followed); what came back."""
+    """POST ``body`` to ``url`` once (no redirect followed); what came back, within
+    ``webhook_timeout`` seconds in all: a receiver that trickles its headers or its answer
+    (each byte within a socket's timeout) has its connection cut at the deadline, so a
+    post never outlives its sender's lease. A status read before the cut stands."""
     t0 = time.monotonic()
+    code: int | None = None
+    cut = threading.Event()
     try:
         target = parse_target(url, allow_http=settings.webhook_allow_http)
         address = resolve(target, allow_private=settings.webhook_allow_private)[0]
         kind = _PinnedTLS if target.scheme == "https" else _Pinned
         conn = kind(target, address, settings.webhook_timeout)
+        deadline = threading.Timer(settings.webhook_timeout, _cut, (conn, cut))
+        deadline.start()
         try:
             conn.request("POST", target.path, body=body.encode(), headers=head)
             answer = conn.getresponse()
-            answer.read(MAX_ANSWER)
+            if cut.is_set():  # headers cut short read as ended: no answer
+                raise TimeoutError("cut at the deadline")
             code = answer.status
+            answer.read(MAX_ANSWER)  # read and dropped: the status is what counts
         finally:
+            deadline.cancel()
             conn.close()
     except TargetError as exc:
         return Answer(None, f"refused: {exc}", time.monotonic() - t0)
-    except (OSError, http.client.HTTPException) as exc:  # refused, reset, timed out, TLS
-        return Answer(None, f"{type(exc).__name__}: {exc}"[:500], time.monotonic() - t0)
+    except (OSError, http.client.HTTPException, ValueError) as exc:  # refused, reset, TLS
+        if code is None:
+            why = (f"no answer within {settings.webhook_timeout:g} s" if cut.is_set()
+                   else f"{type(exc).__name__}: {exc}")
+            return Answer(None, why[:500], time.monotonic() - t0)
+    assert code is not None  # (set before any read that could fail past it)
     return Answer(code, None if 200 <= code < 300 else f"answered {code}",
                   time.monotonic() - t0)
+
+
+def _cut(conn: http.client.HTTPConnection, cut: threading.Event) -> None:
+    """The post's deadline: shut its socket, which ends the read waiting on it."""
+    cut.set()
+    sock = conn.sock
+    if sock is not None:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # closed already
 
 
 class Sender:
@@ -152,7 +177,10 @@ class Sender:
                                    seconds=answer.seconds, backoff=s.webhook_backoff,
                                    backoff_max=s.webhook_backoff_max,
                                    retry_for=s.webhook_retry_for)
-        if status == outbox.FAILED:
+        if status == outbox.GONE:
+            log.info("webhook %s (delivery %d): deleted with its endpoint during the post",
+                     due.event_id, due.id)
+        elif status == outbox.FAILED:
             log.error("webhook %s (delivery %d): given up after %d attempts: %s",
                       due.event_id, due.id, due.attempts + 1, answer.error)
         elif answer.error is not None:

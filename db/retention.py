@@ -133,6 +133,14 @@ def last_index(session: Session, *, job_id: int) -> int:
                                .where(Item.job_id == job_id)).scalar_one())
 
 
+def outputs_of(session: Session, *, job_id: int) -> list[int]:
+    """The output and error files of the job's batch: made from its items, they go with
+    the items' texts (served emptied, they would pass blank answers off as its own)."""
+    return list(session.scalars(
+        select(File.id).join(Batch, Batch.id == File.batch_id)
+        .where(Batch.job_id == job_id, File.kind.in_(("output", "error")))))
+
+
 def mark_swept(session: Session, *, job_id: int, now: datetime) -> None:
     session.execute(update(Job).where(Job.id == job_id).values(swept_at=now))
 

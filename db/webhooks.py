@@ -55,6 +55,7 @@ SHOWN = len(SECRET_PREFIX) + 4  # characters of a secret that lists show
 BATCH_EVENTS = ("batch.completed", "batch.failed", "batch.expired", "batch.cancelled")
 JOB_EVENTS = ("job.completed", "job.failed", "job.cancelled")
 PENDING, DELIVERED, FAILED = "pending", "delivered", "failed"
+GONE = "gone"  # what record() returns for a row deleted meanwhile (its endpoint deleted)
 
 
 def new_secret() -> str:
@@ -382,7 +383,10 @@ def claim_due(session: Session, *, owner: str, hold: float, limit: int) -> list[
         .order_by(d.next_at, d.id).limit(limit).with_for_update(skip_locked=True)))
     if not ids:
         return []
-    session.execute(update(d).where(d.id.in_(ids), d.status == PENDING)
+    # the lease's test again in the write: where the select took no row lock (SQLite) a
+    # second sender read the same rows, and its write, after this one, must take none
+    session.execute(update(d).where(d.id.in_(ids), d.status == PENDING,
+                                    or_(d.lease_until.is_(None), d.lease_until < db_now()))
                     .values(lease_owner=owner, lease_until=db_now() + hold),
                     execution_options={"synchronize_session": False})
     rows = session.execute(
@@ -401,11 +405,18 @@ def record(session: Session, *, delivery_id: int, owner: str, status_code: int |
            retry_for: float) -> str:
     """One attempt's outcome: a 2xx delivers the row (for good); anything else makes it due
     again after ``backoff`` x 2^(attempts before), at most ``backoff_max``, or fails it
-    once the event is ``retry_for`` seconds old. Returns the row's status after."""
+    once the event is ``retry_for`` seconds old. Returns the row's status after (GONE: the
+    row was deleted meanwhile, with its endpoint). The attempt is kept in any case; the
+    row changes only while ``owner`` holds its lease: a sender whose lease ran out (its
+    post outlived it) leaves the row to the one that took it over."""
     d = WebhookDelivery
     ok = status_code is not None and 200 <= status_code < 300
-    attempts, age, now = session.execute(
-        select(d.attempts, db_now() - d.created, db_now()).where(d.id == delivery_id)).one()
+    found = session.execute(
+        select(d.attempts, db_now() - d.created, db_now()).where(d.id == delivery_id)
+    ).one_or_none()
+    if found is None:
+        return GONE
+    attempts, age, now = found
     session.add(WebhookAttempt(delivery_id=delivery_id, at=now, status_code=status_code,
                                error=None if error is None else error[:2000],
                                seconds=seconds, sender=owner[:300]))
@@ -418,7 +429,8 @@ def record(session: Session, *, delivery_id: int, owner: str, status_code: int |
         pause = min(backoff * 2.0 ** min(attempts, 60), backoff_max)
         values.update(last_error=why[:2000], next_at=now + pause,
                       status=FAILED if age + pause > retry_for else PENDING)
-    session.execute(update(d).where(d.id == delivery_id, d.status == PENDING).values(**values),
+    session.execute(update(d).where(d.id == delivery_id, d.status == PENDING,
+                                    d.lease_owner == owner).values(**values),
                     execution_options={"synchronize_session": False})
     return str(session.scalar(select(d.status).where(d.id == delivery_id)))
 

@@ -65,11 +65,27 @@ def parse_target(url: str, *, allow_http: bool = False) -> Target:
     return Target(scheme, parts.hostname, port or (443 if scheme == "https" else 80), path)
 
 
+# IPv6 forms that carry an IPv4 address a network may reach: NAT64's well-known prefix
+# (RFC 6052), SIIT's IPv4-translated addresses (::ffff:0:a.b.c.d, RFC 2765) and
+# IPv4-compatible ones (::a.b.c.d, deprecated); 6to4 and mapped ones ipaddress reads
+# itself. NAT64's local-use prefix (RFC 8215) is a site's own.
+NAT64_LOCAL = ipaddress.IPv6Network("64:ff9b:1::/48")
+CARRYING = tuple(ipaddress.IPv6Network(n) for n in ("64:ff9b::/96", "::ffff:0:0:0/96", "::/96"))
+
+
 def is_public(address: str) -> bool:
-    """Whether an IP address is a public one (IPv4 mapped into IPv6 read as IPv4)."""
-    ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    """Whether an IP address is a public one: an IPv6 address that carries an IPv4 one
+    (mapped, NAT64, 6to4, IPv4-compatible) is judged by the IPv4 address it carries."""
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address = ipaddress.ip_address(
+        address.split("%", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip in NAT64_LOCAL:
+            return False
+        carried = ip.ipv4_mapped or ip.sixtofour
+        if carried is None and any(ip in net for net in CARRYING):
+            carried = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
+        if carried is not None:
+            ip = carried
     return ip.is_global and not ip.is_multicast
 
 

@@ -268,3 +268,88 @@ def test_the_sender_checks_the_address_again_before_each_post(url):
         assert receiver.ids == [] and set(deliveries(sessions, ep).values()) == {"pending"}
     finally:
         receiver.close()
+
+
+class Trickler:
+    """A receiver that answers a byte at a time, each within a socket's timeout: its
+    headers (``headers=True``), or a 200 then its body, for as long as it is let."""
+
+    def __init__(self, headers: bool) -> None:
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen()
+        self.port = self.sock.getsockname()[1]
+        self.headers, self.stop = headers, threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.sock.accept()
+        with conn:
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\n" if self.headers else
+                         b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n\r\n")
+            n = 0
+            while not self.stop.wait(0.1):
+                try:
+                    conn.sendall(f"x-trickle-{n}: 1\r\n".encode() if self.headers else b"x")
+                except OSError:
+                    return
+                n += 1
+
+    def close(self) -> None:
+        self.stop.set()
+        self.sock.close()
+
+
+@pytest.mark.parametrize("headers", [True, False], ids=["headers", "body"])
+def test_a_post_ends_at_its_timeout_however_the_receiver_trickles(headers):
+    """webhook_timeout bounds the whole post (a socket's timeout alone bounds each read): a
+    receiver trickling its headers is no answer, one that said 200 and trickles its body
+    was answered; either way the post ends within the timeout, not the receiver's pace."""
+    from specq.broker.webhooks import post
+
+    receiver = Trickler(headers)
+    try:
+        got = post(f"http://127.0.0.1:{receiver.port}/hook", "{}", {},
+                   settings_for("sqlite://", webhook_timeout=1.0))
+    finally:
+        receiver.close()
+    assert got.seconds < 3.0, got
+    if headers:
+        assert got.status_code is None and got.error == "no answer within 1 s", got
+    else:
+        assert (got.status_code, got.error) == (200, None), got
+
+
+def test_two_senders_on_sqlite_claim_each_delivery_once(tmp_path):
+    """SQLite takes no row lock for the claim's select: two senders that read the same due
+    rows must not both take them (the lease is tested again in the claim's write), and a
+    sender whose lease was taken over leaves the row to the one that holds it."""
+    url = f"sqlite:///{tmp_path / 'w.db'}"
+    migrate(url)
+    sessions = session_factory(url)
+    with sessions.begin() as s:
+        webhooks.add_endpoint(s, url="http://127.0.0.1:9/hook", tenant_id=None,
+                              allow_private=True, allow_http=True)
+    ended_jobs(sessions, 3)
+    first, second = sessions(), sessions()
+    try:
+        first.begin()
+        second.begin()
+        seen_first = [d.id for d in webhooks.claim_due(first, owner="a", hold=60, limit=10)]
+        first.commit()
+        seen_second = webhooks.claim_due(second, owner="b", hold=60, limit=10)
+        second.commit()
+    finally:
+        first.close()
+        second.close()
+    assert len(seen_first) == 3 and seen_second == []
+    with sessions.begin() as s:  # "b" answers for a row it does not hold: kept, not applied
+        status = webhooks.record(s, delivery_id=seen_first[0], owner="b", status_code=500,
+                                 error="late", seconds=9.0, backoff=1, backoff_max=1,
+                                 retry_for=0.0)
+    assert status == "pending"
+    with sessions() as s:
+        row = s.get(WebhookDelivery, seen_first[0])
+        assert (row.lease_owner, row.attempts, row.status) == ("a", 0, "pending")
+        assert s.scalar(select(func.count()).select_from(WebhookAttempt)) == 1

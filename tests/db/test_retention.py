@@ -167,7 +167,7 @@ def test_old_webhook_deliveries_go_once_made_or_given_up(own_url, tmp_path):
     for name in ("a", "b", "c"):
         make_job(sessions, name=name, n=1, cancel=True)  # three job.cancelled events
     with sessions.begin() as s:
-        ids = sorted(s.scalars(select(WebhookDelivery.id)))
+        ids = sorted(d.id for d in webhooks.claim_due(s, owner="t", hold=60, limit=10))
         for i, status in zip(ids, ("delivered", "failed")):  # the third stays pending
             webhooks.record(s, delivery_id=i, owner="t", seconds=0.1, backoff=1,
                             backoff_max=1, retry_for=0 if status == "failed" else 9,
@@ -213,3 +213,29 @@ def test_a_batchs_outputs_expire_as_its_create_asked(own_url, tmp_path):
     assert (report.outputs, report.files) == (2, 0)
     with sessions() as s:
         assert sorted(s.scalars(select(File.openai_id))) == ["file-error1", "file-output1"]
+
+
+def test_a_batchs_outputs_go_with_its_results(own_url, tmp_path):
+    """SPECQ_RETENTION_RESULTS alone (no outputs retention) empties a batch's job too: its
+    output and error files, made from those items, go with them rather than be served
+    with blank answers."""
+    sessions = session_factory(own_url)
+    job = make_job(sessions, name="bj", n=2, outcomes=[
+        done(i, counters([1], 1, 2, [0, 1], 2, 2, 0.1, 0.1), 0.0, 1.0) for i in range(2)])
+    with sessions.begin() as s:
+        tid = tenants.authenticate(s, key=tenants.create_key(s, tenant="r")).tenant_id
+        b = store.add_batch(s, openai_id="batch_r", tenant_id=tid, status="validating",
+                            input_file_id="file-in", endpoint="/v1/completions",
+                            completion_window="24h", expires_at=utcnow())
+        store.attach_job(s, batch_id=b.id, job_id=job.id)
+        for kind in ("output", "error"):
+            store.add_file(s, openai_id=f"file-r{kind}", tenant_id=tid, kind=kind,
+                           purpose="batch_output", filename=f"{kind}.jsonl", batch_id=b.id)
+    with sessions() as s:
+        ended = repo.get_job(s, job_id=job.id).finished_at
+    report = sweep(settings_for(own_url, tmp_path, retention_results=60.0),
+                   now=ended + timedelta(hours=1))
+    assert (report.jobs_emptied, report.outputs) == (1, 2)
+    with sessions() as s:
+        assert s.scalar(select(func.count()).select_from(File)
+                        .where(File.batch_id == b.id)) == 0

@@ -30,6 +30,10 @@ LOCAL = {"allow_private": True, "allow_http": True}
     "https://169.254.169.254/latest/meta-data", "https://192.168.0.7/", "https://100.64.0.1/",
     "https://[::ffff:127.0.0.1]/", "https://2130706433/", "https://0x7f.1/", "https://0.0.0.0/",
     "https://224.0.0.1/",
+    # IPv6 forms carrying a private IPv4 address: NAT64, 6to4, IPv4-compatible and
+    # -translated; NAT64's local-use prefix
+    "https://[64:ff9b::7f00:1]/", "https://[2002:7f00:1::]/", "https://[::7f00:1]/",
+    "https://[::ffff:0:a00:5]/", "https://[64:ff9b:1::808:808]/",
 ])
 def test_a_private_or_loopback_target_is_refused_unless_the_operator_allows_it(url):
     with pytest.raises(TargetError, match="non-public|does not resolve"):
@@ -50,6 +54,8 @@ def test_a_malformed_target_is_refused_naming_why(url, why):
 
 
 def test_a_public_address_is_taken():
+    for carried in ("[64:ff9b::5db8:d822]", "[2002:5db8:d822::]"):  # 93.184.216.34 within
+        assert check_url(f"https://{carried}/").port == 443
     target = check_url("https://93.184.216.34:8443/hooks?x=1")
     assert (target.host, target.port, target.path) == ("93.184.216.34", 8443, "/hooks?x=1")
     assert check_url("http://93.184.216.34/", allow_http=True).port == 80
