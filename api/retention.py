@@ -4,15 +4,18 @@ or one every ``--every`` seconds; nothing expires unless an upload names expires
 the operator sets a retention (SPECQ_RETENTION_*).
 
 A file's row goes first, its bytes after the row's deletion commits: a sweep stopped in
-between leaves bytes no row names (the next sweep cannot see them; `specq sweep` logs
-each), never a row whose bytes are gone. What a pass swept is logged, returned, and added
-to the deployment's counts on the broker, which the exporter serves
-(specq_retention_swept_total{what}).
+between leaves bytes no row names, never a row whose bytes are gone; each sweep deletes the
+directory store's bytes that no row names once they are an hour old (logging each), as it
+does an upload's whose server died before its row committed. What a pass swept is
+logged, returned, and added to the deployment's counts on the broker, which the exporter
+serves (specq_retention_swept_total{what}).
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta, timezone
 
@@ -79,6 +82,7 @@ def sweep(settings: Settings, *, sessions: sessionmaker[Session] | None = None,
         report.outputs += len(found) - len(uploads)  # a batch's, by its output_expires_after
         if len(found) < rows:
             break
+    _reap_strays(settings, sessions)
     outputs_before = (None if settings.retention_outputs is None
                       else now - timedelta(seconds=settings.retention_outputs))
     results_before = (None if settings.retention_results is None
@@ -134,6 +138,34 @@ def _sweep_job(settings: Settings, sessions: sessionmaker[Session], job_id: int,
         else:
             retention.delete_job(s, job_id=job_id)
             report.jobs_deleted += 1
+
+
+STRAY_AGE = 3600.0  # seconds: bytes younger than this may belong to an upload committing
+
+
+def _reap_strays(settings: Settings, sessions: sessionmaker[Session]) -> int:
+    """Delete the directory store's files that no row names and that are older than
+    STRAY_AGE: the bytes of a row a sweep deleted just before it was stopped, or of an
+    upload whose server died before its row committed. Each is logged; how many."""
+    from specq.api.server.uploads import store_path
+
+    try:
+        names = [e for e in os.scandir(settings.files_dir)
+                 if e.is_file() and e.name.startswith("file-") and e.name.endswith(".jsonl")
+                 and time.time() - e.stat().st_mtime > STRAY_AGE]
+    except FileNotFoundError:  # no directory store on this machine
+        return 0
+    reaped = 0
+    for i in range(0, len(names), 500):
+        batch = {e.name.removesuffix(".jsonl"): e for e in names[i:i + 500]}
+        with sessions() as s:
+            known = retention.known_files(s, openai_ids=list(batch))
+        for openai_id in sorted(set(batch) - known):
+            log.warning("retention sweep: %s: no file row names these bytes; deleted",
+                        store_path(settings.files_dir, openai_id))
+            _unlink(settings, openai_id)
+            reaped += 1
+    return reaped
 
 
 def _unlink(settings: Settings, openai_id: str) -> None:

@@ -9,7 +9,6 @@ and paged by an object's id (``after``), as OpenAI pages them.
 from __future__ import annotations
 
 import functools
-import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -19,18 +18,21 @@ from sqlalchemy import and_, bindparam, func, or_, select, true, update
 from sqlalchemy.orm import Session
 
 from specq.db import views, webhooks
-from specq.db.models import Batch, Chunk, File, FilePart, Item, Job, JobStatus, Tenant, utcnow
+from specq.db.models import (
+    Batch,
+    Chunk,
+    File,
+    FilePart,
+    Item,
+    Job,
+    JobStatus,
+    Tenant,
+    could_be_id,
+    utcnow,
+)
 from specq.db.session import changed
 
 UNFINISHED = tuple(s.value for s in JobStatus if not s.finished)
-OPENAI_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the ids made here: file-HEX, batch_HEX
-
-
-def could_be_id(text: str) -> bool:
-    """Whether ``text`` has the shape of an id made here. Anything else (a NUL, a lone
-    surrogate, a quote) is no file's or batch's, and is never sent to the database, which
-    may refuse to even compare it (PostgreSQL and NUL)."""
-    return OPENAI_ID.fullmatch(text) is not None
 
 
 def storable(text: str) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timezone
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -63,6 +64,16 @@ class ItemStatus(str, Enum):
     completed = "completed"
     failed = "failed"
     cancelled = "cancelled"
+
+
+OPENAI_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # the ids made here: file-HEX, batch_HEX, we_HEX
+
+
+def could_be_id(text: str) -> bool:
+    """Whether ``text`` has the shape of an id made here. Anything else (a NUL, a lone
+    surrogate, a quote) is no file's or batch's, and is never sent to the database, which
+    may refuse to even compare it (PostgreSQL and NUL)."""
+    return OPENAI_ID.fullmatch(text) is not None
 
 
 def utcnow() -> datetime:

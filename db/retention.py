@@ -71,6 +71,11 @@ def expired_files(session: Session, *, now: datetime, limit: int) -> list[File]:
         .order_by(File.expires_at, File.id).limit(limit)))
 
 
+def known_files(session: Session, *, openai_ids: list[str]) -> set[str]:
+    """Which of these file ids a row names."""
+    return set(session.scalars(select(File.openai_id).where(File.openai_id.in_(openai_ids))))
+
+
 def delete_files(session: Session, *, file_ids: list[int]) -> int:
     """The files' rows and the parts kept in the database; how many rows."""
     if not file_ids:

@@ -46,6 +46,7 @@ from specq.db.models import (
     WebhookAttempt,
     WebhookDelivery,
     WebhookEndpoint,
+    could_be_id,
     utcnow,
 )
 from specq.schema.addresses import check_url
@@ -157,6 +158,8 @@ def list_endpoints(session: Session, *, tenant_id: int | None = _ANY, after: str
         stmt = stmt.where(WebhookEndpoint.tenant_id.is_(None) if tenant_id is None
                           else WebhookEndpoint.tenant_id == tenant_id)
     if after is not None:
+        if not could_be_id(after):
+            raise KeyError(after)
         seq = session.scalar(stmt.with_only_columns(WebhookEndpoint.id)
                              .where(WebhookEndpoint.openai_id == after))
         if seq is None:
@@ -183,6 +186,8 @@ def list_endpoints(session: Session, *, tenant_id: int | None = _ANY, after: str
 
 def get_endpoint(session: Session, *, openai_id: str, tenant_id: int | None = _ANY
                  ) -> EndpointInfo | None:
+    if not could_be_id(openai_id):  # a NUL or a quote: no endpoint's, and no query
+        return None
     stmt = select(WebhookEndpoint).where(WebhookEndpoint.openai_id == openai_id)
     if tenant_id is not _ANY:
         stmt = stmt.where(WebhookEndpoint.tenant_id.is_(None) if tenant_id is None
@@ -192,6 +197,8 @@ def get_endpoint(session: Session, *, openai_id: str, tenant_id: int | None = _A
 
 
 def _own(session: Session, *, openai_id: str, tenant_id: int | None) -> WebhookEndpoint | None:
+    if not could_be_id(openai_id):
+        return None
     stmt = select(WebhookEndpoint).where(WebhookEndpoint.openai_id == openai_id)
     if tenant_id is not _ANY:
         stmt = stmt.where(WebhookEndpoint.tenant_id.is_(None) if tenant_id is None
@@ -238,6 +245,8 @@ def rotate_secret(session: Session, *, openai_id: str, tenant_id: int | None = _
 def remove_endpoint(session: Session, *, openai_id: str, tenant_id: int | None = _ANY) -> bool:
     """Delete the endpoint (of that tenant, if given) with its deliveries, sent or not, and
     their attempts; whether there was one."""
+    if not could_be_id(openai_id):
+        return False
     stmt = select(WebhookEndpoint.id).where(WebhookEndpoint.openai_id == openai_id)
     if tenant_id is not _ANY:
         stmt = stmt.where(WebhookEndpoint.tenant_id.is_(None) if tenant_id is None

@@ -205,13 +205,26 @@ def file_content(request: Request, file_id: str, who: Who
 
 
 def input_bytes(client: Any, settings: Settings, row: File) -> Iterator[bytes]:
-    """An uploaded file's bytes, a part at a time, from the store it went to."""
+    """An uploaded file's bytes, a part at a time, from the store it went to. A file of
+    the directory store is opened now: bytes gone from under their row (a sweep or a
+    delete between the two) are a 404 before any answer starts, not a body cut short."""
     if row.stored_in == "database":
-        with client.sessions() as s:
-            yield from store.iter_parts(s, file_id=row.id)
-        return
+        return _parts(client, row)
     path: Path = store_path(settings.files_dir, row.openai_id)
-    with path.open("rb") as f:
+    try:
+        f = path.open("rb")
+    except FileNotFoundError:
+        raise not_found("File", row.openai_id, param="file_id") from None
+    return _chunks(f)
+
+
+def _parts(client: Any, row: File) -> Iterator[bytes]:
+    with client.sessions() as s:
+        yield from store.iter_parts(s, file_id=row.id)
+
+
+def _chunks(f: Any) -> Iterator[bytes]:
+    with f:
         yield from iter(lambda: f.read(PART_BYTES), b"")
 
 

@@ -239,3 +239,28 @@ def test_a_batchs_outputs_go_with_its_results(own_url, tmp_path):
     with sessions() as s:
         assert s.scalar(select(func.count()).select_from(File)
                         .where(File.batch_id == b.id)) == 0
+
+
+def test_bytes_no_row_names_go_once_an_hour_old(own_url, tmp_path):
+    """A sweep stopped between a row's deletion and its bytes' (or a server that died
+    before an upload's row committed) leaves bytes no row names: the next sweep deletes
+    them once they are an hour old; named ones and young ones stay."""
+    import os
+    import time
+
+    settings = settings_for(own_url, tmp_path)
+    settings.files_dir.mkdir(parents=True)
+    sessions = session_factory(own_url)
+    with sessions.begin() as s:
+        tid = tenants.authenticate(s, key=tenants.create_key(s, tenant="s")).tenant_id
+        store.add_file(s, openai_id="file-named", tenant_id=tid, kind="input",
+                       purpose="batch", filename="a.jsonl", bytes=3, lines=1,
+                       stored_in="directory")
+    old = time.time() - 7200
+    for name in ("file-named", "file-stray", "file-young"):
+        store_path(settings.files_dir, name).write_bytes(b"{}\n")
+        if name != "file-young":
+            os.utime(store_path(settings.files_dir, name), (old, old))
+    sweep(settings)
+    assert sorted(p.name for p in settings.files_dir.iterdir()) == [
+        "file-named.jsonl", "file-young.jsonl"]

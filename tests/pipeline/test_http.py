@@ -410,6 +410,17 @@ def test_lists_page_newest_first(sdk):
     assert len(list(sdk.files.list(limit=3))) == 1 + 2 * 5  # now 5 error files too
 
 
+def test_an_upload_whose_bytes_are_gone_is_a_404_not_a_cut_body(sdk, http_settings):
+    """A row whose bytes went from under it (a sweep or a delete racing the download) is
+    answered 404 before any byte, not 200 with a body cut short."""
+    from specq.api.server.uploads import store_path
+
+    f = upload(sdk, [line("g", "gone")])
+    store_path(http_settings.files_dir, f.id).unlink()
+    with pytest.raises(openai.NotFoundError):
+        sdk.files.content(f.id)
+
+
 def test_the_same_idempotency_key_gives_the_same_batch(sdk):
     f = upload(sdk, [line("i", "hello", model="tiny-lookup")])
     key = {"Idempotency-Key": uuid.uuid4().hex}

@@ -73,6 +73,10 @@ def test_a_tenant_manages_its_endpoints_and_a_private_url_is_refused(server, hoo
         rotated.signing_secret[:10] + "..."
     with pytest.raises(openai.NotFoundError):
         other.webhooks.rotate_secret(made.id)
+    for call in (sdk.webhooks.retrieve, sdk.webhooks.delete,
+                 lambda i: sdk.webhooks.list(after=i)):
+        with pytest.raises(openai.NotFoundError):  # no id of ours: a 404, as any unknown one
+            call("we_\x00nul")
     deleted = sdk.webhooks.delete(made.id)
     assert deleted.deleted and deleted.id == made.id
     assert list(sdk.webhooks.list()) == []
