@@ -41,6 +41,19 @@ def settings_for(url, tmp_path, **over) -> Settings:
                     broker_timeout=0.2, **over)
 
 
+def batch_of(s, tenant_id: int, job_id: int, name: str, files: str, **columns) -> int:
+    """A batch of the job (batch_NAME) with its output and error files (file-outputFILES,
+    file-errorFILES); its id."""
+    b = store.add_batch(s, openai_id=f"batch_{name}", tenant_id=tenant_id, status="validating",
+                        input_file_id="file-in", endpoint="/v1/completions",
+                        completion_window="24h", expires_at=utcnow(), **columns)
+    store.attach_job(s, batch_id=b.id, job_id=job_id)
+    for kind in ("output", "error"):
+        store.add_file(s, openai_id=f"file-{kind}{files}", tenant_id=tenant_id, kind=kind,
+                       purpose="batch_output", filename=f"{kind}.jsonl", batch_id=b.id)
+    return b.id
+
+
 def test_an_upload_expires_as_it_says_or_by_the_operators_default(tmp_path):
     t0 = utcnow()
     s = Settings(data_dir=tmp_path)
@@ -129,13 +142,7 @@ def test_without_metrics_kept_an_old_job_and_its_batch_outputs_go_whole(own_url,
         done(0, counters([1], 1, 2, [0, 1], 2, 2, 0.1, 0.1), 0.0, 1.0)])
     with sessions.begin() as s:
         tid = tenants.authenticate(s, key=tenants.create_key(s, tenant="b")).tenant_id
-        b = store.add_batch(s, openai_id="batch_old", tenant_id=tid, status="validating",
-                            input_file_id="file-in", endpoint="/v1/completions",
-                            completion_window="24h", expires_at=utcnow())
-        store.attach_job(s, batch_id=b.id, job_id=other.id)
-        for kind in ("output", "error"):
-            store.add_file(s, openai_id=f"file-{kind}", tenant_id=tid, kind=kind,
-                           purpose="batch_output", filename=f"{kind}.jsonl", batch_id=b.id)
+        batch_of(s, tid, other.id, "old", files="")
     with sessions() as s:
         ended = max(repo.get_job(s, job_id=j).finished_at for j in (job.id, other.id))
     outputs_only = settings_for(own_url, tmp_path, retention_outputs=3600.0)
@@ -190,14 +197,7 @@ def test_a_batchs_outputs_expire_as_its_create_asked(own_url, tmp_path):
     with sessions.begin() as s:
         tid = tenants.authenticate(s, key=tenants.create_key(s, tenant="x")).tenant_id
         for i, (job, asked) in enumerate(zip(jobs, (3600, None))):
-            b = store.add_batch(s, openai_id=f"batch_{i}", tenant_id=tid, status="validating",
-                                input_file_id="file-in", endpoint="/v1/completions",
-                                completion_window="24h", expires_at=utcnow(),
-                                output_expires_after=asked)
-            store.attach_job(s, batch_id=b.id, job_id=job.id)
-            for kind in ("output", "error"):
-                store.add_file(s, openai_id=f"file-{kind}{i}", tenant_id=tid, kind=kind,
-                               purpose="batch_output", filename=f"{kind}.jsonl", batch_id=b.id)
+            batch_of(s, tid, job.id, str(i), files=str(i), output_expires_after=asked)
     with sessions() as s:
         ended = repo.get_job(s, job_id=jobs[0].id).finished_at
     settings = settings_for(own_url, tmp_path, retention_sweep_rows=1)
@@ -224,13 +224,7 @@ def test_a_batchs_outputs_go_with_its_results(own_url, tmp_path):
         done(i, counters([1], 1, 2, [0, 1], 2, 2, 0.1, 0.1), 0.0, 1.0) for i in range(2)])
     with sessions.begin() as s:
         tid = tenants.authenticate(s, key=tenants.create_key(s, tenant="r")).tenant_id
-        b = store.add_batch(s, openai_id="batch_r", tenant_id=tid, status="validating",
-                            input_file_id="file-in", endpoint="/v1/completions",
-                            completion_window="24h", expires_at=utcnow())
-        store.attach_job(s, batch_id=b.id, job_id=job.id)
-        for kind in ("output", "error"):
-            store.add_file(s, openai_id=f"file-r{kind}", tenant_id=tid, kind=kind,
-                           purpose="batch_output", filename=f"{kind}.jsonl", batch_id=b.id)
+        batch = batch_of(s, tid, job.id, "r", files="r")
     with sessions() as s:
         ended = repo.get_job(s, job_id=job.id).finished_at
     report = sweep(settings_for(own_url, tmp_path, retention_results=60.0),
@@ -238,7 +232,7 @@ def test_a_batchs_outputs_go_with_its_results(own_url, tmp_path):
     assert (report.jobs_emptied, report.outputs) == (1, 2)
     with sessions() as s:
         assert s.scalar(select(func.count()).select_from(File)
-                        .where(File.batch_id == b.id)) == 0
+                        .where(File.batch_id == batch)) == 0
 
 
 def test_bytes_no_row_names_go_once_an_hour_old(own_url, tmp_path):

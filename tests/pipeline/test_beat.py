@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import pytest
 import yaml
@@ -16,6 +17,7 @@ import yaml
 from specq.api.beat import beat_schedule, fire
 from specq.api.client import Client
 from specq.db import repository as repo
+from specq.db.models import Job
 from tests.pipeline.conftest import ROOT, worker_env
 
 
@@ -93,16 +95,22 @@ def test_a_stuck_run_is_said_and_replaced_not_skipped_forever(beat_settings, cap
     """A run with no worker never finishes: past stuck_after each firing says so, and
     cancels it for a new run (on_stuck: cancel) or skips on (on_stuck: skip)."""
     (beat_settings.schedules_file.parent / "stuck.yaml").write_text(yaml.safe_dump({
-        "stuck": {"spec": "synth/beat.yaml", "every": 60, "stuck_after": 0.5},
-        "stuck-skip": {"spec": "synth/beat.yaml", "every": 60, "stuck_after": 0.5,
+        "stuck": {"spec": "synth/beat.yaml", "every": 60, "stuck_after": 600},
+        "stuck-skip": {"spec": "synth/beat.yaml", "every": 60, "stuck_after": 600,
                        "on_stuck": "skip"},
     }))
     beat_settings = beat_settings.model_copy(update={
         "schedules_file": beat_settings.schedules_file.parent / "stuck.yaml"})
     client = Client(beat_settings)
+
+    def age(job_id: int) -> None:  # its run stored 601 s ago: no clock in the test
+        with client.sessions.begin() as s:
+            job = s.get(Job, job_id)
+            job.created_at = job.created_at - timedelta(seconds=601)
+
     first = fire("stuck", beat_settings)
     assert first is not None and fire("stuck", beat_settings) is None  # young: skipped
-    time.sleep(0.6)
+    age(first)
     with caplog.at_level("ERROR", logger="specq.api.beat"):
         second = fire("stuck", beat_settings)
     assert second not in (None, first)
@@ -111,7 +119,7 @@ def test_a_stuck_run_is_said_and_replaced_not_skipped_forever(beat_settings, cap
     assert f"run {first} is stuck: queued" in said and "no worker is consuming" in said
 
     kept = fire("stuck-skip", beat_settings)
-    time.sleep(0.6)
+    age(kept)
     caplog.clear()
     with caplog.at_level("ERROR", logger="specq.api.beat"):
         assert fire("stuck-skip", beat_settings) is None
