@@ -27,9 +27,11 @@ LABEL = {"type": "object", "additionalProperties": False, "required": ["label", 
 
 
 def _chat(cid: str, **body) -> dict:
+    """An OpenAI line, greedy (OpenAI's default temperature is 1: a sampled line would end
+    where its seed, drawn at random, takes it)."""
     return {"custom_id": cid, "method": "POST", "url": "/v1/chat/completions",
             "body": {"messages": [{"role": "user", "content": f"rate item {cid}"}],
-                     "max_tokens": 40, **body}}
+                     "max_tokens": 40, "temperature": 0, **body}}
 
 
 LINES = [
