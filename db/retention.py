@@ -25,7 +25,7 @@ it stopped by the next: a job is marked swept only once all its items are.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, cast
 
 from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
@@ -51,12 +51,13 @@ def due_outputs(session: Session, *, limit: int) -> list[tuple[int, datetime, in
     """Output and error files of finished batches that asked for an expiry
     (output_expires_after) and have no expires_at yet: (file id, its job's finished_at,
     the seconds), at most ``limit``."""
-    return [tuple(row) for row in session.execute(  # type: ignore[misc]
+    rows = session.execute(
         select(File.id, Job.finished_at, Batch.output_expires_after)
         .join(Batch, Batch.id == File.batch_id).join(Job, Job.id == Batch.job_id)
         .where(File.kind.in_(("output", "error")), File.expires_at.is_(None),
                Batch.output_expires_after.is_not(None), Job.finished_at.is_not(None))
-        .order_by(File.id).limit(limit))]
+        .order_by(File.id).limit(limit)).tuples()
+    return cast(list[tuple[int, datetime, int]], list(rows))  # (NULLs excluded above)
 
 
 def set_expiry(session: Session, *, file_id: int, expires_at: datetime) -> None:

@@ -176,11 +176,13 @@ def fits_by_size(request: Request, context: int) -> bool:
     return n + _TOKENS_BEYOND_BYTES + (request.max_new_tokens or 1) <= context
 
 
-def new_token_limit(request: Request, prompt_tokens: int, context: int) -> int:
+def new_token_limit(request: Request, prompt_tokens: int, context: int | None) -> int:
     """How many tokens the request may generate after its prompt: its max_new_tokens, or
-    (None) what is left of the model's context."""
+    (None) what is left of the model's ``context`` (ValueError without one)."""
     if request.max_new_tokens is not None:
         return request.max_new_tokens
+    if context is None:
+        raise ValueError("a request without max_new_tokens needs the model's context")
     return max(context - prompt_tokens, 1)
 
 

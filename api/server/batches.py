@@ -138,7 +138,7 @@ def batch_object(read: store.BatchRead, note: str | None = None) -> dict[str, An
     finished = unix(row["finished_at"]) if row else None
     # no job: its lines while they are read, none once validation failed (as OpenAI counts)
     counts = ({"total": row["total"], "completed": row["completed"], "failed": row["failed"]}
-              if row else {"total": read.lines or 0 if status == "validating" else 0,
+              if row else {"total": (read.lines or 0) if status == "validating" else 0,
                            "completed": 0, "failed": 0})
     errors = ({"object": "list", "data": batch.errors} if batch.errors else None)
     has_errors = row is not None and (row["failed"] or row["cancelled"])

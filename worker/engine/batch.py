@@ -451,9 +451,7 @@ class Row:
         self.tokens: list[int] = list(prompt_ids)  # prompt + generated
         self.prompt_len = len(prompt_ids)
         # new tokens at most: max_new_tokens, or (None) what the model's context leaves
-        if request.max_new_tokens is None and context is None:
-            raise ValueError("a request without max_new_tokens needs the model's context")
-        self.limit: int = new_token_limit(request, self.prompt_len, context or 0)
+        self.limit = new_token_limit(request, self.prompt_len, context)
         self.eos_ids = eos_ids
         self.tokenizer = tokenizer
         self.result = Result(id=request.id, prompt_tokens=len(prompt_ids))
