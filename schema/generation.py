@@ -116,6 +116,8 @@ class Request(SamplingParams):
             raise ValueError("messages: must not be empty")
         if self.prompt_token_ids is not None and not self.prompt_token_ids:
             raise ValueError("prompt_token_ids: must not be empty")
+        if self.prompt_token_ids is not None and min(self.prompt_token_ids) < 0:
+            raise ValueError("prompt_token_ids: token ids are 0 or more")
         return self
 
 

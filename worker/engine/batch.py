@@ -456,7 +456,9 @@ class Row:
         self.tokenizer = tokenizer
         self.result = Result(id=request.id, prompt_tokens=len(prompt_ids))
         self.seed = request.seed if request.seed is not None else secrets.randbits(62)
-        self._stop_window = max((len(s) for s in request.stop), default=0) + 8
+        # a stop string of n bytes ends within the last n tokens (a token decodes to a
+        # byte or more), and a few before them make its first character whole
+        self._stop_window = max((len(s.encode()) for s in request.stop), default=0) + 8
         # a free drafter's proposal held while the engine does not draft, and how much of
         # it the emitted tokens matched so far (shadow.py)
         self.shadow: tuple[list[int], int] | None = None
@@ -493,9 +495,12 @@ class Row:
         return len(new_tokens)
 
     def _hit_stop_string(self) -> bool:
+        """A stop string in the end of the generated text; never in the prompt's (a chat
+        template ending in "assistant\\n" holds the stop "\\n"), as OpenAI's and vLLM's."""
         if not self.request.stop:
             return False
-        tail = self.tokenizer.decode(self.tokens[-self._stop_window :], skip_special_tokens=True)
+        start = max(self.prompt_len, len(self.tokens) - self._stop_window)
+        tail = self.tokenizer.decode(self.tokens[start:], skip_special_tokens=True)
         return any(s in tail for s in self.request.stop)
 
     def finish(self):

@@ -63,11 +63,12 @@ def encode_prompt(tokenizer: PreTrainedTokenizerBase, request: Request, context:
     return ids
 
 
-def encode_prompts(tokenizer: PreTrainedTokenizerBase, requests: list[Request], context: int
-                   ) -> list[list[int] | RequestError]:
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, requests: list[Request], context: int,
+                   vocab: int | None = None) -> list[list[int] | RequestError]:
     """Token ids of each request's prompt, or the RequestError that refuses it (one far too
-    long for the context by its size alone, untokenized: check_size). Plain prompts go
-    through the tokenizer in one call (a call costs more than a short prompt)."""
+    long for the context by its size alone, untokenized: check_size; token ids of its own
+    past the model's ``vocab``). Plain prompts go through the tokenizer in one call (a call
+    costs more than a short prompt)."""
     longest = _longest_token(tokenizer)
     refused: dict[int, RequestError] = {}
     for b, request in enumerate(requests):
@@ -84,7 +85,7 @@ def encode_prompts(tokenizer: PreTrainedTokenizerBase, requests: list[Request], 
         try:
             if b in refused:
                 raise refused[b]
-            ids = list(batched[b]) if b in batched else _encode_one(tokenizer, request)
+            ids = list(batched[b]) if b in batched else _encode_one(tokenizer, request, vocab)
             check_length(len(ids), request.max_new_tokens, context)
             out.append(ids)
         except RequestError as exc:
@@ -103,11 +104,17 @@ def _longest_token(tokenizer: PreTrainedTokenizerBase) -> int:
     return _LONGEST[tokenizer]
 
 
-def _encode_one(tokenizer: PreTrainedTokenizerBase, request: Request) -> list[int]:
-    """The ids of a request that is not a plain prompt: its own, or its chat messages
-    through the model's template."""
+def _encode_one(tokenizer: PreTrainedTokenizerBase, request: Request,
+                vocab: int | None = None) -> list[int]:
+    """The ids of a request that is not a plain prompt: its own (each below ``vocab``), or
+    its chat messages through the model's template."""
     if request.prompt_token_ids is not None:
-        return list(request.prompt_token_ids)
+        ids = list(request.prompt_token_ids)
+        if vocab is not None and max(ids) >= vocab:
+            at = next(k for k, t in enumerate(ids) if t >= vocab)
+            raise RequestError("prompt_token_ids", f"token id {ids[at]} at position {at} is "
+                               f"past the model's vocabulary of {vocab} tokens")
+        return ids
     if not tokenizer.chat_template:
         raise RequestError("messages", "this model's tokenizer has no chat template")
     msgs = [m.model_dump() for m in request.messages or []]
@@ -183,7 +190,7 @@ class SpeculativeEngine:
         self.drafter, self.policy = self.drafting.drafter, self.drafting.policy
         if grammar_drafts is None:
             grammar_drafts = self.drafter.name != NoDraft.name
-        vocab = target.config.get_text_config().vocab_size
+        self.vocab = vocab = target.config.get_text_config().vocab_size
         self.grammars = Grammars(tokenizer, vocab)  # the library loads at the first grammar
         if grammar_drafts:
             self.drafting.grammar = ForcedDrafts.for_drafter(self.drafter, self.grammars)
@@ -331,7 +338,8 @@ class SpeculativeEngine:
             while waiting and places > 0 and len(taken) < self.max_batch_size:
                 taken.append(waiting.popleft())
                 places -= _takes_place(taken[-1][1])
-            encoded = encode_prompts(self.tokenizer, [req for _, req in taken], self.context)
+            encoded = encode_prompts(self.tokenizer, [req for _, req in taken], self.context,
+                                     self.vocab)
             for k, ((i, req), ids) in enumerate(zip(taken, encoded)):
                 if len(new) >= self.max_batch_size and isinstance(ids, list):
                     spare -= len(ids)  # rows past a batch's worth: one-token ones, mostly
