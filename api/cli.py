@@ -25,7 +25,7 @@ from specq.api.formats import FORMATS, OutputError, check_output
 from specq.api.inputs import InputError, check_count, check_job_id, describe, show
 from specq.broker.names import PRIORITIES
 from specq.configs.presets import PairError, PresetError
-from specq.configs.settings import describe_settings, get_settings, unknown_settings
+from specq.configs.settings import describe_settings, get_settings, mask_url, unknown_settings
 
 log = logging.getLogger(__name__)
 
@@ -494,7 +494,6 @@ def _need_model_stack(what: str) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     _need_model_stack("specq run")
-    from specq.db.session import redact
     from specq.worker.tasks import run_inline, start_up, worker_engine
 
     settings = get_settings()
@@ -504,7 +503,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                         **_sampling(args))
     total = job.status(check_workers=False).total
     print(f"job {job.id}: {total} item{'s' if total != 1 else ''} stored in "
-          f"{redact(settings.sqlalchemy_url)}; loading pair {args.pair}", file=sys.stderr)
+          f"{mask_url(settings.sqlalchemy_url)}; loading pair {args.pair}", file=sys.stderr)
     phases = start_up(settings, args.pair)  # as a worker starts: threads, load, warm-up, costs
     print(f"pair {args.pair} ready in {sum(phases.values()):.1f} s (" + ", ".join(
         f"{k} {v:.1f} s" for k, v in phases.items()) + ")", file=sys.stderr)
@@ -948,11 +947,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from specq.db.session import migrate, redact
+    from specq.db.session import migrate
 
     url = get_settings().sqlalchemy_url
     migrate(url)
-    print(f"{redact(url)}: schema at head", file=sys.stderr)
+    print(f"{mask_url(url)}: schema at head", file=sys.stderr)
     return 0
 
 

@@ -42,7 +42,7 @@ from specq.api.tokenizer import (
 )
 from specq.broker.names import PRIORITIES, queue_name
 from specq.configs.presets import PairPreset, UnknownPair, get_preset
-from specq.configs.settings import Settings, get_settings
+from specq.configs.settings import Settings, get_settings, mask_url
 from specq.db import batches, chunks
 from specq.db import repository as repo
 from specq.db.models import ItemStatus, JobStatus
@@ -497,7 +497,7 @@ class Client:
             finally:
                 client.close()
         except (redis.RedisError, OSError) as exc:
-            log.warning("broker %s: %s", _shown(self.settings.broker_url), exc)
+            log.warning("broker %s: %s", mask_url(self.settings.broker_url), exc)
             return None
 
     def serving_note(self, pair: str) -> str | None:
@@ -550,7 +550,7 @@ class Job:
             dispatch.deliver(self.client.celery, self.client.sessions, refs, settings)
         except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
             self.enqueue_error = (
-                f"the broker at {_shown(settings.broker_url)} cannot be reached "
+                f"the broker at {mask_url(settings.broker_url)} cannot be reached "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                 f"job {self.id} is stored and its chunks will be sent when the broker is back "
                 f"(by a worker's or the beat's reconciler, or `specq reconcile {self.id}`)")
@@ -743,10 +743,3 @@ def _throughput_over_time(timeline: list[tuple[Any, Any, int, list[int]]],
             overlap = min(b, (i + 1) * width) - max(a, i * width)
             tokens[i] += count * max(overlap, 0.0) / (b - a)
     return [((i + 0.5) * width, t / width) for i, t in enumerate(tokens)]
-
-
-def _shown(url: str) -> str:
-    """A broker URL without its password, fit for messages and logs."""
-    from kombu.utils.url import maybe_sanitize_url
-
-    return maybe_sanitize_url(url)

@@ -184,6 +184,17 @@ def test_database_errors_say_the_next_true_step():
     assert cli.database_hint("something else entirely") == ""
 
 
+def test_migrate_hides_every_secret_of_the_url(pg_url):
+    """`specq -v migrate` shows the database as `specq config` does: the password, and a
+    query value named like a secret (libpq's ?password=), as ***, in its log and its line."""
+    user, _, rest = pg_url.partition("@")
+    url = f"{user}:S3cr3tPW@{rest}?password=QS3cr3t"
+    out = command(["-v", "migrate"], {"SPECQ_DATABASE_URL": url})
+    err = out.stderr.decode()
+    assert out.returncode == 0 and "schema at head" in err, err
+    assert "S3cr3t" not in err and "?password=***" in err
+
+
 def test_postgres_urls_are_taken_as_postgresql_psycopg():
     s = Settings(database_url="postgres://u:pw@db.example:5432/specq")
     assert s.database_url == "postgresql+psycopg://u:pw@db.example:5432/specq"
