@@ -24,7 +24,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from specq.api.inputs import (
     MAX_PROBLEMS,
+    Entry,
     InputError,
+    Refused,
     Source,
     check_count,
     check_job_id,
@@ -402,17 +404,19 @@ class Client:
         seen: dict[str, str] = {}
         unnamed = bytearray()  # per item: 1 when it has no custom_id (its id: request-INDEX)
         for index, (where, got) in enumerate(parse_entries(entries, defaults, given)):
-            if isinstance(got, list):
-                problems += got
+            if isinstance(got, Refused):
+                problems.append(got.problem)
+                cid = got.custom_id
             else:
                 cid = got.row["custom_id"]
+            if cid is not None:  # taken by a bad entry too
+                if cid in seen:
+                    problems.append(f"{where}: custom_id: {cid!r} is already used at "
+                                    f"{seen[cid]}")
+                seen[cid] = where
+            if isinstance(got, Entry):
                 unnamed.extend(b"\0" * (index + 1 - len(unnamed)))
                 unnamed[index] = cid is None
-                if cid is not None:
-                    if cid in seen:
-                        problems.append(f"{where}: custom_id: {cid!r} is already used at "
-                                        f"{seen[cid]}")
-                    seen[cid] = where
                 try:
                     if context is not None and not fits_by_size(got.request, context):
                         tokenizer = tokenizer or prompt_tokenizer(preset, self.settings)
