@@ -68,6 +68,14 @@ class _Check:
     unchecked: str | None = None  # why prompt lengths were not checked
 
 
+def _defaults(sampling: dict[str, Any]) -> dict[str, Any]:
+    """A job's SamplingParams as stored; InputError naming each bad one."""
+    try:
+        return SamplingParams(**sampling).model_dump()
+    except ValidationError as exc:
+        raise InputError([f"sampling parameter {p}" for p in describe(exc)]) from None
+
+
 @dataclass
 class JobState:
     """Where a job stands: its status and item counts, and a note when nothing serves it."""
@@ -339,10 +347,7 @@ class Client:
             raise InputError([f"priority: {priority!r} is not one of "
                               f"{', '.join(PRIORITIES)}"])
         preset = self._preset(pair)
-        try:
-            defaults = SamplingParams(**sampling).model_dump()
-        except ValidationError as exc:
-            raise InputError([f"sampling parameter {p}" for p in describe(exc)]) from None
+        defaults = _defaults(sampling)
         chunk_size = (self.settings.chunk_size if chunk_size is None
                       else check_count("chunk_size", chunk_size))
         name, entries = open_source(source)
@@ -380,6 +385,15 @@ class Client:
         if enqueue:
             handle.deliver(turn)
         return handle
+
+    def check(self, source: Source, *, pair: str, **sampling: Any) -> None:
+        """Check ``source`` as `submit` does, storing nothing: InputError naming every
+        problem found (up to MAX_PROBLEMS), or None when submit would take it."""
+        preset = self._preset(pair)
+        defaults = _defaults(sampling)
+        _, entries = open_source(source)
+        for _ in self._checked(entries, defaults, preset, _Check(), frozenset(sampling)):
+            pass
 
     def _preset(self, pair: str) -> PairPreset:
         try:
