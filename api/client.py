@@ -609,6 +609,9 @@ class Job:
         prints nothing unasked); ``timeout`` seconds, then TimeoutError."""
         if not isinstance(poll, (int, float)) or not 0 < poll < math.inf:
             raise ValueError(f"poll: seconds between looks, more than 0, not {poll!r}")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 <= timeout):
+            raise ValueError(f"timeout: seconds to wait at most, 0 or more (None: no limit), "
+                             f"not {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         state = self.status()
         if state.note:
@@ -639,8 +642,13 @@ class Job:
             bar.close()
 
     def results(self, batch: int = 1000, input: bool = True) -> Iterator[ItemResult]:
-        """Every item in index order, streamed from the database (only the columns read);
-        with ``input`` (the default) each carries its prompt or messages and parameters."""
+        """Every item in index order, streamed from the database (only the columns read),
+        ``batch`` items (a positive integer) per round trip; with ``input`` (the default)
+        each carries its prompt or messages and parameters."""
+        check_count("batch", batch)  # here, not at the first item: the generator's below
+        return self._results(batch, input)
+
+    def _results(self, batch: int, input: bool) -> Iterator[ItemResult]:
         names = SCALARS + ARRAYS
         extra = INPUT_COLUMNS if input else ()
         columns = ("index", "custom_id", "status", "output", "finish_reason", "error",
