@@ -47,7 +47,7 @@ from specq.configs.presets import PairPreset, UnknownPair, get_preset
 from specq.configs.settings import Settings, get_settings, mask_url
 from specq.db import batches, chunks
 from specq.db import repository as repo
-from specq.db.models import ItemStatus, JobStatus
+from specq.db.models import ItemStatus, JobStatus, as_utc
 from specq.db.session import migrate, session_factory
 from specq.schema.counters import ARRAYS, SCALARS, Counters
 from specq.schema.counters import kinds as counter_kinds
@@ -98,6 +98,9 @@ class JobState:
     first_fault: str | None = None
     items_isolated: int = 0
 
+    def __post_init__(self) -> None:
+        self.created_at, self.finished_at = as_utc(self.created_at), as_utc(self.finished_at)
+
     @property
     def finished(self) -> bool:
         return JobStatus(self.status).finished
@@ -145,6 +148,10 @@ class JobSummary(JobState):
     estimated_cost: float | None = None
     forced_acceptance_rate: float | None = None  # of the grammar's drafts (shaped rows)
     tenant: str | None = None  # whose batch it runs (the HTTP door); None: client or CLI
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.started_at = as_utc(self.started_at)
 
     @classmethod
     def from_row(cls, row: Any) -> JobSummary:
