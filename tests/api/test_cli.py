@@ -157,6 +157,15 @@ def test_submit_dash_reads_standard_input_and_warns_once(env, tmp_path):
     assert bad.returncode == 2 and b"line 1: prompt: must not be empty" in bad.stderr
 
 
+def test_one_item_is_an_item_and_a_rounded_zero_has_no_sign(env, tmp_path, capsys):
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"prompt": "just one"}\n')
+    code, out, _ = run(["submit", str(path), "--pair", "tiny"], capsys)
+    assert code == 0 and ": 1 item on pair tiny," in out, out
+    assert shown("device_seconds_saved", -0.01) == "0.0 s"  # not -0.0 s
+    assert shown("device_seconds_saved", -0.06) == "-0.1 s"
+
+
 def test_help_names_the_commands_people_run(capsys):
     for name in cli.HEAVY:
         with pytest.raises(SystemExit) as exc:
