@@ -20,12 +20,12 @@ from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 
 from specq.api import formats
 from specq.api.client import Client
-from specq.api.figures import drafted, drafting, item_counts, shown
+from specq.api.figures import counted, drafted, drafting, item_counts, shown
 from specq.api.formats import FORMATS, OutputError, check_output
 from specq.api.inputs import InputError, check_count, check_job_id, describe, show
 from specq.broker.names import PRIORITIES
 from specq.configs.presets import PairError, PresetError
-from specq.configs.settings import describe_settings, get_settings, unknown_settings
+from specq.configs.settings import describe_settings, get_settings, mask_url, unknown_settings
 
 log = logging.getLogger(__name__)
 
@@ -472,7 +472,7 @@ def cmd_submit(args: argparse.Namespace) -> int:
     job = client.submit(args.file, pair=args.pair, chunk_size=args.chunk_size,
                         priority=args.priority, **_sampling(args))
     state = job.status(check_workers=job.enqueue_error is None)
-    print(f"job {job.id}: {state.total} items on pair {state.pair}, {state.status}")
+    print(f"job {job.id}: {counted(state.total, 'item')} on pair {state.pair}, {state.status}")
     # (a broker that cannot be reached was logged as a warning by Job.enqueue)
     for note in (job.unchecked, state.note):
         if note:
@@ -494,7 +494,6 @@ def _need_model_stack(what: str) -> None:
 
 def cmd_run(args: argparse.Namespace) -> int:
     _need_model_stack("specq run")
-    from specq.db.session import redact
     from specq.worker.tasks import run_inline, start_up, worker_engine
 
     settings = get_settings()
@@ -503,8 +502,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     job = client.submit(args.file, pair=args.pair, chunk_size=args.chunk_size, enqueue=False,
                         **_sampling(args))
     total = job.status(check_workers=False).total
-    print(f"job {job.id}: {total} item{'s' if total != 1 else ''} stored in "
-          f"{redact(settings.sqlalchemy_url)}; loading pair {args.pair}", file=sys.stderr)
+    print(f"job {job.id}: {counted(total, 'item')} stored in "
+          f"{mask_url(settings.sqlalchemy_url)}; loading pair {args.pair}", file=sys.stderr)
     phases = start_up(settings, args.pair)  # as a worker starts: threads, load, warm-up, costs
     print(f"pair {args.pair} ready in {sum(phases.values()):.1f} s (" + ", ".join(
         f"{k} {v:.1f} s" for k, v in phases.items()) + ")", file=sys.stderr)
@@ -668,7 +667,7 @@ def cmd_synth_run(args: argparse.Namespace) -> int:
     client = Client()
     job = synthesis.submit(client, spec)
     state = job.status()
-    print(f"job {job.id}: {state.total} samples of {spec.name} on pair {state.pair}, "
+    print(f"job {job.id}: {counted(state.total, 'sample')} of {spec.name} on pair {state.pair}, "
           f"{state.status}", file=sys.stderr)
     for note in (job.unchecked, state.note):
         if note:
@@ -948,11 +947,11 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from specq.db.session import migrate, redact
+    from specq.db.session import migrate
 
     url = get_settings().sqlalchemy_url
     migrate(url)
-    print(f"{redact(url)}: schema at head", file=sys.stderr)
+    print(f"{mask_url(url)}: schema at head", file=sys.stderr)
     return 0
 
 

@@ -24,7 +24,9 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from specq.api.inputs import (
     MAX_PROBLEMS,
+    Entry,
     InputError,
+    Refused,
     Source,
     check_count,
     check_job_id,
@@ -42,10 +44,10 @@ from specq.api.tokenizer import (
 )
 from specq.broker.names import PRIORITIES, queue_name
 from specq.configs.presets import PairPreset, UnknownPair, get_preset
-from specq.configs.settings import Settings, get_settings
+from specq.configs.settings import Settings, get_settings, mask_url
 from specq.db import batches, chunks
 from specq.db import repository as repo
-from specq.db.models import ItemStatus, JobStatus
+from specq.db.models import ItemStatus, JobStatus, as_utc
 from specq.db.session import migrate, session_factory
 from specq.schema.counters import ARRAYS, SCALARS, Counters
 from specq.schema.counters import kinds as counter_kinds
@@ -64,6 +66,14 @@ class _Check:
     """What checking a submission found besides its problems."""
 
     unchecked: str | None = None  # why prompt lengths were not checked
+
+
+def _defaults(sampling: dict[str, Any]) -> dict[str, Any]:
+    """A job's SamplingParams as stored; InputError naming each bad one."""
+    try:
+        return SamplingParams(**sampling).model_dump()
+    except ValidationError as exc:
+        raise InputError([f"sampling parameter {p}" for p in describe(exc)]) from None
 
 
 @dataclass
@@ -87,6 +97,9 @@ class JobState:
     engine_faults: int = 0
     first_fault: str | None = None
     items_isolated: int = 0
+
+    def __post_init__(self) -> None:
+        self.created_at, self.finished_at = as_utc(self.created_at), as_utc(self.finished_at)
 
     @property
     def finished(self) -> bool:
@@ -135,6 +148,10 @@ class JobSummary(JobState):
     estimated_cost: float | None = None
     forced_acceptance_rate: float | None = None  # of the grammar's drafts (shaped rows)
     tenant: str | None = None  # whose batch it runs (the HTTP door); None: client or CLI
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.started_at = as_utc(self.started_at)
 
     @classmethod
     def from_row(cls, row: Any) -> JobSummary:
@@ -337,10 +354,7 @@ class Client:
             raise InputError([f"priority: {priority!r} is not one of "
                               f"{', '.join(PRIORITIES)}"])
         preset = self._preset(pair)
-        try:
-            defaults = SamplingParams(**sampling).model_dump()
-        except ValidationError as exc:
-            raise InputError([f"sampling parameter {p}" for p in describe(exc)]) from None
+        defaults = _defaults(sampling)
         chunk_size = (self.settings.chunk_size if chunk_size is None
                       else check_count("chunk_size", chunk_size))
         name, entries = open_source(source)
@@ -379,6 +393,15 @@ class Client:
             handle.deliver(turn)
         return handle
 
+    def check(self, source: Source, *, pair: str, **sampling: Any) -> None:
+        """Check ``source`` as `submit` does, storing nothing: InputError naming every
+        problem found (up to MAX_PROBLEMS), or None when submit would take it."""
+        preset = self._preset(pair)
+        defaults = _defaults(sampling)
+        _, entries = open_source(source)
+        for _ in self._checked(entries, defaults, preset, _Check(), frozenset(sampling)):
+            pass
+
     def _preset(self, pair: str) -> PairPreset:
         try:
             return get_preset(pair, self.settings.presets_file)
@@ -402,17 +425,19 @@ class Client:
         seen: dict[str, str] = {}
         unnamed = bytearray()  # per item: 1 when it has no custom_id (its id: request-INDEX)
         for index, (where, got) in enumerate(parse_entries(entries, defaults, given)):
-            if isinstance(got, list):
-                problems += got
+            if isinstance(got, Refused):
+                problems.append(got.problem)
+                cid = got.custom_id
             else:
                 cid = got.row["custom_id"]
+            if cid is not None:  # taken by a bad entry too
+                if cid in seen:
+                    problems.append(f"{where}: custom_id: {cid!r} is already used at "
+                                    f"{seen[cid]}")
+                seen[cid] = where
+            if isinstance(got, Entry):
                 unnamed.extend(b"\0" * (index + 1 - len(unnamed)))
                 unnamed[index] = cid is None
-                if cid is not None:
-                    if cid in seen:
-                        problems.append(f"{where}: custom_id: {cid!r} is already used at "
-                                        f"{seen[cid]}")
-                    seen[cid] = where
                 try:
                     if context is not None and not fits_by_size(got.request, context):
                         tokenizer = tokenizer or prompt_tokenizer(preset, self.settings)
@@ -497,7 +522,7 @@ class Client:
             finally:
                 client.close()
         except (redis.RedisError, OSError) as exc:
-            log.warning("broker %s: %s", _shown(self.settings.broker_url), exc)
+            log.warning("broker %s: %s", mask_url(self.settings.broker_url), exc)
             return None
 
     def serving_note(self, pair: str) -> str | None:
@@ -550,7 +575,7 @@ class Job:
             dispatch.deliver(self.client.celery, self.client.sessions, refs, settings)
         except Exception as exc:  # noqa: BLE001 (the broker's own errors vary by transport)
             self.enqueue_error = (
-                f"the broker at {_shown(settings.broker_url)} cannot be reached "
+                f"the broker at {mask_url(settings.broker_url)} cannot be reached "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
                 f"job {self.id} is stored and its chunks will be sent when the broker is back "
                 f"(by a worker's or the beat's reconciler, or `specq reconcile {self.id}`)")
@@ -591,6 +616,9 @@ class Job:
         prints nothing unasked); ``timeout`` seconds, then TimeoutError."""
         if not isinstance(poll, (int, float)) or not 0 < poll < math.inf:
             raise ValueError(f"poll: seconds between looks, more than 0, not {poll!r}")
+        if timeout is not None and (not isinstance(timeout, (int, float)) or not 0 <= timeout):
+            raise ValueError(f"timeout: seconds to wait at most, 0 or more (None: no limit), "
+                             f"not {timeout!r}")
         deadline = None if timeout is None else time.monotonic() + timeout
         state = self.status()
         if state.note:
@@ -621,8 +649,13 @@ class Job:
             bar.close()
 
     def results(self, batch: int = 1000, input: bool = True) -> Iterator[ItemResult]:
-        """Every item in index order, streamed from the database (only the columns read);
-        with ``input`` (the default) each carries its prompt or messages and parameters."""
+        """Every item in index order, streamed from the database (only the columns read),
+        ``batch`` items (a positive integer) per round trip; with ``input`` (the default)
+        each carries its prompt or messages and parameters."""
+        check_count("batch", batch)  # here, not at the first item: the generator's below
+        return self._results(batch, input)
+
+    def _results(self, batch: int, input: bool) -> Iterator[ItemResult]:
         names = SCALARS + ARRAYS
         extra = INPUT_COLUMNS if input else ()
         columns = ("index", "custom_id", "status", "output", "finish_reason", "error",
@@ -743,10 +776,3 @@ def _throughput_over_time(timeline: list[tuple[Any, Any, int, list[int]]],
             overlap = min(b, (i + 1) * width) - max(a, i * width)
             tokens[i] += count * max(overlap, 0.0) / (b - a)
     return [((i + 0.5) * width, t / width) for i, t in enumerate(tokens)]
-
-
-def _shown(url: str) -> str:
-    """A broker URL without its password, fit for messages and logs."""
-    from kombu.utils.url import maybe_sanitize_url
-
-    return maybe_sanitize_url(url)

@@ -39,7 +39,15 @@ def shown(name: str, value: float | None, *, drafted: bool = True) -> str:
     if name in ("tokens_per_second", "engine_tokens_per_second") and value <= 0:
         return UNDEFINED
     spec, unit = FORMATS[name]
-    return f"{format(value, spec)}{unit}"
+    text = format(value, spec)
+    if text.startswith("-") and float(text) == 0:  # a small negative rounded: 0.0, not -0.0
+        text = text[1:]
+    return f"{text}{unit}"
+
+
+def counted(n: int, noun: str) -> str:
+    """'1 item', '3 items': a count and its noun, plural but for one."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def drafted(figures: Any) -> bool:

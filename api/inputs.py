@@ -189,6 +189,16 @@ class Entry:
     names: Mapping[str, str] = field(default_factory=dict)
 
 
+@dataclass
+class Refused:
+    """One bad entry: its problem (one line naming the entry and the field), and the
+    custom_id it gives when that can be read. The id is taken all the same, so a later
+    entry that reuses it is named in the same pass."""
+
+    problem: str
+    custom_id: str | None = None
+
+
 def open_source(source: Source) -> tuple[str | None, Iterable[tuple[str, Any]]]:
     """(file name or None, a re-iterable of (where, raw entry)); raw entries from a file are
     its JSONL lines, still text. A str or path is a file ("-": standard input, and a pipe
@@ -262,12 +272,12 @@ class BadLine(str):
 def parse_entries(
     raw_entries: Iterable[tuple[str, Any]], defaults: dict[str, Any],
     given: frozenset[str] = frozenset(),
-) -> Iterator[tuple[str, Entry | list[str]]]:
-    """(where, Entry) for each good entry, (where, [problem]) for each bad one: one line
-    naming the entry and the field. A plain prompt (`plain_row`) is checked in a few
-    steps, and its request is a copy of one validated with the job's defaults, its prompt
-    and id put in: what validating it would give. ``given``: the job's parameters its
-    submitter gave, which go before an OpenAI line's defaults (OPENAI_DEFAULTS)."""
+) -> Iterator[tuple[str, Entry | Refused]]:
+    """(where, Entry) for each good entry, (where, Refused) for each bad one. A plain
+    prompt (`plain_row`) is checked in a few steps, and its request is a copy of one
+    validated with the job's defaults, its prompt and id put in: what validating it would
+    give. ``given``: the job's parameters its submitter gave, which go before an OpenAI
+    line's defaults (OPENAI_DEFAULTS)."""
     try:
         template: Request | None = Request(id=0, prompt="x", messages=None, **defaults)
     except ValidationError:  # every entry fails: the slow path names how
@@ -278,12 +288,13 @@ def parse_entries(
 
 def read_entry(index: int, where: str, raw: Any, defaults: dict[str, Any],
                template: Request | None = None,
-               given: frozenset[str] = frozenset()) -> Entry | list[str]:
-    """Entry ``index`` (named ``where``) as an Entry, or [the problem naming it]. With a
+               given: frozenset[str] = frozenset()) -> Entry | Refused:
+    """Entry ``index`` (named ``where``) as an Entry, or Refused naming its problem. With a
     ``template`` (a request validated with the job's defaults) a plain prompt takes the
     fast path; without one every entry is read in full. An OpenAI line's own defaults
     are stored with its parameters, but for those in ``given``."""
     names: dict[str, str] = {}
+    value = None
     try:
         value = _loads(raw) if isinstance(raw, JsonLine) else raw
         if template is not None and (row := plain_row(value)) is not None:
@@ -297,11 +308,24 @@ def read_entry(index: int, where: str, raw: Any, defaults: dict[str, Any],
             request = Request(id=index, prompt=row["prompt"], messages=row["messages"],
                               **merge(defaults, row["params"]))
     except _Problem as exc:
-        return [f"{where}: {exc}"]
+        return Refused(f"{where}: {exc}", _given_id(value))
     except ValidationError as exc:
-        return [first_problem(where, exc)]
+        return Refused(first_problem(where, exc), _given_id(value))
     row["index"] = index
     return Entry(row, request, names)
+
+
+def _given_id(value: Any) -> str | None:
+    """The custom_id a bad entry gives, when it is one that could be stored."""
+    if not isinstance(value, dict):
+        return None
+    cid = value.get("custom_id")
+    if isinstance(cid, str) and text_problem(cid):
+        return None
+    try:
+        return _custom_id(cid)
+    except _Problem:
+        return None
 
 
 def first_problem(where: str, exc: ValidationError) -> str:

@@ -387,24 +387,23 @@ SECRET_WORDS = ("password", "passwd", "secret", "token", "key")
 
 
 def mask_url(url: str) -> str:
-    """``url`` with its password, and any query value named like a secret, as ***."""
-    from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+    """``url`` with its password, and any query value named like a secret, as ***: the one
+    way a URL is shown, in `specq config`, logs and messages. The rest of the text is kept
+    as written (urlunsplit would drop the // of sqlite:////abs/path)."""
+    from urllib.parse import parse_qsl, urlencode, urlsplit
 
     try:
         parts = urlsplit(url)
-        netloc = parts.netloc
         if parts.password is not None:
-            user, _, host = netloc.rpartition("@")
-            netloc = f"{user.partition(':')[0]}:***@{host}"
-        query = parts.query
-        secret_query = any(w in query.lower() for w in SECRET_WORDS)
-        if netloc == parts.netloc and not secret_query:
-            return url  # (urlunsplit would drop the // of sqlite:////abs/path)
-        if secret_query:
+            user, _, host = parts.netloc.rpartition("@")
+            url = url.replace(parts.netloc, f"{user.partition(':')[0]}:***@{host}", 1)
+        if any(w in parts.query.lower() for w in SECRET_WORDS):
             query = urlencode([(k, "***" if any(w in k.lower() for w in SECRET_WORDS) else v)
-                               for k, v in parse_qsl(query, keep_blank_values=True)],
+                               for k, v in parse_qsl(parts.query, keep_blank_values=True)],
                               safe="*")
-        return urlunsplit(parts._replace(netloc=netloc, query=query))
+            fragment = f"#{parts.fragment}" if parts.fragment else ""
+            url = f"{url.partition('?')[0]}?{query}{fragment}"  # the first ? opens the query
+        return url
     except ValueError:  # not a URL that can be taken apart: show none of it
         return "***"
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +137,10 @@ def status_text(job_id: int) -> str | None:
 
 
 def _iso(t: datetime | str | None) -> str | None:
-    """A time as the client prints it; SQLite keeps the text SQLAlchemy wrote."""
+    """A time as the client prints it, in UTC with its offset (db/models.py: as_utc, not
+    imported: it brings SQLAlchemy); SQLite keeps the text SQLAlchemy wrote, in UTC."""
     if isinstance(t, str):
         t = datetime.fromisoformat(t)
-    return t.isoformat() if t else None
+    if t is None:
+        return None
+    return (t.astimezone(timezone.utc) if t.tzinfo else t.replace(tzinfo=timezone.utc)).isoformat()

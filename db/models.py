@@ -80,6 +80,14 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+def as_utc(when: datetime | None) -> datetime | None:
+    """A stored time in UTC, with its offset: SQLite hands times back without their zone
+    (they are UTC), PostgreSQL in the session's zone."""
+    if when is None:
+        return None
+    return when.astimezone(timezone.utc) if when.tzinfo else when.replace(tzinfo=timezone.utc)
+
+
 NAMING = {
     "ix": "ix_%(column_0_label)s",
     "uq": "uq_%(table_name)s_%(column_0_name)s_%(column_1_name)s",

@@ -12,16 +12,12 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from specq.configs.settings import mask_url
 from specq.db.timeouts import pg_timeouts
 
 log = logging.getLogger(__name__)
 
 ALEMBIC_INI = Path(__file__).with_name("alembic.ini")
-
-
-def redact(url: str) -> str:
-    """The URL with its password hidden, fit for logs and error messages."""
-    return make_url(url).render_as_string(hide_password=True)
 
 
 def changed(result: Result[Any]) -> int:
@@ -111,7 +107,7 @@ def migrate(url: str, revision: str = "head") -> None:
     cfg = Config(str(ALEMBIC_INI))
     cfg.set_main_option("script_location", str(ALEMBIC_INI.parent / "migrations"))
     cfg.attributes["url"] = url
-    log.info("migrating %s to %s", redact(url), revision)
+    log.info("migrating %s to %s", mask_url(url), revision)
     with get_engine(url).begin() as conn:
         cfg.attributes["connection"] = conn
         command.upgrade(cfg, revision)

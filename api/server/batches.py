@@ -37,7 +37,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from specq.api.client import Client
-from specq.api.inputs import OPENAI_URLS, InputError
+from specq.api.inputs import MAX_PROBLEMS, OPENAI_URLS, InputError
 from specq.api.retention import EXPIRY_LIMITS
 from specq.api.server.auth import caller
 from specq.api.server.errors import NO_RETRY, ApiError, not_found
@@ -352,6 +352,9 @@ def create_batch(request: Request, body: BatchCreate, who: Who,
     scan = read_requests(client, f, request.app.state.presets)
     # the request's own problems are a 400 (above); the lines' fail the batch, each named
     failed = [line_error(p) for p in scan.problems]
+    if failed and not scan.done:
+        failed = every_bad_line(client, f, failed, scan.model, body.endpoint,
+                                request.app.state.presets)
     if not failed and scan.url != body.endpoint:
         raise ApiError(400, f"endpoint: the file's requests are for {scan.url}, not "
                        f"{body.endpoint} (one endpoint per batch)", param="endpoint",
@@ -404,6 +407,31 @@ def read_requests(client: Client, f: Any, presets: dict[str, Any]) -> LineScan:
     else:
         scan.finish()
     return scan
+
+
+def every_bad_line(client: Client, f: Any, failed: list[dict[str, Any]], model: str | None,
+                   endpoint: str, presets: dict[str, Any]) -> list[dict[str, Any]]:
+    """The errors of a file the scan refused: the scan's own (``failed``), and what the
+    full check (Client.check) finds on the lines the scan let pass. One error per line, in
+    line order, up to MAX_PROBLEMS. The full check needs the pair of the file's model, so
+    a file whose model is not served has the scan's errors alone."""
+    try:
+        pair = resolve(model or "", presets).name
+    except UnknownModel:
+        return failed
+    path, temporary = upload_path(client, f)
+    try:
+        client.check(path, pair=pair)
+        checked = []
+    except InputError as exc:
+        checked = batch_errors(exc, endpoint)
+    finally:
+        if temporary:
+            path.unlink(missing_ok=True)
+    named: dict[int | None, dict[str, Any]] = {}
+    for error in failed + checked:  # the scan's go first
+        named.setdefault(error["line"], error)
+    return sorted(named.values(), key=lambda e: e["line"] or 0)[:MAX_PROBLEMS]
 
 
 def line_error(problem: Problem) -> dict[str, Any]:

@@ -366,6 +366,13 @@ def test_the_python_api_refuses_odd_arguments_naming_them(lite):
         Job(lite, 999999).cancel()
     with pytest.raises(ValueError, match="poll: seconds between looks"):
         Job(lite, 1).wait(poll=-1)
+    for timeout in ("1", -1, float("nan")):
+        with pytest.raises(ValueError, match="timeout: seconds to wait at most, 0 or more"):
+            Job(lite, 1).wait(timeout=timeout)
+    for batch, says in ((-1, "batch: must be at least 1"), (0, "batch: must be at least 1"),
+                        ("x", "batch: must be an integer")):
+        with pytest.raises(InputError, match=says):
+            Job(lite, 1).results(batch=batch)  # at the call, before any item is read
 
 
 def test_openai_content_parts_of_text_are_served_and_others_refused_by_line(lite, scratch):

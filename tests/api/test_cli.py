@@ -157,6 +157,15 @@ def test_submit_dash_reads_standard_input_and_warns_once(env, tmp_path):
     assert bad.returncode == 2 and b"line 1: prompt: must not be empty" in bad.stderr
 
 
+def test_one_item_is_an_item_and_a_rounded_zero_has_no_sign(env, tmp_path, capsys):
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"prompt": "just one"}\n')
+    code, out, _ = run(["submit", str(path), "--pair", "tiny"], capsys)
+    assert code == 0 and ": 1 item on pair tiny," in out, out
+    assert shown("device_seconds_saved", -0.01) == "0.0 s"  # not -0.0 s
+    assert shown("device_seconds_saved", -0.06) == "-0.1 s"
+
+
 def test_help_names_the_commands_people_run(capsys):
     for name in cli.HEAVY:
         with pytest.raises(SystemExit) as exc:
@@ -182,6 +191,17 @@ def test_database_errors_say_the_next_true_step():
         'FATAL:  password authentication failed for user "specq"')
     assert "run `specq migrate`" in cli.database_hint('relation "jobs" does not exist')
     assert cli.database_hint("something else entirely") == ""
+
+
+def test_migrate_hides_every_secret_of_the_url(pg_url):
+    """`specq -v migrate` shows the database as `specq config` does: the password, and a
+    query value named like a secret (libpq's ?password=), as ***, in its log and its line."""
+    user, _, rest = pg_url.partition("@")
+    url = f"{user}:S3cr3tPW@{rest}?password=QS3cr3t"
+    out = command(["-v", "migrate"], {"SPECQ_DATABASE_URL": url})
+    err = out.stderr.decode()
+    assert out.returncode == 0 and "schema at head" in err, err
+    assert "S3cr3t" not in err and "?password=***" in err
 
 
 def test_postgres_urls_are_taken_as_postgresql_psycopg():

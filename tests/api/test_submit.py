@@ -97,6 +97,30 @@ def test_every_problem_is_reported_at_once(db_client, tmp_path):
     assert [p.split(":")[0] for p in err.value.problems] == ["line 1", "line 3"]
 
 
+def test_a_custom_id_on_a_bad_line_is_taken_all_the_same(db_client, tmp_path):
+    """A later line reusing the id of a bad line is named in the same pass, not once the
+    bad line is mended."""
+    path = write_jsonl(tmp_path / "bad.jsonl", [
+        {"custom_id": "a", "prompt": "x", "max_new_tokens": "8"},
+        {"custom_id": "a", "prompt": "y"}])
+    with pytest.raises(InputError) as err:
+        db_client.submit(path, pair="tiny", enqueue=False)
+    assert [p.split(": ")[:2] for p in err.value.problems] == [
+        ["line 1", "max_new_tokens"], ["line 2", "custom_id"]]
+    assert "'a' is already used at line 1" in err.value.problems[1]
+
+
+def test_a_jobs_times_are_utc_with_their_offset_on_every_database(db_client):
+    """status and jobs (and so `specq status --json`, `specq jobs --json`) give the same
+    times on SQLite, which keeps no zone, as on PostgreSQL."""
+    job = db_client.submit(["one"], pair="tiny", enqueue=False)
+    job.cancel()
+    state, (summary,) = job.status(check_workers=False), db_client.jobs(limit=1)
+    times = [state.as_dict()[k] for k in ("created_at", "finished_at")] + [
+        summary.as_dict()[k] for k in ("created_at", "finished_at")]
+    assert all(t.endswith("+00:00") for t in times), times
+
+
 def test_an_empty_file_is_refused(db_client, tmp_path):
     path = write_jsonl(tmp_path / "empty.jsonl", [""])
     with pytest.raises(InputError, match="no prompts"):

@@ -71,6 +71,12 @@ def test_mask_url_leaves_urls_without_secrets_alone():
     assert mask_url("redis://user:pw@h/0") == "redis://user:***@h/0"
 
 
+def test_mask_url_hides_secret_query_values_and_keeps_the_rest_as_written():
+    assert (mask_url("postgresql+psycopg://u:pw@h:5432/d?password=q&sslmode=require")
+            == "postgresql+psycopg://u:***@h:5432/d?password=***&sslmode=require")
+    assert mask_url("sqlite:////abs/x.db?password=q") == "sqlite:////abs/x.db?password=***"
+
+
 def test_a_lease_shorter_than_three_database_calls_is_refused_naming_both():
     with pytest.raises(ValidationError) as err:
         Settings(lease_seconds=20, db_timeout=10)

@@ -498,6 +498,20 @@ def test_a_file_of_bad_requests_makes_a_failed_batch_naming_the_line(sdk, http_s
     assert sdk.batches.retrieve(failed.id).errors == failed.errors
 
 
+def test_a_line_the_scan_refuses_hides_no_other_bad_line(sdk, http_settings):
+    """A custom_id used again (found by the scan of the lines) and parameters out of range
+    (found by the full check) each have their error, one per line, in line order."""
+    f = upload(sdk, [line("a", "x", max_tokens="8"), line("b", "y", n=2),
+                     line("c", "z", temperature=True), line("a", "w")])
+    before = counts(http_settings)
+    failed = create(sdk, f.id)
+    assert failed.status == "failed"
+    assert [(e.line, e.param) for e in failed.errors.data] == [
+        (1, "body.max_tokens"), (2, "body.n"), (3, "body.temperature"), (4, "custom_id")]
+    assert failed.errors.data[3].code == "duplicate_custom_id"
+    assert counts(http_settings)[2] == before[2]  # no job
+
+
 def test_refusals_of_uploads_and_creates(sdk, server, http_settings):
     before = counts(http_settings)
     with pytest.raises(openai.BadRequestError) as err:
