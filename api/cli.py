@@ -21,8 +21,9 @@ from sqlalchemy.exc import ArgumentError, OperationalError, ProgrammingError
 from specq.api import formats
 from specq.api.client import Client
 from specq.api.figures import counted, drafted, drafting, item_counts, shown
-from specq.api.formats import FORMATS, OutputError, check_output
+from specq.api.formats import FORMATS
 from specq.api.inputs import InputError, check_count, check_job_id, describe, show
+from specq.api.outputs import OutputError, check_output
 from specq.broker.names import PRIORITIES
 from specq.configs.presets import PairError, PresetError
 from specq.configs.settings import describe_settings, get_settings, mask_url, unknown_settings

@@ -14,15 +14,15 @@ submitted custom_id, or request-INDEX for a plain prompt (client.item_id).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields
-from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from specq.api.client import INPUT_COLUMNS, ItemResult, Job, item_id
+from specq.api.outputs import OutputError, OutputFile, check_output
 from specq.db import repository as repo
 from specq.db.models import ItemStatus
 from specq.schema.counters import ARRAYS, SCALARS, acceptance_rate
@@ -37,92 +37,41 @@ FORMATS: tuple[str, ...] = ("jsonl", "openai", "parquet")
 BATCH = 1000  # rows read from the database, and rows per Parquet row group
 
 
-class OutputError(ValueError):
-    """An output path that cannot be written; the message names it and why."""
-
-
-def check_output(path: str | os.PathLike, fmt: str = "jsonl") -> str:
-    """``path`` ("-" is stdout, which Parquet cannot use) if a file can be written there:
-    not a directory, and its nearest existing parent is a writable directory (missing
-    directories are created when the file is written). OutputError says why not."""
-    text = str(path)
-    if text == "":
-        raise OutputError("output: must not be empty")
-    if text == "-":
-        if fmt == "parquet":
-            raise OutputError("output: Parquet needs a file, not stdout")
-        return text
-    if "\x00" in text:
-        raise OutputError("output: contains a NUL character")
-    target = Path(text)
-    try:
-        if target.is_dir():
-            raise OutputError(f"output: {text}: is a directory")
-        if target.exists() and not os.access(target, os.W_OK):
-            raise OutputError(f"output: {text}: not writable")
-        parent = target.absolute().parent
-        while not parent.exists() and parent != parent.parent:
-            parent = parent.parent
-        if not parent.is_dir():
-            raise OutputError(f"output: {text}: {parent} is not a directory")
-        if not target.exists() and not os.access(parent, os.W_OK | os.X_OK):
-            raise OutputError(f"output: {text}: directory {parent} is not writable")
-    except OSError as exc:  # a name too long, a loop of links
-        raise OutputError(f"output: {text}: {exc.strerror or exc}") from None
-    return text
-
-
 # -- sinks: where rows go, batch by batch ------------------------------------------------
 
 
-def part_path(path: str | os.PathLike) -> Path:
-    """Where a file is written before it is renamed to ``path``: beside it (the same file
-    system, so the rename is atomic), hidden, named for this process."""
-    target = Path(path)
-    return target.with_name(f".{target.name}.{os.getpid()}.part")
-
-
 class JsonlSink:
-    """One JSON object per line, to a file or to stdout (path "-"). A file is written under
-    part_path and renamed at close(): a reader never sees half of it, and abort() leaves
-    nothing."""
+    """One JSON object per line, to a file or to stdout (path "-"), written as
+    outputs.OutputFile writes: a reader never sees half a file, and abort() leaves
+    none."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         self.path = str(path)
-        self._part = None if self.path == "-" else part_path(self.path)
-        self._out: IO[str] = (sys.stdout if self._part is None
-                              else open(self._part, "w", encoding="utf-8"))  # noqa: SIM115
+        self._file = OutputFile(self.path)
 
     def write(self, rows: list[dict[str, Any]]) -> None:
-        self._out.writelines(_ENCODE(r) + "\n" for r in rows)
+        self._file.stream.writelines(_ENCODE(r) + "\n" for r in rows)
 
     def close(self) -> None:
-        if self._part is None:
-            self._out.flush()
-        else:
-            self._out.close()
-            os.replace(self._part, self.path)
+        self._file.close()
 
     def abort(self) -> None:
-        """Stop writing and remove what was written (stdout keeps what it printed)."""
-        if self._part is None:
-            self._out.flush()
-            return
-        self._out.close()
-        self._part.unlink(missing_ok=True)
+        """Stop writing and remove what was written (a stream keeps what it was sent)."""
+        self._file.abort()
 
 
 class ParquetSink:
-    """A Parquet file written one row group per write(), under part_path and renamed at
-    close() (abort() leaves nothing). The schema is ``schema`` or one read from the first
-    batch by ``infer_schema``; a value that does not fit its column's type is written as
-    JSON text where the column is a string, refused (ValueError naming the column) where
-    it is not."""
+    """A Parquet file written one row group per write(), as outputs.OutputFile writes (a
+    FIFO or /dev/fd/N too: the writer never seeks), and whole at close() (abort() leaves
+    no file). The schema is ``schema`` or one read from the first batch by
+    ``infer_schema``; a value that does not fit its column's type is written as JSON text
+    where the column is a string, refused (ValueError naming the column) where it is
+    not."""
 
     def __init__(self, path: str | os.PathLike, schema: pa.Schema | None = None) -> None:
         self.path = check_output(path, "parquet")
         self.schema = schema
-        self._part = part_path(self.path)
+        self._file = OutputFile(self.path, binary=True)
         self._writer: Any = None  # pyarrow.parquet.ParquetWriter, opened at the first rows
 
     def write(self, rows: list[dict[str, Any]]) -> None:
@@ -134,7 +83,7 @@ class ParquetSink:
             self.schema = infer_schema(rows)
         table = arrow_table(rows, self.schema)
         if self._writer is None:
-            self._writer = pq.ParquetWriter(self._part, self.schema)
+            self._writer = pq.ParquetWriter(self._file.stream, self.schema)
         self._writer.write_table(table, row_group_size=len(rows))
 
     def close(self) -> None:
@@ -143,18 +92,19 @@ class ParquetSink:
 
         if self._writer is None:  # no rows: still a valid, empty file
             pq.write_table(pa.Table.from_pylist([], schema=self.schema or pa.schema([])),
-                           self._part)
+                           self._file.stream)
         else:
-            self._writer.close()
-        os.replace(self._part, self.path)
+            self._writer.close()  # writes the footer; the file stays open for close()
+        self._file.close()
 
     def abort(self) -> None:
-        """Stop writing and remove what was written."""
-        try:
-            if self._writer is not None:
+        """Stop writing and remove what was written. The file is closed before the writer,
+        so no footer follows: a stream's reader gets a Parquet file that reads as broken,
+        not one that reads as complete with rows missing."""
+        self._file.abort()
+        if self._writer is not None:
+            with contextlib.suppress(ValueError, OSError):  # the footer's write, refused
                 self._writer.close()
-        finally:
-            self._part.unlink(missing_ok=True)
 
 
 # -- Arrow types for rows whose values may not agree ---------------------------------------
@@ -266,10 +216,10 @@ def write_batches(sink: Sink, rows: Iterable[dict[str, Any]], batch: int = BATCH
                 chunk = []
         sink.write(chunk)
         n += len(chunk)
+        sink.close()  # a Parquet footer or the last lines may fail to be written too
     except BaseException:
         sink.abort()
         raise
-    sink.close()
     return n
 
 
@@ -422,8 +372,7 @@ def export(job: Job, output: str | os.PathLike, fmt: Format = "jsonl", *,
     parameters (OpenAI output lines never do: their custom_id is the link)."""
     if fmt not in FORMATS:
         raise OutputError(f"format: must be one of {', '.join(FORMATS)}, got {fmt!r}")
-    if check_output(output, fmt) != "-":
-        Path(output).parent.mkdir(parents=True, exist_ok=True)
+    check_output(output, fmt)
     sink: Sink
     if fmt == "parquet":
         rows, sink = flat_rows(job, input), ParquetSink(output, result_schema(input))

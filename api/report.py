@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from specq.api.client import JobMetrics
 from specq.api.figures import drafted, drafting, item_counts, shown
+from specq.api.outputs import OutputFile, is_stream
 
 if TYPE_CHECKING:  # matplotlib is imported where a report is drawn: `specq[report]`
     from matplotlib.axes import Axes
@@ -156,12 +157,22 @@ def report_figure(m: JobMetrics) -> Figure:
 
 
 def draw_report(m: JobMetrics, path: str | Path) -> Path:
-    """Write the report (report_figure) to ``path`` as a PNG, its folder made if need be
-    (as results' exports make theirs)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    report_figure(m).savefig(path, dpi=100)
+    """Write the report (report_figure) to ``path``, as outputs.OutputFile writes, its
+    folder made if need be. Returns the path written: image_path(path)."""
+    path = image_path(path)
+    figure = report_figure(m)  # before the file: a missing matplotlib leaves none
+    with OutputFile(path, binary=True) as out:
+        figure.savefig(out.stream, format=path.suffix[1:].lower() or "png", dpi=100)
     return path
+
+
+def image_path(path: str | Path) -> Path:
+    """Where the report of ``path`` goes: ``path``, with .png added to a file name without
+    a suffix (a PNG is drawn, as savefig names it). A FIFO or a device keeps its name."""
+    path = Path(path)
+    if path.suffix or is_stream(path):
+        return path
+    return path.with_name(path.name + ".png")
 
 
 def _integer_axis(axis) -> None:

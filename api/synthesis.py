@@ -55,14 +55,13 @@ from pydantic import (
 from specq.api.client import Client, Job
 from specq.api.formats import (
     BATCH,
-    OutputError,
-    check_output,
     counter_fields,
     infer_schema,
     open_sink,
     write_batches,
 )
 from specq.api.inputs import InputError, describe, show, storable, text_problem
+from specq.api.outputs import OutputError, check_output
 from specq.api.templates import BoundedSandbox, RenderLimits
 from specq.db import repository as repo
 from specq.schema.counters import SCALARS, acceptance_rate

@@ -17,8 +17,9 @@ from sqlalchemy import func, select
 
 from specq.api import cli
 from specq.api.client import Client
-from specq.api.formats import OutputError, check_output, export
+from specq.api.formats import export
 from specq.api.inputs import LINE_FIELDS, OPENAI_NOOPS, InputError
+from specq.api.outputs import OutputError, check_output
 from specq.configs.settings import Settings, get_settings
 from specq.db.models import Item, Job
 from specq.db.session import migrate

@@ -147,3 +147,33 @@ def test_a_single_chunk_job_has_a_course_over_time(db_client, tmp_path):
     p = drawn(m)
     for title in ("draft length over time", "throughput over time"):
         assert "one chunk" not in texts(p[title]) and p[title].lines, title
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_name_without_a_suffix_is_written_as_png_and_the_path_says_so(tmp_path):
+    """`specq report JOB -o report` prints the path draw_report returns: the file made."""
+    path = draw_report(NEVER, tmp_path / "report")
+    assert path == tmp_path / "report.png" and sorted(tmp_path.iterdir()) == [path]
+    assert path.read_bytes()[:8] == PNG
+    svg = draw_report(NEVER, tmp_path / "report.SVG")
+    assert svg == tmp_path / "report.SVG" and b"<svg" in svg.read_bytes()[:1000]
+
+
+def test_a_report_to_a_pipe_keeps_its_name_and_is_a_png():
+    """`specq report JOB -o >(cat > r.png)`: /dev/fd/N is written as it is, no .png added."""
+    import os
+    import threading
+
+    read, write = os.pipe()
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(os.fdopen(read, "rb").read()),
+                              daemon=True)
+    reader.start()
+    try:
+        path = draw_report(NEVER, f"/dev/fd/{write}")
+    finally:
+        os.close(write)
+    reader.join(30)  # a bound on a hang: the report's end is written already
+    assert str(path) == f"/dev/fd/{write}" and got and got[0][:8] == PNG
