@@ -56,8 +56,9 @@ def due_outputs(session: Session, *, limit: int) -> list[tuple[int, datetime, in
         .join(Batch, Batch.id == File.batch_id).join(Job, Job.id == Batch.job_id)
         .where(File.kind.in_(("output", "error")), File.expires_at.is_(None),
                Batch.output_expires_after.is_not(None), Job.finished_at.is_not(None))
-        .order_by(File.id).limit(limit)).tuples()
-    return cast(list[tuple[int, datetime, int]], list(rows))  # (NULLs excluded above)
+        .order_by(File.id).limit(limit))
+    # (NULLs excluded above)
+    return cast(list[tuple[int, datetime, int]], [tuple(r) for r in rows])
 
 
 def set_expiry(session: Session, *, file_id: int, expires_at: datetime) -> None:
