@@ -149,6 +149,9 @@ class LineScan(_Lines):
         if where is not None:
             self._fail(f"{where}: holds a NUL character or a lone surrogate (\\u0000, "
                        "\\ud800...), which cannot be stored", n, where, "invalid_value")
+            cid = value.get("custom_id")
+            if isinstance(cid, str) and storable(cid):  # taken all the same: a later
+                self._ids.add(cid)  # line of this id is a duplicate, said in this pass
             return
         self._request(value, n)
 
