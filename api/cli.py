@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import json
 import logging
 import math
 import os
 import re
+import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import import_module
 from typing import Any, NoReturn
 
@@ -23,7 +25,7 @@ from specq.api.client import Client
 from specq.api.figures import counted, drafted, drafting, item_counts, shown
 from specq.api.formats import FORMATS
 from specq.api.inputs import InputError, check_count, check_job_id, describe, show
-from specq.api.outputs import OutputError, check_output
+from specq.api.outputs import OutputError, check_output, same_file
 from specq.broker.names import PRIORITIES
 from specq.configs.presets import PairError, PresetError
 from specq.configs.settings import describe_settings, get_settings, mask_url, unknown_settings
@@ -143,6 +145,21 @@ def _log_to_stderr(verbose: bool) -> None:
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
                          if verbose else _Plain())
     logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, handlers=[handler])
+
+
+@contextlib.contextmanager
+def _term_is_exit() -> Iterator[None]:
+    """SIGTERM (`kill`, `timeout`) ends the block as Ctrl-C does, by an exception, so an
+    output being written is taken back (api/outputs.py: no part file left behind); the
+    process then ends with 143, as one killed by SIGTERM."""
+    def _exit(signum: int, frame: object) -> NoReturn:
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def _fail(lines: list[str], code: int) -> int:
@@ -497,6 +514,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     _need_model_stack("specq run")
     from specq.worker.tasks import run_inline, start_up, worker_engine
 
+    if args.file != "-" and same_file(args.file, args.output):
+        return _fail([f"output: {args.output} is the input file {args.file}: its prompts "
+                      f"would be overwritten (-o names where the results go)"], 2)
     settings = get_settings()
     t0 = time.perf_counter()
     client = Client(settings, auto_migrate=True)
@@ -510,7 +530,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"{k} {v:.1f} s" for k, v in phases.items()) + ")", file=sys.stderr)
     run_inline(sessions=client.sessions, engine=worker_engine(args.pair), pair=args.pair,
                job_id=job.id, progress=True)
-    n = formats.export(job, args.output)
+    with _term_is_exit():
+        n = formats.export(job, args.output)
     m = job.metrics()
     print(f"job {job.id}: {m.completed} completed, {m.failed} failed; {n} results in "
           f"{args.output}; {time.perf_counter() - t0:.1f} s", file=sys.stderr)
@@ -570,7 +591,8 @@ def cmd_metrics(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from specq.api.report import draw_report
 
-    path = draw_report(Client().job(args.job).metrics(), args.output)
+    with _term_is_exit():
+        path = draw_report(Client().job(args.job).metrics(), args.output)
     print(f"report written to {path}", file=sys.stderr)
     return 0
 
@@ -630,7 +652,8 @@ def reconcile_summary(report: dict[str, Any], grace: float) -> list[str]:
 def cmd_results(args: argparse.Namespace) -> int:
     fmt: formats.Format = args.format or (
         "parquet" if str(args.output).lower().endswith(".parquet") else "jsonl")
-    n = formats.export(Client().job(args.job), args.output, fmt, input=args.input)
+    with _term_is_exit():
+        n = formats.export(Client().job(args.job), args.output, fmt, input=args.input)
     if args.output != "-":
         print(f"{n} results written to {args.output}", file=sys.stderr)
     return 0
@@ -678,7 +701,8 @@ def cmd_synth_run(args: argparse.Namespace) -> int:
               f"beat` does it by itself)", file=sys.stderr)
         return 0
     state = job.wait(progress=True, timeout=args.timeout)
-    path = synthesis.write_output(client, job.id)
+    with _term_is_exit():
+        path = synthesis.write_output(client, job.id)
     print(f"job {job.id} {state.status}: {state.completed} completed, {state.failed} failed; "
           f"data set in {path}", file=sys.stderr)
     print(path)
@@ -706,7 +730,8 @@ def cmd_synth_write(args: argparse.Namespace) -> int:
     state = client.job(args.job).status(check_workers=False)
     if not state.finished:
         raise RuntimeError(f"job {args.job}: still {state.status}; wait for it to finish")
-    print(synthesis.write_output(client, args.job))
+    with _term_is_exit():
+        print(synthesis.write_output(client, args.job))
     return 0
 
 
@@ -915,7 +940,6 @@ def cmd_webhooks_rotate(args: argparse.Namespace) -> int:
 
 def cmd_webhooks_send(args: argparse.Namespace) -> int:
     """The sender (broker/webhooks.py), until SIGTERM or Ctrl-C; --once: one pass."""
-    import signal
     import threading
 
     from specq.broker.webhooks import Sender

@@ -11,13 +11,21 @@ A reader never sees half a file, and writing a file changes nothing but its cont
 - A path that is there and is neither a regular file nor a directory is written where it
   is, as a stream: a FIFO, a device such as /dev/null, a shell's `>(...)` (/dev/fd/N).
   Renaming over one would replace it with a regular file that no reader is waiting on.
+- A descriptor of this process, named as /dev/stdout, /dev/stderr, /dev/fd/N or
+  /proc/self/fd/N, is written through that descriptor, from where it stands: `3>> log`
+  appends, and what the shell wrote before and after stays. (Opened by its name, a
+  descriptor of a regular file would be the file itself, truncated or renamed over.)
 - "-" is standard output.
+- A path that ends in "/" names a directory: refused.
+- A file is never its own input (``same_file``): `specq run` refuses to write its results
+  over the prompts it reads.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -44,6 +52,17 @@ def check_output(path: str | os.PathLike, fmt: str = "jsonl") -> str:
         return text
     if "\x00" in text:
         raise OutputError("output: contains a NUL character")
+    fd = descriptor(text)
+    if fd is not None:
+        try:
+            os.fstat(fd)
+        except OSError:
+            raise OutputError(f"output: {text}: descriptor {fd} is not open") from None
+        if fmt == "parquet" and os.isatty(fd):
+            raise OutputError(f"output: {text}: Parquet needs a file, not a terminal")
+        return text
+    if text.endswith(("/", os.sep)):
+        raise OutputError(f"output: {text}: names a directory")
     try:
         if is_stream(text):
             if stat.S_ISSOCK(os.stat(text).st_mode):
@@ -66,6 +85,30 @@ def check_output(path: str | os.PathLike, fmt: str = "jsonl") -> str:
     except OSError as exc:  # a name too long, a loop of links
         raise OutputError(f"output: {text}: {exc.strerror or exc}") from None
     return text
+
+
+_DESCRIPTOR = re.compile(r"/dev/fd/(\d+)|/proc/(?:self|(\d+))/fd/(\d+)")
+_STANDARD = {"/dev/stdout": 1, "/dev/stderr": 2}
+
+
+def descriptor(path: str | os.PathLike) -> int | None:
+    """The open descriptor of this process that ``path`` names (/dev/stdout, /dev/stderr,
+    /dev/fd/N, /proc/self/fd/N, /proc/PID/fd/N of this process), or None."""
+    text = os.path.normpath(str(path))
+    if text in _STANDARD:
+        return _STANDARD[text]
+    found = _DESCRIPTOR.fullmatch(text)
+    if found is None or (found.group(2) and int(found.group(2)) != os.getpid()):
+        return None
+    return int(found.group(1) or found.group(3))
+
+
+def same_file(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Whether two paths are one file (links followed; False where either is not there)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def is_stream(path: str | os.PathLike) -> bool:
@@ -96,9 +139,15 @@ class OutputFile:
         self._target: Path | None = None  # the file renamed over; None: written in place
         self._part: Path | None = None
         self.stream: IO[Any]
+        fd = descriptor(self.path)
         if self.path == "-":
             sys.stdout.flush()
             self.stream = sys.stdout.buffer if binary else sys.stdout
+        elif fd is not None:  # its own copy of the descriptor, closed alone
+            sys.stdout.flush()
+            sys.stderr.flush()
+            self.stream = os.fdopen(os.dup(fd), "wb" if binary else "w",
+                                    encoding=None if binary else "utf-8")
         elif is_stream(self.path):
             self.stream = open(self.path, "wb" if binary else "w",  # noqa: SIM115
                                encoding=None if binary else "utf-8")

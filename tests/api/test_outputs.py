@@ -205,3 +205,72 @@ def test_a_socket_is_refused_before_any_work(tmp_path):
         s.bind(str(path))
         with pytest.raises(OutputError, match="a socket"):
             check_output(path)
+
+
+def test_a_descriptor_of_a_regular_file_is_written_from_where_it_stands(tmp_path):
+    """`{ echo header >&3; specq results J -o /dev/fd/3; echo footer >&3; } 3> all.txt`
+    and `3>> log`: the output goes through the descriptor, after what the shell wrote, and
+    the file stays the one the shell opened (by its name /dev/fd/3 is the file itself, and
+    renamed over or truncated it lost the header)."""
+    path = tmp_path / "all.txt"
+    path.write_bytes(b"header\n")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND)
+    try:
+        inode = os.fstat(fd).st_ino
+        for name in (f"/dev/fd/{fd}", f"/proc/self/fd/{fd}", f"/proc/{os.getpid()}/fd/{fd}"):
+            assert check_output(name) == name
+            assert write_batches(JsonlSink(name), ROWS, batch=1) == 2
+        os.write(fd, b"footer\n")
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"header\n" + JSONL * 3 + b"footer\n"
+    assert os.stat(path).st_ino == inode and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_a_closed_descriptor_and_a_directory_name_are_refused(tmp_path):
+    read, write = os.pipe()
+    os.close(read)
+    os.close(write)
+    with pytest.raises(OutputError, match=f"descriptor {write} is not open"):
+        check_output(f"/dev/fd/{write}")
+    with pytest.raises(OutputError, match="names a directory"):
+        check_output(f"{tmp_path}/new/")
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_sigterm_mid_export_leaves_the_old_file_and_no_part_file(tmp_path):
+    """`kill` or `timeout` during an export: as Ctrl-C, the part file is taken back and the
+    file that was there stays; the command ends with 143 (cli._term_is_exit)."""
+    import signal
+
+    from specq.api.cli import _term_is_exit
+
+    path = tmp_path / "out.jsonl"
+    path.write_text("old\n")
+
+    def rows():
+        yield ROWS[0]
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered here, in this thread, at once
+        yield ROWS[1]
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as ended, _term_is_exit():
+        write_batches(JsonlSink(path), rows(), batch=1)
+    assert ended.value.code == 143
+    assert path.read_text() == "old\n" and sorted(tmp_path.iterdir()) == [path]
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_run_refuses_to_write_its_results_over_its_input(tmp_path, monkeypatch):
+    """`specq run in.jsonl -o in.jsonl` (or through a link to it) would replace the prompts
+    with the results: refused before anything is stored."""
+    from specq.api.cli import main
+
+    monkeypatch.setenv("SPECQ_DATA_DIR", str(tmp_path / "data"))
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": "hello"}\n')
+    (tmp_path / "link").symlink_to(prompts)
+    for out in (prompts, tmp_path / "link"):
+        assert main(["run", str(prompts), "--pair", "tiny", "-o", str(out)]) == 2
+        assert prompts.read_text() == '{"prompt": "hello"}\n'
+    assert not (tmp_path / "data").exists()
