@@ -251,7 +251,10 @@ def _image(text: str) -> str:
     if suffix not in IMAGE_SUFFIXES:
         raise OutputError(f"output: {show(text)}: not an image file name "
                           f"({', '.join(s for s in IMAGE_SUFFIXES if s)})")
-    return check_output(text)
+    from specq.api.report import image_path
+
+    check_output(str(image_path(text)))  # the file drawn: NAME.png for a NAME
+    return check_output(text)  # (a directory NAME is refused: a slip, not a name)
 
 
 _job_id = _converter("job id", lambda t: check_job_id(_to_int(t)))

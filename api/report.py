@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from specq.api.client import JobMetrics
 from specq.api.figures import drafted, drafting, item_counts, shown
-from specq.api.outputs import OutputFile, is_stream
+from specq.api.outputs import OutputFile, descriptor, is_stream
 
 if TYPE_CHECKING:  # matplotlib is imported where a report is drawn: `specq[report]`
     from matplotlib.axes import Axes
@@ -168,9 +168,10 @@ def draw_report(m: JobMetrics, path: str | Path) -> Path:
 
 def image_path(path: str | Path) -> Path:
     """Where the report of ``path`` goes: ``path``, with .png added to a file name without
-    a suffix (a PNG is drawn, as savefig names it). A FIFO or a device keeps its name."""
+    a suffix (a PNG is drawn, as savefig names it). A FIFO, a device or a descriptor
+    (/dev/fd/N) keeps its name."""
     path = Path(path)
-    if path.suffix or is_stream(path):
+    if path.suffix or is_stream(path) or descriptor(path) is not None:
         return path
     return path.with_name(path.name + ".png")
 

@@ -4,6 +4,7 @@ is written."""
 
 from __future__ import annotations
 
+import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
 from specq.api.client import JobMetrics
@@ -177,3 +178,18 @@ def test_a_report_to_a_pipe_keeps_its_name_and_is_a_png():
         os.close(write)
     reader.join(30)  # a bound on a hang: the report's end is written already
     assert str(path) == f"/dev/fd/{write}" and got and got[0][:8] == PNG
+
+
+def test_the_output_checked_is_the_file_drawn(tmp_path):
+    """`specq report JOB -o NAME` draws NAME.png: that path is checked before any work too
+    (a directory NAME.png refused at once, naming it), beside NAME itself."""
+    from specq.api.cli import _image
+    from specq.api.outputs import OutputError
+
+    (tmp_path / "taken.png").mkdir()
+    with pytest.raises(OutputError, match="taken.png: is a directory"):
+        _image(str(tmp_path / "taken"))
+    (tmp_path / "dir").mkdir()
+    with pytest.raises(OutputError, match="dir: is a directory"):
+        _image(str(tmp_path / "dir"))
+    assert _image(str(tmp_path / "new")) == str(tmp_path / "new")
