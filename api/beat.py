@@ -18,7 +18,6 @@ seconds, and the same process (no GPU, no model) runs them:
 from __future__ import annotations
 
 import logging
-from datetime import datetime, timezone
 from typing import Any
 
 import redis
@@ -32,7 +31,7 @@ from specq.broker.reconciler import reconcile, reconcile_if_due
 from specq.configs.schedules import Schedule, load_schedules
 from specq.configs.settings import Settings, get_settings
 from specq.db import repository as repo
-from specq.db.models import utcnow
+from specq.db.models import as_utc, utcnow
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +79,7 @@ def _stuck(client: Client, schedule: Schedule, running: list[int], settings: Set
             log.warning("schedule %s: run %d not reconciled: %s", schedule.name, job_id, exc)
         state = client.job(job_id).status(check_workers=False)
         assert state.created_at is not None  # a stored job's
-        age = (utcnow() - _aware(state.created_at)).total_seconds()
+        age = (utcnow() - as_utc(state.created_at)).total_seconds()
         if age < schedule.stuck_after:
             log.info("schedule %s: run %d still going (%d/%d done); slot skipped",
                      schedule.name, job_id, state.ended, state.total)
@@ -95,10 +94,6 @@ def _stuck(client: Client, schedule: Schedule, running: list[int], settings: Set
         log.error("%s; cancelled, a new run starts", said)
         client.job(job_id).cancel()
     return True
-
-
-def _aware(t: datetime) -> datetime:
-    return t if t.tzinfo else t.replace(tzinfo=timezone.utc)
 
 
 def collect(settings: Settings | None = None) -> list[str]:

@@ -253,8 +253,9 @@ def _image(text: str) -> str:
                           f"({', '.join(s for s in IMAGE_SUFFIXES if s)})")
     from specq.api.report import image_path
 
-    check_output(str(image_path(text)))  # the file drawn: NAME.png for a NAME
-    return check_output(text)  # (a directory NAME is refused: a slip, not a name)
+    drawn = str(image_path(text))  # the file drawn: NAME.png for a NAME
+    check_output(drawn)
+    return check_output(text) if drawn != text else text  # a directory NAME: a slip
 
 
 _job_id = _converter("job id", lambda t: check_job_id(_to_int(t)))

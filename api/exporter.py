@@ -31,7 +31,6 @@ import argparse
 import logging
 import time
 from collections.abc import Iterator
-from datetime import timezone
 from typing import Any
 
 from sqlalchemy import and_, false, func, or_, select
@@ -43,7 +42,7 @@ from specq.broker.reconciler import ACTIONS, read_actions
 from specq.configs.settings import Settings, get_settings
 from specq.db import webhooks
 from specq.db.clock import db_now
-from specq.db.models import RUNNING, Chunk, Job, JobStatus
+from specq.db.models import RUNNING, Chunk, Job, JobStatus, as_utc
 from specq.db.session import session_factory
 
 log = logging.getLogger(__name__)
@@ -171,8 +170,7 @@ class ControlPlane:
             got[1] += r.chunks
             got[2] += r.waiting
             if r.waiting:
-                created = r.created_at if r.created_at.tzinfo else \
-                    r.created_at.replace(tzinfo=timezone.utc)  # SQLite's come back naive
+                created = as_utc(r.created_at)  # SQLite's come back naive
                 ages[r.pair] = max(ages.get(r.pair, 0.0), float(r.now) - created.timestamp())
         for (pair, priority), (n_items, n_chunks, n_waiting) in sorted(sums.items()):
             items.add_metric([pair, priority], n_items)

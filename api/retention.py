@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from dataclasses import asdict, dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 import redis
 from sqlalchemy.orm import Session, sessionmaker
@@ -25,7 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from specq.broker import connection
 from specq.configs.settings import Settings
 from specq.db import retention
-from specq.db.models import utcnow
+from specq.db.models import as_utc, utcnow
 from specq.db.session import session_factory
 
 log = logging.getLogger(__name__)
@@ -205,8 +205,7 @@ def output_expiry(finished: datetime, seconds: int) -> datetime:
     """When a batch's output and error files expire: ``seconds`` (its create's
     output_expires_after) after its job finished (SQLite hands times back without their
     zone: UTC)."""
-    finished = finished if finished.tzinfo else finished.replace(tzinfo=timezone.utc)
-    return finished + timedelta(seconds=seconds)
+    return as_utc(finished) + timedelta(seconds=seconds)
 
 
 # -- expires_after on uploads (OpenAI's shape) --------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from datetime import datetime, timezone
 from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, overload
 
 from sqlalchemy import (
     JSON,
@@ -80,9 +80,14 @@ def utcnow() -> datetime:
     return datetime.now(timezone.utc)
 
 
+@overload
+def as_utc(when: datetime) -> datetime: ...
+@overload
+def as_utc(when: None) -> None: ...
 def as_utc(when: datetime | None) -> datetime | None:
     """A stored time in UTC, with its offset: SQLite hands times back without their zone
-    (they are UTC), PostgreSQL in the session's zone."""
+    (they are UTC), PostgreSQL in the session's zone. The one place a naive time is read
+    as UTC."""
     if when is None:
         return None
     return when.astimezone(timezone.utc) if when.tzinfo else when.replace(tzinfo=timezone.utc)

@@ -41,14 +41,14 @@ from specq.api.inputs import MAX_PROBLEMS, OPENAI_URLS, InputError
 from specq.api.retention import EXPIRY_LIMITS
 from specq.api.server.auth import caller
 from specq.api.server.errors import NO_RETRY, ApiError, not_found
-from specq.api.server.files import aware, input_bytes, unix, upload_path
+from specq.api.server.files import input_bytes, unix, upload_path
 from specq.api.server.models import UnknownModel, resolve
 from specq.api.server.objects import ERRORS, BatchList, BatchObject
 from specq.api.server.uploads import LineScan, Problem
 from specq.broker.names import PRIORITIES
 from specq.db import batches as store
 from specq.db import repository as repo
-from specq.db.models import Batch, JobStatus, utcnow
+from specq.db.models import Batch, JobStatus, as_utc, utcnow
 from specq.db.tenants import Caller
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def status_of(batch: Batch, job_status: str | None, now: datetime) -> str:
     if batch.status == "failed":
         return "failed"
     if job_status is None:  # a create that died while checking its file
-        return "expired" if now > aware(batch.expires_at) else "validating"
+        return "expired" if now > as_utc(batch.expires_at) else "validating"
     job = JobStatus(job_status)
     if job in (JobStatus.completed, JobStatus.failed):
         return job.value
@@ -266,7 +266,7 @@ def _fresh(client: Client, who: Caller, batch_id: str) -> dict[str, Any]:
     read = found[0]
     batch, row = read.batch, read.figures
     if (row is not None and batch.expired_at is None
-            and not JobStatus(row["status"]).finished and utcnow() > aware(batch.expires_at)):
+            and not JobStatus(row["status"]).finished and utcnow() > as_utc(batch.expires_at)):
         assert batch.job_id is not None  # its job's figures were read
         expire(client, batch.id, batch.job_id)
         return _fresh(client, who, batch_id)

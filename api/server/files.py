@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -31,7 +31,7 @@ from specq.api.server.uploads import (
 )
 from specq.configs.settings import Settings
 from specq.db import batches as store
-from specq.db.models import File, utcnow
+from specq.db.models import File, as_utc, utcnow
 from specq.db.tenants import Caller
 
 router = APIRouter(responses=ERRORS)
@@ -45,11 +45,7 @@ def unix(when: datetime | None) -> int | None:
     """Seconds since the epoch (SQLite hands times back without their zone: UTC)."""
     if when is None:
         return None
-    return int(aware(when).timestamp())
-
-
-def aware(when: datetime) -> datetime:
-    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+    return int(as_utc(when).timestamp())
 
 
 def file_object(f: File) -> dict[str, Any]:
