@@ -566,12 +566,13 @@ def _exact_second_token(target, lltok, text: str, prompt: list[int],
 
 
 @pytest.mark.parametrize("kind", [
-    # unseeded, the only case whose draws change from run to run (the seeded ones are fixed
-    # by their seeds): it caught forced tokens read at the draft's advanced state
+    # unseeded (its keys from fixed_entropy, so the draws are the same on every run): it
+    # caught forced tokens read at the draft's advanced state
     "draft model, algorithm 1",
     "draft model, seeded race", "prompt lookup"])
 def test_sampled_constrained_tokens_follow_the_masked_target(kind, tiny_models,
-                                                             tiny_tokenizer, lltok):
+                                                             tiny_tokenizer, lltok,
+                                                             fixed_entropy):
     """The second token of a regex-shaped row, sampled through draft/verify steps, has the
     law of the masked, renormalised target (chi-square against exact enumeration)."""
     fmt = {"type": "regex", "regex": "[a-f][0-9a-f]{1,3}!"}

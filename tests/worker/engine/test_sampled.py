@@ -44,7 +44,8 @@ def _samples(engine, n, params, max_new=2, seeded=True):
 
 
 @pytest.mark.parametrize("seeded", [True, False], ids=["seeded-race", "unseeded-algorithm-1"])
-def test_sampled_speculative_tokens_follow_the_target(seeded, tiny_models, tiny_tokenizer):
+def test_sampled_speculative_tokens_follow_the_target(seeded, tiny_models, tiny_tokenizer,
+                                                      fixed_entropy):
     """The second token comes from a draft/verify step; its law is the target's, both
     where the draft races the target (seeded rows) and where Algorithm 1 judges it."""
     params = dict(temperature=1.0, top_k=6, top_p=0.95)
