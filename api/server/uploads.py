@@ -29,7 +29,7 @@ from specq.api.inputs import MAX_CUSTOM_ID, MAX_PROBLEMS, OPENAI_URLS, show
 from specq.api.server.errors import shown
 from specq.db.batches import storable
 
-MAX_LINE_BYTES = 64 * 1024 * 1024  # one request line
+MAX_LINE_BYTES = 16 * 1024 * 1024  # one request line (a prompt of 128k tokens is 1-3 MB)
 # the form around the file, bounded as a whole (OpenAI's upload has two parts)
 MAX_PARTS = 16  # parts of the form, the file's included
 MAX_FIELD_BYTES = 4096  # one form field's value
@@ -65,7 +65,8 @@ class _Lines:
     problems: list[Problem] = field(default_factory=list)
     lines: int = 0  # requests (non-blank lines)
     _number: int = 0  # lines seen, blank included
-    _rest: bytes = b""
+    _held: list[bytes] = field(default_factory=list)  # the unfinished line's pieces
+    _held_bytes: int = 0
     _done: bool = False
 
     @property
@@ -74,23 +75,37 @@ class _Lines:
         return self._done
 
     def feed(self, data: bytes) -> None:
-        if self.done:
-            return
-        pieces = (self._rest + data).split(b"\n")
-        self._rest = pieces.pop()
-        if len(self._rest) > MAX_LINE_BYTES:
-            self._fail(f"longer than {MAX_LINE_BYTES} bytes", self._number + 1,
-                       code="line_too_long")
-            return
-        for raw in pieces:
-            self._line(raw)
-            if self.done:
+        """The next bytes. Only ``data`` is searched for line ends and the unfinished line is
+        kept as its pieces, joined once when its end arrives: a line of n bytes costs O(n)
+        however many chunks bring it, and is refused once past MAX_LINE_BYTES."""
+        start = 0
+        while not self.done:
+            end = data.find(b"\n", start)
+            if end < 0:
+                break
+            if not self._take(data[start:end]):
                 return
+            self._line(b"".join(self._held))
+            self._held, self._held_bytes = [], 0
+            start = end + 1
+        if not self.done and start < len(data):
+            self._take(data[start:])
+
+    def _take(self, piece: bytes) -> bool:
+        """Holds a piece of the unfinished line; False (and the file refused) past the limit."""
+        self._held_bytes += len(piece)
+        if self._held_bytes > MAX_LINE_BYTES:
+            self._held, self._held_bytes = [], 0
+            self._fail(f"longer than {MAX_LINE_BYTES} bytes (a line's limit)", self._number + 1,
+                       code="line_too_long")
+            return False
+        self._held.append(piece)
+        return True
 
     def finish(self) -> None:
-        if not self.done and self._rest:
-            self._line(self._rest)
-        self._rest = b""
+        if not self.done and self._held:
+            self._line(b"".join(self._held))
+        self._held, self._held_bytes = [], 0
         if not self.problems and self.lines == 0:
             self._fail("the file holds no requests (it is empty or blank)", code="empty_file")
 
