@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Literal
@@ -50,7 +51,7 @@ class JsonlSink:
         self._file = OutputFile(self.path)
 
     def write(self, rows: list[dict[str, Any]]) -> None:
-        self._file.stream.writelines(_ENCODE(r) + "\n" for r in rows)
+        self._file.stream.writelines(json_line(r) + "\n" for r in rows)
 
     def close(self) -> None:
         self._file.close()
@@ -194,6 +195,16 @@ def arrow_table(rows: list[dict[str, Any]], schema: pa.Schema) -> pa.Table:
 
 Sink = JsonlSink | ParquetSink
 _ENCODE = json.JSONEncoder(ensure_ascii=False).encode  # json.dumps(r, ensure_ascii=False)
+# the characters besides \n that str.splitlines() (and readers built on it) end a line at,
+# which JSON leaves raw: U+0085 (NEL), U+2028 and U+2029 (JSON escapes the C0 ones itself)
+_LINE_ENDS = re.compile("[\u0085\u2028\u2029]")
+
+
+def json_line(value: Any) -> str:
+    """``value`` as one JSONL line's text, without its newline: UTF-8 as written, but for the
+    three characters a text reader may take for a line end, written as \\uXXXX (the same
+    JSON), so `text.splitlines()` gives one line a record whatever a model emitted."""
+    return _LINE_ENDS.sub(lambda m: f"\\u{ord(m.group()):04x}", _ENCODE(value))
 
 
 def open_sink(path: str | os.PathLike, fmt: str, schema: pa.Schema | None = None) -> Sink:

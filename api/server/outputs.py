@@ -8,13 +8,12 @@ header ``specq-partial: true`` (``false`` once the batch is finished and the fil
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from specq.api.formats import openai_line
+from specq.api.formats import json_line, openai_line
 from specq.api.retention import output_expiry
 from specq.db import batches as store
 from specq.db import repository as repo
@@ -26,7 +25,6 @@ COLUMNS = ("index", "custom_id", "status", "error", "finished_at", "new_tokens",
            "prompt_tokens", "finish_reason", "output")
 STATUSES = {"output": (ItemStatus.completed.value,),
             "error": (ItemStatus.failed.value, ItemStatus.cancelled.value)}
-_ENCODE = json.JSONEncoder(ensure_ascii=False).encode
 
 
 def response(client: Any, row: File) -> StreamingResponse:
@@ -77,7 +75,7 @@ def _lines(client: Any, row: File, batch: Batch, job: Any) -> Iterator[bytes]:
                 line["error"] = {"code": "batch_expired",
                                  "message": "the batch's completion window ended before "
                                             "this request was run"}
-            out.append(_ENCODE(line))
+            out.append(json_line(line))
             if len(out) >= BATCH:
                 data = ("\n".join(out) + "\n").encode()
                 size += len(data)

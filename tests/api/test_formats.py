@@ -13,7 +13,7 @@ from openai.types.chat import ChatCompletion
 from pydantic import BaseModel
 from sqlalchemy import update
 
-from specq.api.formats import export, result_schema
+from specq.api.formats import JsonlSink, export, json_line, result_schema
 from specq.configs.presets import get_preset
 from specq.db import repository as repo
 from specq.db.models import Item
@@ -200,3 +200,20 @@ def test_plain_prompts_get_stable_ids_in_every_format(db_client, tmp_path):
     export(job, tmp_path / "r.parquet", "parquet")
     assert pq.read_table(tmp_path / "r.parquet").column("custom_id").to_pylist() == want
     assert [r.prompt for r in job.results()] == ["first", "second", "third"]
+
+
+def test_a_jsonl_record_is_one_line_to_every_line_splitter(tmp_path):
+    """A model may emit U+0085, U+2028 or U+2029, which str.splitlines() ends a line at
+    while JSON leaves them raw: JSONL lines (`specq results`, the HTTP door's output files)
+    write them escaped, the same JSON, one record a line to any reader."""
+    rows = [{"custom_id": "a", "output": "one\u2028two\u2029three\u0085four"},
+            {"custom_id": "b\u2028", "output": "caf\u00e9 \u00e0 la ligne\n\x1c\x1d\x1e"},
+            {"custom_id": "c", "output": "plain"}]
+    assert json.loads(json_line(rows[0])) == rows[0]
+    assert "\u00e9" in json_line(rows[1])  # the rest stays UTF-8 as written
+    sink = JsonlSink(tmp_path / "out.jsonl")
+    sink.write(rows)
+    sink.close()
+    text = (tmp_path / "out.jsonl").read_text(encoding="utf-8")
+    assert [json.loads(line) for line in text.splitlines()] == rows
+    assert [json.loads(line) for line in text.encode().split(b"\n")[:-1]] == rows
