@@ -157,6 +157,17 @@ class Settings(BaseSettings):
     api_max_header_bytes: int = Field(
         16384, ge=1024, le=1024 * 1024, description="request headers larger than this are "
         "refused (431)")
+    api_header_timeout: float = Field(
+        20.0, gt=0, le=3600, description="seconds a client has to send a request's line "
+        "and headers, from their first byte (or the connection's opening); past it the "
+        "connection is closed")
+    api_body_timeout: float = Field(
+        30.0, gt=0, le=3600, description="seconds a request body may pause between two "
+        "arrivals; past it the connection is closed")
+    api_max_client_connections: int = Field(
+        256, ge=0, le=1_000_000, description="connections one client address may hold "
+        "open to one server process; one past it is closed as it opens; 0: no cap (behind "
+        "a proxy, whose address every connection has)")
 
     # Webhooks: signed events when a batch or a job ends (db/webhooks.py, broker/webhooks.py).
     webhook_allow_private: bool = Field(

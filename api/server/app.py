@@ -101,6 +101,7 @@ def serve(host: str, port: int, workers: int = 1, log_level: str = "info") -> No
                 workers=workers, log_level=log_level, proxy_headers=False,
                 timeout_keep_alive=30,  # pollers keep their connection between polls
                 # h11 (never httptools, which bounds no header) refuses, in plain text,
-                # headers beyond this; ours answer 431 before
-                http="h11",
+                # headers beyond this; ours answer 431 before. Guarded: a head and a body
+                # have deadlines, a client a connection cap (protocol.py)
+                http="specq.api.server.protocol:GuardedH11Protocol",
                 h11_max_incomplete_event_size=max(4 * settings.api_max_header_bytes, 1 << 20))

@@ -451,3 +451,77 @@ def test_a_batch_whose_pair_no_worker_serves_says_so_while_it_waits(fuzzed):
         got["specq"]["waiting"]]
     cancelled = http.post(f"/batches/{made['id']}/cancel").json()
     assert cancelled["status"] == "cancelled" and cancelled["specq"]["waiting"] is None
+
+
+# -- 5. connections that hold the door without finishing anything ------------------------
+
+@pytest.fixture(scope="module")
+def guarded(settings, tmp_path_factory):
+    """A server with deadlines and a cap small enough to reach in a test."""
+    own = own_deployment(settings, "guard", api_files_dir=tmp_path_factory.mktemp("files"),
+                         api_header_timeout=2.0, api_body_timeout=3.0,
+                         api_max_client_connections=6)
+    s = Server(own, tmp_path_factory.mktemp("guard") / "serve.log")
+    s.start()
+    yield s, own
+    s.stop()
+
+
+def closed_by_server(sock: socket.socket, within: float) -> bool:
+    """True if the server closes ``sock`` within ``within`` seconds without answering."""
+    sock.settimeout(within)
+    try:
+        return sock.recv(65536) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_heads_and_bodies_that_never_end_are_cut_and_a_client_is_capped(guarded):
+    """Slowloris: a head left unfinished, or dripped a byte at a time, is cut at its
+    deadline; a body that stops is cut; one that arrives slowly but steadily is served; a
+    client past its connection cap is closed as it connects, and served again once under."""
+    server, own = guarded
+    key = new_key(own)
+    ok = (f"GET /v1/batches HTTP/1.1\r\nHost: door\r\nAuthorization: Bearer {key}\r\n"
+          "Connection: close\r\n\r\n").encode()
+    address = ("127.0.0.1", server.port)
+    with socket.create_connection(address) as idle, socket.create_connection(address) as drip:
+        idle.sendall(b"GET /v1/batches HTTP/1.1\r\nHost: door\r\n")
+        head, sent = b"GET /v1/batches HTTP/1.1\r\nHost: door\r\nX-Pad: " + b"a" * 300, 0
+        try:  # a byte every 0.1 s: 30 s for the whole head, were it never cut
+            for sent in range(len(head)):
+                drip.sendall(head[sent:sent + 1])
+                time.sleep(0.1)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        assert sent < len(head) - 1, "a head dripped for 30 s was never cut"
+        assert closed_by_server(idle, 30), "an unfinished head was never cut"
+    body = json.dumps({"input_file_id": "file-x", "endpoint": "/v1/chat/completions",
+                       "completion_window": "24h"}).encode()
+    post = (f"POST /v1/batches HTTP/1.1\r\nHost: door\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+            "Connection: close\r\n\r\n").encode()
+    with socket.create_connection(address) as stalled:
+        stalled.sendall(post + body[:10])
+        assert closed_by_server(stalled, 30), "a body that stopped was never cut"
+    with socket.create_connection(address) as steady:  # 0.3 s apart, 5 s in all: served
+        steady.sendall(post)
+        for i in range(0, len(body), max(1, len(body) // 16)):
+            steady.sendall(body[i:i + max(1, len(body) // 16)])
+            time.sleep(0.3)
+        steady.settimeout(30)
+        assert steady.recv(65536).split(b"\r\n")[0] == b"HTTP/1.1 404 Not Found"  # no file
+    held = [socket.create_connection(address) for _ in range(6)]
+    try:
+        with socket.create_connection(address) as extra:
+            extra.sendall(ok)
+            assert closed_by_server(extra, 30), "a client past its cap was served"
+    finally:
+        for s in held:
+            s.close()
+    assert wait_until(lambda: httpx.get(f"{server.url}/batches", timeout=10, headers={
+        "Authorization": f"Bearer {key}"}).status_code == 200, 30, "not served again")
+    assert wait_until(lambda: "connections closed:" in server.log.read_text(), 30,
+                      "the refusals were not logged")
