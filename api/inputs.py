@@ -37,8 +37,11 @@ OPENAI_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "max_new_tokens": None}
 OPENAI_NOOPS: dict[str, tuple[Any, ...]] = {
     "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
-    "tool_choice": ("none",), "parallel_tool_calls": (True, False)}
+    "tool_choice": ("none",), "parallel_tool_calls": (True, False),
+    "store": (True, False)}  # whether OpenAI keeps the completion: specq keeps every one
 OPENAI_MAX_TEMPERATURE = 2  # OpenAI's range is 0 to 2
+# an OpenAI batch line's field that is none of its four (the HTTP door names it as it is)
+UNKNOWN_LINE_FIELD = "unknown field of a request line (it has custom_id, method, url, body)"
 OPENAI_RENAMED = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens"}
 # vLLM's guided decoding extras, read as the response_format they mean (schema/grammar.py)
 OPENAI_GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice"}
@@ -432,7 +435,7 @@ def _openai(raw: dict[str, Any]) -> dict[str, Any]:
         raise _Problem("custom_id: required in an OpenAI batch line")
     extra = sorted(set(raw) - {"custom_id", "method", "url", "body"})
     if extra:
-        raise _Problem(f"{show(extra[0])}: unknown field")
+        raise _Problem(f"{show(extra[0])}: {UNKNOWN_LINE_FIELD}")
     body = raw["body"]
     if not isinstance(body, dict):
         raise _Problem(f"body: must be an object, got {type(body).__name__}")
@@ -453,7 +456,8 @@ def _openai(raw: dict[str, Any]) -> dict[str, Any]:
         if name not in SAMPLING_FIELDS:
             raise _Problem(f"body.{show(key)}: not supported")
         if name in keys:
-            raise _Problem(f"body.{key}: gives {name} again (already given as body.{keys[name]})")
+            raise _Problem(f"body.{key}: the same setting as body.{keys[name]}, which the line "
+                           f"gives already; give one of them")
         params[name] = [value] if name == "stop" and isinstance(value, str) else value
         keys[name] = key
     if body.get(kind) is None:

@@ -37,7 +37,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from specq.api.client import Client
-from specq.api.inputs import MAX_PROBLEMS, OPENAI_URLS, InputError
+from specq.api.inputs import MAX_PROBLEMS, OPENAI_URLS, UNKNOWN_LINE_FIELD, InputError
 from specq.api.retention import EXPIRY_LIMITS
 from specq.api.server.auth import caller
 from specq.api.server.errors import NO_RETRY, ApiError, not_found
@@ -159,6 +159,7 @@ def batch_object(read: store.BatchRead, note: str | None = None) -> dict[str, An
         "request_counts": counts,
         "metadata": batch.metadata_,
     }
+    out["usage"] = out["specq"] = None  # no job (yet): nothing counted
     if row is not None:
         tokens_in, tokens_out = int(row["prompt_tokens"] or 0), int(row["new_tokens"] or 0)
         out["usage"] = {"input_tokens": tokens_in, "input_tokens_details": {"cached_tokens": 0},
@@ -558,6 +559,7 @@ def openai_field(field: str, rest: str, endpoint: str) -> tuple[str, str]:
         if at:
             return at.group(2), at.group(1) + at.group(3)
         return ("body.messages" if endpoint == "/v1/chat/completions" else "body.prompt"), rest
-    if field.startswith("body.") or field in ("custom_id", "method", "url", "body"):
+    if field.startswith("body.") or field in ("custom_id", "method", "url", "body") \
+            or rest.removeprefix(": ").startswith(UNKNOWN_LINE_FIELD):
         return field, rest
     return f"body.{SPECQ_FIELDS.get(field, field)}", rest

@@ -70,6 +70,11 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         err = (exc.errors() or [{}])[0]
+        kind = request.headers.get("content-type", "")
+        if tuple(err.get("loc", ())) == ("body",) and kind and "json" not in kind.lower():
+            return respond(ApiError(  # FastAPI parses JSON only when the type says JSON
+                400, "The request body must be JSON, sent with Content-Type: "
+                f"application/json (this one's is {kind[:80]!r})", code="invalid_content_type"))
         param = path([p for p in err.get("loc", ()) if p not in ("body", "query")]) or None
         if err.get("type") == "json_invalid":
             message = ("We could not parse the JSON body of your request: "

@@ -10,7 +10,7 @@ from datetime import datetime, timezone
 from sqlalchemy import Text, cast, insert, select
 
 from specq.api.client import ItemResult, item_id
-from specq.api.formats import OPENAI_COLUMNS, export, openai_line
+from specq.api.formats import OPENAI_COLUMNS, export, json_line, openai_line
 from specq.db import repository as repo
 from specq.db.models import Item, ItemStatus
 from specq.db.session import migrate, session_factory
@@ -110,11 +110,11 @@ def test_exports_read_what_the_items_hold(db_client, tmp_path):
     assert list(job.results(batch=5)) == want
     assert export(job, tmp_path / "r.jsonl", "jsonl") == 12
     assert (tmp_path / "r.jsonl").read_text(encoding="utf-8") == "".join(
-        json.dumps(r.as_dict(), ensure_ascii=False) + "\n" for r in want)
+        json_line(r.as_dict()) + "\n" for r in want)  # (U+2028 escaped)
     assert export(job, tmp_path / "o.jsonl", "openai") == 12
     assert (tmp_path / "o.jsonl").read_text(encoding="utf-8") == "".join(
-        json.dumps(openai_line({c: getattr(it, c) for c in OPENAI_COLUMNS}, job.id, model),
-                   ensure_ascii=False) + "\n" for it in items)
+        json_line(openai_line({c: getattr(it, c) for c in OPENAI_COLUMNS}, job.id, model))
+        + "\n" for it in items)
     lines = [json.loads(x) for x in (tmp_path / "o.jsonl").read_text().split("\n")[:-1]]
     assert lines[0]["response"]["body"]["object"] == "text_completion"
     assert lines[1]["response"]["body"]["object"] == "chat.completion"

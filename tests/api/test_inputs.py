@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specq.api.inputs import InputError, JsonLine, normalise, open_source
+from specq.api.server.batches import batch_errors
 from tests.conftest import DERANDOMIZE
 
 
@@ -63,6 +64,10 @@ def test_openai_batch_line():
     ([{"prompt": "a"}, {"prompt": "b"}], "one JSON object per line \\(JSONL\\), not an array"),
     ({"custom_id": "r", "body": {"messages": [], "temperature": 2.5}},
      "body.temperature: at most 2 in an OpenAI batch line"),
+    ({"custom_id": "r", "body": {"messages": [], "max_tokens": 5, "max_completion_tokens": 6}},
+     "body.max_completion_tokens: the same setting as body.max_tokens, which the line gives"),
+    ({"custom_id": "r", "body": {"messages": []}, "extra": 1},
+     "extra: unknown field of a request line"),
 ])
 def test_bad_lines_name_the_field(obj, message):
     with pytest.raises(ValueError, match=message):
@@ -142,3 +147,26 @@ def test_an_openai_line_takes_openai_defaults_unless_the_job_gives_them():
     assert [(e.request.temperature, e.request.max_new_tokens) for e in job] == [
         (0.0, 32), (0.0, 32), (0, 9)]
     assert job[0].row["params"] is None
+
+
+def test_the_http_door_names_each_bad_field_as_the_line_holds_it():
+    """A batch error's param is the line's own field: a top-level one as it is, a body's
+    under body., and no message speaks of specq's own names (max_new_tokens)."""
+    cases = [({"extra": 1}, "extra"), ({"body": {"messages": [], "x_y": 1}}, "body.x_y"),
+             ({"body": {"messages": [], "max_tokens": 5, "max_completion_tokens": 6}},
+              "body.max_completion_tokens")]
+    for over, param in cases:
+        obj = {"custom_id": "r", "method": "POST", "url": "/v1/chat/completions",
+               "body": {"messages": []}, **over}
+        with pytest.raises(ValueError) as exc:
+            normalise(line(obj))
+        (error,) = batch_errors(InputError([f"line 3: {exc.value}"]), "/v1/chat/completions")
+        assert (error["line"], error["param"]) == (3, param), error
+        assert error["message"].startswith(f"{param}: ") and "max_new" not in error["message"]
+
+
+def test_store_asks_for_nothing_and_is_served():
+    for store in (True, False):
+        row = normalise(line({"custom_id": "r", "body": {
+            "messages": [{"role": "user", "content": "x"}], "store": store}}))
+        assert row["params"] is None

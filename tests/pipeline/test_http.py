@@ -553,8 +553,10 @@ def test_refusals_of_uploads_and_creates(sdk, server, http_settings):
     assert (error.line, error.param) == (2, "body.max_tokens"), error
     f = upload(sdk, [line("a", "x"), line("b", "y", max_tokens=None,
                                           max_completion_tokens=10**8)])
-    (error,) = create(sdk, f.id).errors.data  # the line's own name of it
+    failed = create(sdk, f.id)
+    (error,) = failed.errors.data  # the line's own name of it
     assert (error.line, error.param) == (2, "body.max_completion_tokens"), error
+    assert failed.usage is None and failed.model_extra["specq"] is None  # no job: null
     assert error.message.startswith("body.max_completion_tokens: 100000000 after a ")
     assert counts(http_settings)[2] == before[2]
 
@@ -563,6 +565,10 @@ def test_refusals_of_uploads_and_creates(sdk, server, http_settings):
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
     missing = httpx.post(f"{server.url}/batches", json={"endpoint": CHAT}, headers=headers)
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "input_file_id"
+    plain = httpx.post(f"{server.url}/batches", content=b'{"input_file_id": "file-x"}',
+                       headers={**headers, "Content-Type": "text/plain"})
+    assert plain.status_code == 400 and plain.json()["error"]["code"] == "invalid_content_type"
+    assert "text/plain" in plain.json()["error"]["message"]
     huge = httpx.get(f"{server.url}/batches", headers={**headers, "X-Big": "x" * 10_000})
     assert huge.status_code == 431 and huge.json()["error"]["code"] == "headers_too_large"
     nowhere = httpx.get(f"{server.url}/nothing", headers=headers)
