@@ -33,7 +33,7 @@ from functools import lru_cache
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 from urllib.parse import unquote
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
 
 # The one JSON layout a constrained row writes (see the module docstring).
 if TYPE_CHECKING:
@@ -71,7 +71,7 @@ class JsonSchemaSpec(_Format):
     name: str = Field("response", min_length=1, max_length=64)
     description: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None  # true or false, as OpenAI takes it ("no" is no bool)
 
 
 class JsonSchemaFormat(_Format):
@@ -142,15 +142,17 @@ def _compile(spec: str) -> str:
         raise ValueError(f"longer than {MAX_GRAMMAR_CHARS} characters of JSON")
     fmt = json.loads(spec)
     kind = field = fmt["type"]
+    if kind == "json_schema":  # specq's own checks: what the library would take, wrongly
+        field = "json_schema.schema"
+        problem = (_ref_cycle(fmt[kind]["schema"]) or _inexact_number(fmt[kind]["schema"])
+                   or _no_finite_instance(fmt[kind]["schema"]))
+        if problem:
+            raise ValueError(f"{field}: {problem}")
     try:
         if kind == "json_object":
             text = LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_LAYOUT)
         elif kind == "json_schema":
-            field = "json_schema.schema"
             schema = fmt["json_schema"]["schema"]
-            problem = _ref_cycle(schema) or _inexact_bound(schema)
-            if problem:
-                raise ValueError(f"{field}: {problem}")
             if fmt["json_schema"].get("strict") is not False:
                 schema = closed(schema)
             text = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
@@ -195,9 +197,10 @@ def closed(schema: Any) -> Any:
     names a key it does not list, one beside a ``$ref`` or combinators of its own, the
     schema of a ``$ref`` beside keywords that judge keys too (required, properties, ...), and
     everything under a keyword whose subschemas share their instance with another schema
-    or are negated (``_KEEP``; anyOf/oneOf branches too where the parent lists properties
-    of its own), with the definitions those reach by ``$ref``: closing them would refuse
-    what the schema accepts. So the result accepts a subset of what the schema does."""
+    or are negated (``_KEEP``; anyOf/oneOf branches too where the parent says which keys
+    it has or needs: properties, required, ...), with the definitions those reach by
+    ``$ref``: closing them would refuse what the schema accepts. So the result accepts a
+    subset of what the schema does."""
     if any(_resolve(schema, ref) is None for ref in _refs(schema)):
         return schema  # a $ref by anchor or URL: what it reaches is not known here
     kept: set[str] = set()  # "#/$defs/x" pointers whose schemas stay as they are
@@ -233,9 +236,10 @@ _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 EXACT = 2**53  # the library holds numeric bounds as 64-bit floats: exact up to here
 
 
-def _inexact_bound(node: Any, at: str = "#") -> str | None:
-    """A numeric bound the library cannot hold exactly (past 2**53 in magnitude): its
-    grammar would let out-of-range numbers through."""
+def _inexact_number(node: Any, at: str = "#") -> str | None:
+    """A number the library cannot hold exactly (an integer past 2**53 in magnitude): as a
+    bound its grammar would let out-of-range numbers through; in an enum or a const, its
+    grammar writes another number (9007199254740993 comes out 9007199254740992)."""
     if not isinstance(node, dict):
         return None
     for key in _BOUNDS:
@@ -244,11 +248,98 @@ def _inexact_bound(node: Any, at: str = "#") -> str | None:
                 and abs(value) > EXACT:
             return (f"{at[1:]}/{key}: {value} is past 2**53, the largest bound the grammar "
                     f"library holds exactly")
+    for key in ("enum", "const"):
+        big = _big_integer(node[key]) if key in node else None
+        if big is not None:
+            return (f"{at[1:]}/{key}: {big} is past 2**53, the largest integer the grammar "
+                    f"library writes exactly (give it as a string)")
     for _, _, suffix, sub in _subschemas(node):
-        problem = _inexact_bound(sub, at + suffix)
+        problem = _inexact_number(sub, at + suffix)
         if problem:
             return problem
     return None
+
+
+def _big_integer(value: Any) -> int | None:
+    """An integer past 2**53 in magnitude anywhere in a JSON value, or None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value if abs(value) > EXACT else None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list) \
+        else ()
+    return next((b for b in map(_big_integer, items) if b is not None), None)
+
+
+MAX_FINITE_STEPS = 100_000  # schemas visited by _no_finite_instance before it gives up
+
+
+def _no_finite_instance(schema: Any) -> str | None:
+    """Whether no JSON value of finite size can match: a $ref that each of its instances
+    must hold again (a required property, an item of a non-empty array, every anyOf
+    branch), such as {"$defs": {"n": {"properties": {"c": {"$ref": "#/$defs/n"}},
+    "required": ["c"]}}, "$ref": "#/$defs/n"}. The library compiles it and a row then dies
+    at its first token; this names it before anything is stored. A derivation that is
+    finite never needs a $ref inside itself on one path, so a $ref met again on the path
+    is a dead end; the search gives up (and lets the schema be) past MAX_FINITE_STEPS."""
+    steps = 0
+    loops: list[str] = []
+    finite: set[int] = set()  # id()s of schemas shown to have a finite instance
+
+    def ok(node: Any, path: tuple[str, ...]) -> bool:
+        nonlocal steps
+        steps += 1
+        if steps > MAX_FINITE_STEPS:
+            raise _GiveUp
+        if not isinstance(node, dict):
+            return node is not False
+        if id(node) in finite or "enum" in node or "const" in node:
+            return True
+        ref = node.get("$ref")
+        if isinstance(ref, str):
+            if ref in path:
+                loops.append(" -> ".join(path[path.index(ref):] + (ref,)))
+                return False
+            target = _resolve(schema, ref)
+            if target is not None and not ok(target, path + (ref,)):
+                return False
+        if isinstance(node.get("allOf"), list) and not all(ok(sub, path) for sub in node["allOf"]):
+            return False
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and node[key] \
+                    and not any(ok(sub, path) for sub in node[key]):
+                return False
+        props = _of(node, "properties", dict)
+        for name in _of(node, "required", list):
+            sub = props.get(name, node.get("additionalProperties", True))
+            if not ok(sub, path):
+                return False
+        least = node.get("minItems", 0)
+        if isinstance(least, int) and least > 0:
+            prefix = _of(node, "prefixItems", list)
+            if not all(ok(sub, path) for sub in prefix[:least]):
+                return False
+            if least > len(prefix) and not ok(node.get("items", True), path):
+                return False
+        finite.add(id(node))
+        return True
+
+    try:
+        if ok(schema, ()):
+            return None
+    except (_GiveUp, RecursionError):  # too big or too deep to search: the library judges
+        return None
+    where = f" ({loops[0]})" if loops else ""
+    return (f"no JSON value of finite size matches it: each instance must hold another "
+            f"through a $ref that leads back to itself{where}")
+
+
+class _GiveUp(Exception):
+    pass
+
+
+def _of(node: dict, key: str, kind: type) -> Any:
+    """node[key] if it is a ``kind`` (dict or list), else an empty one."""
+    value = node.get(key)
+    return value if isinstance(value, kind) else kind()
 
 
 def _subschemas(node: dict) -> Iterator[tuple[str, str | int | None, str, Any]]:
@@ -270,9 +361,15 @@ def _escape(key: str) -> str:
     return key.replace("~", "~0").replace("/", "~1")
 
 
+# keywords of an object schema that say which keys it has or needs: anyOf/oneOf branches
+# beside any of them are left open (a branch closed to its own keys would refuse them)
+_KEYED = ("properties", "required", "dependentRequired", "dependencies", "minProperties",
+          "patternProperties", "additionalProperties", "propertyNames")
+
+
 def _keeps(node: dict, key: str) -> bool:
     """Nothing under this keyword of this schema is closed."""
-    return key in _KEEP or key in ("anyOf", "oneOf") and "properties" in node
+    return key in _KEEP or key in ("anyOf", "oneOf") and any(k in node for k in _KEYED)
 
 
 def _kept_refs(root: Any, node: Any, keep: bool, out: set[str]) -> None:

@@ -58,6 +58,20 @@ CASES = [
       "patternProperties": {"^x-": {"type": "string"}}}, [{"a": 1, "x-note": "n"}], []),
     ({"type": "object", "properties": {"a": {"type": "integer"}},
       "additionalProperties": {"type": "string"}}, [{"a": 1, "more": "text"}], []),
+    # branches beside a parent that requires keys none of them lists stay open: closed,
+    # none could hold "name" (refused as unsatisfiable, or under items: only [] written)
+    ({"type": "object", "required": ["name"],
+      "anyOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+     [{"a": 1, "name": 1}, {"b": 2, "name": "n"}], []),  # (the library writes listed keys
+    # first)
+    ({"type": "object", "required": ["contacts"], "properties": {"contacts": {
+        "type": "array", "maxItems": 3, "items": {
+            "type": "object", "required": ["name"],
+            "anyOf": [{"properties": {"email": {"type": "string"}}, "required": ["email"]},
+                      {"properties": {"phone": {"type": "string"}}, "required": ["phone"]}]}}}},
+     [{"contacts": [{"email": "a@b", "name": "Ann"}, {"phone": "1", "name": "Bo"}]}],
+     [{"contacts": [], "x": 1}]),
 ]
 
 
@@ -157,6 +171,18 @@ def test_a_ref_closing_cannot_follow_leaves_the_schema_as_written(schema):
         "type": "integer", "minimum": 10**19, "maximum": 10**19 + 9}}},
      "/properties/big/minimum: 10000000000000000000 is past 2**53"),
     ({"type": "integer", "maximum": -(2**53 + 2)}, "/maximum: -9007199254740994 is past 2**53"),
+    # the library writes such integers rounded: 9007199254740993 came out ...992, "stop"
+    ({"type": "object", "properties": {"id": {"const": 2**53 + 1}}, "required": ["id"]},
+     "/properties/id/const: 9007199254740993 is past 2**53"),
+    ({"enum": [1, "x", [2, {"a": -(10**19)}]]}, "/enum: -10000000000000000000 is past 2**53"),
+    # no instance of finite size: every row would die at its first token on the worker
+    ({"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}},
+                      "required": ["c"]}}, "$ref": "#/$defs/n"},
+     "no JSON value of finite size matches it"),
+    ({"$defs": {"n": {"type": "array", "minItems": 1, "items": {"anyOf": [
+        {"$ref": "#/$defs/n"}, {"$ref": "#/$defs/m"}]}},
+       "m": {"allOf": [{"$ref": "#/$defs/n"}]}}, "$ref": "#/$defs/n"},
+     "no JSON value of finite size matches it"),
 ])
 def test_schemas_no_output_could_honour_are_refused_naming_where(schema, says):
     """A $ref cycle leaves the grammar nothing to allow (the library takes it, and every
@@ -167,6 +193,8 @@ def test_schemas_no_output_could_honour_are_refused_naming_where(schema, says):
     with pytest.raises(ValueError, match="json_schema.schema: ") as err:
         Request(prompt="x", response_format=fmt)
     assert says in str(err.value)
+    assert "grammar library refused" not in str(err.value)  # specq's own check, said once
+    assert str(err.value).count("json_schema.schema") == 1
     # bounds the library holds exactly still compile
     Request(prompt="x", response_format={"type": "json_schema", "json_schema": {
         "name": "n", "schema": {"type": "integer", "minimum": -(2**53), "maximum": 2**53}}})
@@ -181,3 +209,30 @@ def test_a_stop_string_is_refused_beside_a_shaping_response_format():
             Request(prompt="x", stop=[","], response_format=fmt)
         Request(prompt="x", response_format=fmt)
     assert Request(prompt="x", stop=[","], response_format={"type": "text"}).stop == [","]
+
+
+@pytest.mark.parametrize("schema", [
+    # recursion with a way out: an optional property, an array that may be empty, a branch
+    {"$defs": {"n": {"type": "object", "properties": {"c": {"$ref": "#/$defs/n"}}}},
+     "$ref": "#/$defs/n"},
+    {"$defs": {"n": {"type": "object", "required": ["c"], "properties": {
+        "c": {"type": "array", "items": {"$ref": "#/$defs/n"}}}}}, "$ref": "#/$defs/n"},
+    {"$defs": {"n": {"anyOf": [{"type": "string"}, {"type": "object", "required": ["c"],
+                                                    "properties": {"c": {"$ref": "#/$defs/n"}}}]}},
+     "$ref": "#/$defs/n"},
+    {"type": "object", "properties": {"id": {"enum": [2**53, -(2**53), "12345678901234567890"]}}},
+])
+def test_schemas_with_finite_instances_and_exact_numbers_compile(schema):
+    Request(prompt="x", response_format={"type": "json_schema", "json_schema": {
+        "name": "n", "schema": schema}})
+
+
+@pytest.mark.parametrize("strict", ["yes", "no", 1, 0, "true", None])
+def test_strict_is_a_json_boolean(strict):
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"},
+                                                   "strict": strict}}
+    if strict is None:
+        Request(prompt="x", response_format=fmt)
+        return
+    with pytest.raises(ValueError, match="strict"):
+        Request(prompt="x", response_format=fmt)
