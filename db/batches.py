@@ -253,6 +253,21 @@ def fail_batch(session: Session, *, batch_id: int, errors: list[dict[str, Any]],
         webhooks.batch_failed(session, batch_id=batch_id)  # its event, in this transaction
 
 
+def cancel_validating(session: Session, *, batch_id: int) -> bool:
+    """Cancel a batch still validating, before its job is stored: it ends cancelled with no
+    job, and its create, if it is still running, finds it no longer validating and rolls
+    its job back (`attach_job`). False if its job was attached first (then the job is the
+    one to cancel). Writes the batch.cancelled event in this transaction."""
+    now = utcnow()
+    if not changed(session.execute(
+            update(Batch).where(Batch.id == batch_id, Batch.status == "validating",
+                                Batch.job_id.is_(None))
+            .values(status="cancelled", cancelling_at=now))):
+        return False
+    webhooks.batch_ended_without_job(session, batch_id=batch_id, status="cancelled")
+    return True
+
+
 STUCK = [{"code": "batch_not_created", "line": None, "param": None,
           "message": "the server stopped before this batch's job was stored; nothing of it "
                      "runs. Create it again (the same Idempotency-Key makes a new batch)."}]

@@ -340,7 +340,8 @@ class Batch(Base):
     key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="SET NULL"))
     job_id: Mapped[int | None] = mapped_column(ForeignKey("jobs.id", ondelete="SET NULL"),
                                                index=True)
-    status: Mapped[str] = mapped_column(String(16))  # validating | failed | submitted
+    status: Mapped[str] = mapped_column(String(16))  # validating | failed | submitted |
+    # cancelled (while validating: it never had a job)
     input_file_id: Mapped[str] = mapped_column(String(64))
     endpoint: Mapped[str] = mapped_column(String(64))
     model: Mapped[str | None] = mapped_column(String(300))

@@ -356,15 +356,24 @@ def job_ended(session: Session, *, job_id: int, batch_only: bool = False) -> lis
 def batch_failed(session: Session, *, batch_id: int) -> str | None:
     """The batch.failed event of a batch whose file failed its checks (no job was made):
     call in the transaction that fails it."""
+    return batch_ended_without_job(session, batch_id=batch_id, status="failed")
+
+
+def batch_ended_without_job(session: Session, *, batch_id: int, status: str) -> str | None:
+    """The batch.failed or batch.cancelled event of a batch that ended before it had a job
+    (its file failed its checks; it was cancelled while validating): call in the
+    transaction that ends it."""
     batch = session.scalar(select(Batch).where(Batch.id == batch_id)
                            .execution_options(populate_existing=True))
     if batch is None:
         return None
-    to = _subscribers(session, tenant_id=batch.tenant_id, event_type="batch.failed")
-    return _enqueue(session, endpoint_ids=to, event_type="batch.failed", data={
-        "id": batch.openai_id, "status": "failed",
-        "request_counts": {"total": 0, "completed": 0, "failed": 0},
-        "errors": (batch.errors or [])[:10], "metadata": batch.metadata_})
+    to = _subscribers(session, tenant_id=batch.tenant_id, event_type=f"batch.{status}")
+    data: dict[str, Any] = {"id": batch.openai_id, "status": status,
+                            "request_counts": {"total": 0, "completed": 0, "failed": 0},
+                            "metadata": batch.metadata_}
+    if status == "failed":
+        data["errors"] = (batch.errors or [])[:10]
+    return _enqueue(session, endpoint_ids=to, event_type=f"batch.{status}", data=data)
 
 
 # -- the sender's side --------------------------------------------------------------------

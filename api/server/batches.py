@@ -110,8 +110,8 @@ def window_seconds(text: str, most: int) -> int:
 # -- the Batch object ---------------------------------------------------------------------
 
 def status_of(batch: Batch, job_status: str | None, now: datetime) -> str:
-    if batch.status == "failed":
-        return "failed"
+    if batch.status in ("failed", "cancelled"):  # ended before it had a job
+        return batch.status
     if job_status is None:  # a create that died while checking its file
         return "expired" if now > as_utc(batch.expires_at) else "validating"
     job = JobStatus(job_status)
@@ -155,7 +155,8 @@ def batch_object(read: store.BatchRead, note: str | None = None) -> dict[str, An
         "failed_at": unix(batch.failed_at) or (finished if status == "failed" else None),
         "expired_at": unix(batch.expired_at),
         "cancelling_at": unix(batch.cancelling_at),
-        "cancelled_at": finished if status == "cancelled" else None,
+        "cancelled_at": ((finished if row else unix(batch.cancelling_at))
+                         if status == "cancelled" else None),
         "request_counts": counts,
         "metadata": batch.metadata_,
     }
@@ -305,15 +306,23 @@ def list_batches(request: Request, who: Who,
 def cancel_batch(request: Request, batch_id: str, who: Who) -> dict[str, Any]:
     client = request.app.state.client
     current = _fresh(client, who, batch_id)
-    if current["status"] != "in_progress":
+    if current["status"] not in ("in_progress", "validating"):
         raise ApiError(400, f"Cannot cancel a batch that is {current['status']}: only a batch "
-                       "in progress can be", param="batch_id", code="batch_not_cancellable")
+                       "validating or in progress can be", param="batch_id",
+                       code="batch_not_cancellable")
     with client.sessions.begin() as s:
         batch = store.get_batch(s, tenant_id=who.tenant_id, openai_id=batch_id)
-        if batch is None or batch.job_id is None:  # in progress above: it has a job
+        if batch is None:
             raise not_found("Batch", batch_id, param="batch_id")
-        store.mark(s, batch_id=batch.id, column="cancelling_at")
-        repo.request_cancel(s, job_id=batch.job_id)
+        # validating (its create running, or dead with its server): cancelled before any
+        # job is stored, or, if its job was attached meanwhile, that job is cancelled
+        if batch.job_id is None and store.cancel_validating(s, batch_id=batch.id):
+            pass  # cancelled before any job was stored
+        else:
+            s.refresh(batch)
+            if batch.job_id is not None:  # (None: failed meanwhile as stale; nothing runs)
+                store.mark(s, batch_id=batch.id, column="cancelling_at")
+                repo.request_cancel(s, job_id=batch.job_id)
     return _fresh(client, who, batch_id)
 
 
@@ -512,8 +521,8 @@ def _submit(client: Client, batch: Batch, f: Any, pair: str, priority: str) -> N
             store.fail_batch(s, batch_id=batch.id, errors=batch_errors(exc, batch.endpoint))
         return
     except _Gone:
-        log.warning("batch %s: failed as stale while its job was stored; job rolled back",
-                    batch.openai_id)
+        log.warning("batch %s: no longer validating (cancelled, or failed as stale) while "
+                    "its job was stored; job rolled back", batch.openai_id)
         return
     except Exception as exc:
         with client.sessions.begin() as s:

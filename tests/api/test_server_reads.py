@@ -128,3 +128,46 @@ def test_a_batch_read_sums_only_its_own_jobs_chunks(pg_url):
             store.read_batches(s, tenant_id=mine, openai_id=batch_id)
     (found,) = plans(engine, got)
     assert rows_read(found["plan"]) <= 5 + 2  # its 5 chunks (and the job)
+
+
+def _validating(db_client, tenant: str) -> tuple[int, int, str]:
+    """A batch still validating, no job yet (its create running, or its server dead)."""
+    with db_client.sessions.begin() as s:
+        tenants.create_key(s, tenant=tenant)
+        tenant_id = s.query(Tenant.id).filter(Tenant.name == tenant).scalar()
+        now = utcnow()
+        batch = store.add_batch(s, openai_id=f"batch_{tenant}", tenant_id=tenant_id,
+                                status="validating", input_file_id=f"file-{tenant}",
+                                endpoint="/v1/chat/completions", model="tiny",
+                                completion_window="24h", created_at=now,
+                                expires_at=now.replace(year=now.year + 1))
+        return tenant_id, batch.id, batch.openai_id
+
+
+def test_a_validating_batch_cancelled_ends_so_and_its_create_rolls_back(db_client):
+    """Cancelled before its job is attached: cancelled, no job, its create's attach
+    refused (the create rolls its job back); attached first: the cancel is the job's."""
+    tenant_id, batch_id, openai_id = _validating(db_client, "cancel-first")
+    with db_client.sessions.begin() as s:
+        assert store.cancel_validating(s, batch_id=batch_id)
+        assert not store.cancel_validating(s, batch_id=batch_id)  # once
+    with db_client.sessions.begin() as s:
+        job = repo.create_job(s, pair="tiny", params={}, chunk_size=10, source=None)
+        assert not store.attach_job(s, batch_id=batch_id, job_id=job.id)
+    with reads(db_client.sessions)() as s:
+        (read,) = store.read_batches(s, tenant_id=tenant_id, openai_id=openai_id)
+    obj = batch_object(read)
+    assert obj["status"] == "cancelled" and obj["cancelled_at"] is not None
+    assert obj["request_counts"] == {"total": 0, "completed": 0, "failed": 0}
+    with db_client.sessions.begin() as s:  # the expiry pass's stale sweep leaves it alone
+        assert store.fail_stale(s, before=utcnow().replace(year=utcnow().year + 2)) >= 0
+    with reads(db_client.sessions)() as s:
+        (read,) = store.read_batches(s, tenant_id=tenant_id, openai_id=openai_id)
+    assert batch_object(read)["status"] == "cancelled"
+
+    tenant_id, batch_id, openai_id = _validating(db_client, "attach-first")
+    with db_client.sessions.begin() as s:
+        job = repo.create_job(s, pair="tiny", params={}, chunk_size=10, source=None)
+        assert store.attach_job(s, batch_id=batch_id, job_id=job.id)
+    with db_client.sessions.begin() as s:
+        assert not store.cancel_validating(s, batch_id=batch_id)

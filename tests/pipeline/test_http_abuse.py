@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import quote
 
@@ -22,7 +23,7 @@ from sqlalchemy import func, select
 
 from specq.api.client import Client
 from specq.db.batches import storable
-from specq.db.models import Batch, File, Job
+from specq.db.models import Batch, File, Job, Tenant, utcnow
 from tests.conftest import wait_until
 from tests.pipeline.conftest import own_deployment
 from tests.pipeline.test_http import CHAT, Server, jsonl, line, new_key
@@ -525,3 +526,28 @@ def test_heads_and_bodies_that_never_end_are_cut_and_a_client_is_capped(guarded)
         "Authorization": f"Bearer {key}"}).status_code == 200, 30, "not served again")
     assert wait_until(lambda: "connections closed:" in server.log.read_text(), 30,
                       "the refusals were not logged")
+
+
+def test_a_batch_left_validating_by_a_dead_create_can_be_cancelled(door, abuse_settings):
+    """OpenAI cancels a validating batch; so does specq, at once, even where the server
+    that was creating it died (it would otherwise wait out SPECQ_API_VALIDATING_TIMEOUT),
+    and the batch stays cancelled with no job."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    key = new_key(abuse_settings, tenant)
+    client = Client(abuse_settings)
+    with client.sessions.begin() as s:
+        tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == tenant))
+        now = utcnow()
+        s.add(Batch(openai_id=f"batch_{uuid.uuid4().hex[:24]}", tenant_id=tenant_id,
+                    status="validating", input_file_id="file-x", endpoint=CHAT,
+                    completion_window="24h", created_at=now, expires_at=now + timedelta(days=1)))
+    http = httpx.Client(base_url=door.url, headers={"Authorization": f"Bearer {key}"},
+                        timeout=30)
+    (stuck,) = http.get("/batches").json()["data"]
+    assert stuck["status"] == "validating"
+    got = http.post(f"/batches/{stuck['id']}/cancel")
+    assert got.status_code == 200 and got.json()["status"] == "cancelled", got.text
+    assert got.json()["cancelled_at"] and got.json()["specq"] is None
+    assert http.get(f"/batches/{stuck['id']}").json()["status"] == "cancelled"
+    again = http.post(f"/batches/{stuck['id']}/cancel")
+    assert again.status_code == 400 and error_of(again.content)["code"] == "batch_not_cancellable"
