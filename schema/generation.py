@@ -75,6 +75,16 @@ class Message(BaseModel):
     role: Role
     content: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _no_tool_calls(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("content") is None:
+            calls = next((k for k in ("tool_calls", "function_call") if data.get(k)), None)
+            if calls:
+                raise ValueError(f"a message of {calls} and no content: tool calls are not "
+                                 f"served (specq generates text; a message holds text)")
+        return data
+
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts(cls, content: Any) -> Any:

@@ -402,6 +402,14 @@ def test_openai_content_parts_of_text_are_served_and_others_refused_by_line(lite
                     + json.dumps(with_content("i", image)) + "\n")
     problem = only_problem(refused(lite, path), "line 2", "content")
     assert "only text parts" in problem
+    calls = {**OPENAI_BASE, "custom_id": "t", "body": {**OPENAI_BASE["body"], "messages": [
+        {"role": "user", "content": "add 1 and 2"},
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "3"}]}}
+    path.write_text(json.dumps(with_content("p", parts)) + "\n" + json.dumps(calls) + "\n")
+    problem = only_problem(refused(lite, path), "line 2", "tool_calls")
+    assert "tool calls are not served" in problem and "valid string" not in problem
 
 
 @FUZZ
