@@ -28,6 +28,7 @@ until ``max_new_tokens`` cuts it. ``"strict": false`` keeps JSON Schema's own re
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
 from functools import lru_cache
 from typing import TYPE_CHECKING, Annotated, Any, Literal
@@ -163,11 +164,19 @@ def _compile(spec: str) -> str:
             text = LLMatcher.grammar_from_lark(
                 "start: " + " | ".join(json.dumps(c) for c in fmt["choice"]))
     except ValueError as exc:
-        raise ValueError(f"{field}: the grammar library refused it: {one_line(exc)}") from None
+        raise _refused(field, exc, fmt) from None
     problem = LLMatcher.validate_grammar(text)
     if problem:
-        raise ValueError(f"{field}: the grammar library refused it: {one_line(problem)}")
+        raise _refused(field, problem, fmt)
     return text
+
+
+def _refused(field: str, problem: object, fmt: dict) -> ValueError:
+    """The library's refusal of a format, on one line, with where in a schema the keyword
+    it does not implement sits."""
+    where = (_where_unimplemented(str(problem), fmt["json_schema"]["schema"])
+             if fmt["type"] == "json_schema" else "")
+    return ValueError(f"{field}: the grammar library refused it: {one_line(problem)}{where}")
 
 
 # Keywords under which a closed object would change what the schema accepts: their
@@ -355,6 +364,29 @@ def _subschemas(node: dict) -> Iterator[tuple[str, str | int | None, str, Any]]:
                 yield key, i, f"{at}/{i}", sub
         elif key in _ONE:
             yield key, None, at, value
+
+
+UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[\"([^\"]+)\"")
+
+
+def _where_unimplemented(message: str, schema: Any) -> str:
+    """Where the first keyword the library does not implement sits (" at /properties/b"),
+    for a message that names only the keyword; "" if none is found."""
+    found = UNIMPLEMENTED.search(message)
+
+    def find(node: Any, at: str) -> str | None:
+        if not isinstance(node, dict):
+            return None
+        if found and found.group(1) in node:
+            return at or "/"
+        for _, _, suffix, sub in _subschemas(node):
+            hit = find(sub, at + suffix)
+            if hit is not None:
+                return hit
+        return None
+
+    hit = find(schema, "") if found else None
+    return f" (at {hit})" if hit else ""
 
 
 def _escape(key: str) -> str:

@@ -103,7 +103,11 @@ def test_a_job_default_shapes_every_line(client, engine):
     (_chat("a", response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "not": {"type": "string"}}}}),
      'line 2: body.response_format: json_schema.schema: the grammar library refused it: '
-     'Unimplemented keys: ["not"]'),
+     'Unimplemented keys: ["not"] (at /)'),
+    (_chat("a2", response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"b": {
+            "type": "array", "items": {"properties": {"c": {"uniqueItems": True}}}}}}}}),
+     'Unimplemented keys: ["uniqueItems"] (at /properties/b/items/properties/c)'),
     (_chat("b", guided_regex="([a-z]"),
      "line 2: body.guided_regex: regex: the grammar library refused it: error: unclosed group"),
     ({"prompt": "p", "response_format": {"type": "choice", "choice": []}},
