@@ -101,7 +101,7 @@ async def upload_file(request: Request, who: Who) -> dict[str, Any]:
         kept = True
         return file_object(row)
     except MultipartError as exc:
-        raise ApiError(400, str(exc), param="file", code="invalid_multipart") from None
+        raise ApiError(400, str(exc), param=exc.param, code="invalid_multipart") from None
     finally:
         if not kept:
             up.discard()

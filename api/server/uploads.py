@@ -22,6 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from python_multipart.multipart import MultipartParser, parse_options_header
 
@@ -273,7 +274,30 @@ def unstorable(value: Any) -> str | None:
 
 
 class MultipartError(ValueError):
-    """A body that is not the multipart form an upload is."""
+    """A body that is not the multipart form an upload is; ``param``, the form field it
+    concerns."""
+
+    def __init__(self, message: str, param: str | None = "file") -> None:
+        super().__init__(message)
+        self.param = param
+
+
+FILENAME_STAR = re.compile(rb";\s*filename\*\s*=\s*([^;\s]+)", re.I)
+
+
+def part_filename(disposition: bytes | None, options: dict[bytes, bytes]) -> bytes | None:
+    """A part's file name from its Content-Disposition: RFC 5987's ``filename*``
+    (``UTF-8''%E2%82%AC.jsonl``, the one RFC 6266 prefers, which python-multipart's parse
+    drops) where given, else ``filename`` (of ``options``, the parsed header)."""
+    star = FILENAME_STAR.search(disposition or b"")
+    extended = star.group(1) if star else None
+    if extended is not None and extended.count(b"'") >= 2:
+        charset, _, value = extended.split(b"'", 2)
+        try:
+            return unquote_to_bytes(value).decode(charset.decode("ascii") or "utf-8").encode()
+        except (LookupError, UnicodeDecodeError):
+            pass  # an unknown charset, bytes not in it: the plain name, if any
+    return options.get(b"filename")
 
 
 class Upload:
@@ -366,9 +390,10 @@ class Upload:
         self._name, self._value = [], []
 
     def _headers_done(self) -> None:
-        _, options = parse_options_header(self._headers.get(b"content-disposition"))
+        disposition = self._headers.get(b"content-disposition")
+        _, options = parse_options_header(disposition)
         name = options.get(b"name", b"").decode("utf-8", "replace")
-        filename = options.get(b"filename")
+        filename = part_filename(disposition, options)
         if name == "file" and filename is not None:
             if self.filename is not None:
                 raise MultipartError("file: give one file per upload")
@@ -393,7 +418,8 @@ class Upload:
             self._field_bytes += len(piece)
             if self._field_bytes > MAX_FIELD_BYTES:
                 raise MultipartError(f"{show(self._part[:64])}: a form field longer than "
-                                     f"{MAX_FIELD_BYTES} bytes")
+                                     f"{MAX_FIELD_BYTES} bytes",
+                                     param=self._part if self._part in KNOWN_FIELDS else None)
             if self._part in KNOWN_FIELDS:
                 self._field.append(piece)
 

@@ -196,9 +196,17 @@ def test_an_upload_form_is_bounded_as_a_whole(door, abuse_settings):
     long_head = (b"--b0undary\r\nContent-Disposition: form-data; name=\"file\"; "
                  b"filename=\"a.jsonl\"\r\n" + (b"X-Pad: " + b"p" * 3000 + b"\r\n") * 4
                  + b"\r\n" + FILE + b"\r\n--b0undary--\r\n")
-    for data, says in ((long_field, "longer than 4096"), (long_head, "headers are longer")):
+    for data, says, param in ((long_field, "longer than 4096", "purpose"),
+                              (long_head, "headers are longer", "file")):
         got = httpx.post(f"{door.url}/files", content=data, headers=headers, timeout=30)
         assert got.status_code == 400 and says in error_of(got.content)["message"], got.text
+        assert error_of(got.content)["param"] == param
+    # RFC 5987's filename* (curl and browsers send it for names past ASCII) is the name
+    star = (b"--b0undary\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
+            b"--b0undary\r\nContent-Disposition: form-data; name=\"file\"; "
+            b"filename*=UTF-8''%E2%82%AC%20rates.jsonl\r\n\r\n" + FILE + b"\r\n--b0undary--\r\n")
+    got = httpx.post(f"{door.url}/files", content=star, headers=headers, timeout=30)
+    assert got.status_code == 200 and got.json()["filename"] == "\u20ac rates.jsonl", got.text
     extra = form(("purpose", None, b"batch"), ("note", None, b"n" * 4000),
                  ("file", "a.jsonl", FILE), ("user", None, b"ignored"))
     got = httpx.post(f"{door.url}/files", content=extra, headers=headers, timeout=30)
