@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from urllib.parse import unquote
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator
+from pydantic_core import PydanticSerializationError
 
 # The one JSON layout a constrained row writes (see the module docstring).
 if TYPE_CHECKING:
@@ -126,7 +127,12 @@ def grammar(response_format: ResponseFormat | None) -> str | None:
     library cannot compile it."""
     if response_format is None or isinstance(response_format, TextFormat):
         return None
-    return _compile(response_format.model_dump_json(by_alias=True))
+    try:
+        spec = response_format.model_dump_json(by_alias=True)
+    except PydanticSerializationError:  # (its own limit of nesting)
+        raise ValueError("json_schema.schema: nested too deeply to be read (the grammar "
+                         "library itself refuses about 100 levels of objects)") from None
+    return _compile(spec)
 
 
 def check(response_format: ResponseFormat) -> None:

@@ -236,3 +236,12 @@ def test_strict_is_a_json_boolean(strict):
         return
     with pytest.raises(ValueError, match="strict"):
         Request(prompt="x", response_format=fmt)
+
+
+def test_a_schema_nested_past_what_can_be_read_is_refused_plainly():
+    deep: dict = {"type": "string"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"a": deep}}
+    with pytest.raises(ValueError, match="json_schema.schema: nested too deeply") as err:
+        Request(prompt="x", response_format=schema_format(deep))
+    assert "serializ" not in str(err.value)
