@@ -289,7 +289,11 @@ def parser() -> argparse.ArgumentParser:
     s = sub.add_parser("run", help="the embedded default: the whole flow in this process")
     s.add_argument("file", help="a JSONL file, or - for standard input")
     s.add_argument("--pair", default="smollm2-135m")
-    s.add_argument("--output", "-o", default="results.jsonl", type=_output)
+    s.add_argument("--output", "-o", default="results.jsonl", type=_output,
+                   help="file, or - for stdout (the metrics then go to stderr)")
+    s.add_argument("--format", "-f", default=None, choices=FORMATS,
+                   help="as specq results: jsonl, openai, parquet (default: parquet for a "
+                        ".parquet file, else jsonl)")
     s.add_argument("--json", action="store_true",
                    help="print the job's metrics as JSON (default: the table of specq metrics)")
     _job_flags(s)
@@ -535,17 +539,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     run_inline(sessions=client.sessions, engine=worker_engine(args.pair), pair=args.pair,
                job_id=job.id, progress=True)
     with _term_is_exit():
-        n = formats.export(job, args.output)
+        n = formats.export(job, args.output, output_format(args.output, args.format))
     m = job.metrics()
     print(f"job {job.id}: {m.completed} completed, {m.failed} failed; {n} results in "
           f"{args.output}; {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    table = sys.stderr if args.output == "-" else sys.stdout  # results own stdout
     if args.json:
-        print(json.dumps(_summary(m.as_dict()), indent=2))
+        print(json.dumps(_summary(m.as_dict()), indent=2), file=table)
     else:
         from specq.api.report import format_metrics
 
-        print(format_metrics(m))
+        print(format_metrics(m), file=table)
     return 0 if m.pending == 0 else 1
+
+
+def output_format(path: str, given: formats.Format | None) -> formats.Format:
+    """The export format asked for, else parquet for a .parquet file and jsonl otherwise."""
+    return given or ("parquet" if str(path).lower().endswith(".parquet") else "jsonl")
 
 
 def _summary(d: dict[str, Any]) -> dict[str, Any]:
@@ -654,10 +664,9 @@ def reconcile_summary(report: dict[str, Any], grace: float) -> list[str]:
 
 
 def cmd_results(args: argparse.Namespace) -> int:
-    fmt: formats.Format = args.format or (
-        "parquet" if str(args.output).lower().endswith(".parquet") else "jsonl")
     with _term_is_exit():
-        n = formats.export(Client().job(args.job), args.output, fmt, input=args.input)
+        n = formats.export(Client().job(args.job), args.output,
+                           output_format(args.output, args.format), input=args.input)
     if args.output != "-":
         print(f"{n} results written to {args.output}", file=sys.stderr)
     return 0

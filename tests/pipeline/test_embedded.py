@@ -46,3 +46,28 @@ def test_specq_run_on_the_example_file(tmp_path):
         assert conn.execute(text("SELECT status FROM jobs")).scalars().all() == ["completed"]
         assert conn.execute(text("SELECT count(*) FROM items WHERE output IS NOT NULL")
                             ).scalar() == len(expected)
+
+
+def test_specq_run_writes_the_format_its_output_names_and_keeps_stdout_for_results(tmp_path):
+    """`-o out.parquet` is Parquet (as `specq results` reads a name); `-o -` gives stdout
+    to the results alone, the metrics going to stderr."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECQ_")}
+    env["SPECQ_DATA_DIR"] = str(tmp_path / "data")
+    lines = "".join(json.dumps({"custom_id": f"c{i}", "prompt": f"say {i}"}) + "\n"
+                    for i in range(3))
+
+    def run(*flags: str) -> subprocess.CompletedProcess:
+        proc = subprocess.run([sys.executable, "-m", "specq.api.cli", "run", "-", "--pair",
+                               "tiny", "--max-new-tokens", "4", *flags], input=lines, cwd=ROOT,
+                              env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    import pyarrow.parquet as pq
+
+    run("-o", str(tmp_path / "out.parquet"))
+    table = pq.read_table(tmp_path / "out.parquet")
+    assert table.column("custom_id").to_pylist() == ["c0", "c1", "c2"]
+    piped = run("-o", "-", "--json")
+    assert [json.loads(x)["custom_id"] for x in piped.stdout.splitlines()] == ["c0", "c1", "c2"]
+    assert '"completed": 3' in piped.stderr
