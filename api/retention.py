@@ -96,7 +96,8 @@ def sweep(settings: Settings, *, sessions: sessionmaker[Session] | None = None,
     while True:
         with sessions() as s:
             jobs = retention.jobs_to_sweep(s, before=results_before,
-                                           batches_before=outputs_before, limit=rows)
+                                           batches_before=outputs_before, limit=rows,
+                                           emptied_too=not settings.retention_keep_metrics)
         for job_id in jobs:
             _sweep_job(settings, sessions, job_id, now, report)
         if len(jobs) < rows:

@@ -64,6 +64,7 @@ from specq.api.inputs import InputError, describe, show, storable, text_problem
 from specq.api.outputs import OutputError, check_output
 from specq.api.templates import BoundedSandbox, RenderLimits
 from specq.db import repository as repo
+from specq.db.models import as_utc
 from specq.schema.counters import SCALARS, acceptance_rate
 from specq.schema.generation import INT32_MAX, SamplingParams
 
@@ -395,9 +396,10 @@ def submit(client: Client, spec: SynthSpec, *, schedule: str | None = None) -> J
     return job
 
 
-def output_path(spec: SynthSpec, job_id: int) -> Path:
-    """The spec's output path with {name}, {job_id} and {date} filled in; SpecError for any
-    other placeholder, or one with attributes, conversions or wide format specs."""
+def output_path(spec: SynthSpec, job_id: int, when: datetime | None = None) -> Path:
+    """The spec's output path with {name}, {job_id} and {date} (``when``, the run's start:
+    one path a run, however often it is written) filled in; SpecError for any other
+    placeholder, or one with attributes, conversions or wide format specs."""
     known = "(known: {name}, {job_id}, {date}, {data_dir})"
     try:
         for _, field, spec_, conversion in string.Formatter().parse(spec.output.path):
@@ -408,7 +410,7 @@ def output_path(spec: SynthSpec, job_id: int) -> Path:
             if conversion or "{" in (spec_ or "") or len(spec_ or "") > 8:
                 raise SpecError([f"output.path: {{{field}}}: only a short format spec such as "
                                  f"{{job_id:05d}} is allowed"])
-        date = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+        date = as_utc(when or datetime.now(timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
         return Path(spec.output.path.format(name=spec.name, job_id=job_id, date=date))
     except ValueError as exc:  # SpecError included
         if isinstance(exc, SpecError):
@@ -423,8 +425,13 @@ def write_output(client: Client, job_id: int) -> Path:
         job = repo.get_job(s, job_id=job_id)
         if job is None or job.synthesis is None:
             raise KeyError(f"job {job_id}: not a synthesis run")
+        if job.swept_at is not None:  # its outputs are gone: a rewrite would empty the set
+            raise RuntimeError(f"job {job_id}: its results were swept at "
+                               f"{as_utc(job.swept_at):%Y-%m-%d %H:%M} UTC (retention); the "
+                               f"data set written before is the only copy left: kept as it is")
         spec = SynthSpec.model_validate(job.synthesis)
-    path = output_path(spec, job_id)
+        created = job.created_at
+    path = output_path(spec, job_id, created)
     path.parent.mkdir(parents=True, exist_ok=True)
     fmt = spec.output.resolved_format()
     schema = pa.schema(_seed_schema(spec) + SAMPLE_SCHEMA) if fmt == "parquet" else None

@@ -103,10 +103,12 @@ def ended_outputs(session: Session, *, before: datetime, limit: int) -> list[int
 
 
 def jobs_to_sweep(session: Session, *, before: datetime | None,
-                  batches_before: datetime | None, limit: int) -> list[int]:
+                  batches_before: datetime | None, limit: int,
+                  emptied_too: bool = False) -> list[int]:
     """Finished jobs not swept yet whose results are past their retention: jobs that ended
     before ``before`` (None: none by that rule), and batches' jobs that ended before
-    ``batches_before`` (None: as any other job)."""
+    ``batches_before`` (None: as any other job). ``emptied_too``: jobs an earlier sweep
+    emptied (kept for their metrics) as well, for a sweep that deletes jobs whole."""
     rules = []
     if before is not None:
         rules.append(Job.finished_at < before)
@@ -115,7 +117,8 @@ def jobs_to_sweep(session: Session, *, before: datetime | None,
     if not rules:
         return []
     return list(session.scalars(
-        select(Job.id).where(Job.status.in_(FINISHED), Job.swept_at.is_(None), or_(*rules))
+        select(Job.id).where(Job.status.in_(FINISHED), or_(*rules),
+                             *(() if emptied_too else (Job.swept_at.is_(None),)))
         .order_by(Job.finished_at, Job.id).limit(limit)))
 
 

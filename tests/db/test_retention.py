@@ -154,13 +154,17 @@ def test_without_metrics_kept_an_old_job_and_its_batch_outputs_go_whole(own_url,
     whole = settings_for(own_url, tmp_path, retention_results=60.0,
                          retention_keep_metrics=False, retention_sweep_rows=2)
     report = sweep(whole, now=ended + timedelta(hours=2))
-    assert (report.jobs_deleted, report.items_deleted) == (1, 3)
+    # the batch's job, emptied by the first sweep (its metrics kept then), goes whole too:
+    # without metrics kept, no finished job past its retention stays
+    assert (report.jobs_deleted, report.items_deleted) == (2, 4)
     with sessions() as s:
-        assert s.get(Job, job.id) is None
-        assert s.scalar(select(func.count()).select_from(Item).where(Item.job_id == job.id)) == 0
-        assert s.scalar(select(func.count()).select_from(Chunk)
-                        .where(Chunk.job_id == job.id)) == 0
-        assert s.get(Job, other.id) is not None  # swept before, with its metrics kept
+        for gone in (job.id, other.id):
+            assert s.get(Job, gone) is None
+            assert s.scalar(select(func.count()).select_from(Item)
+                            .where(Item.job_id == gone)) == 0
+            assert s.scalar(select(func.count()).select_from(Chunk)
+                            .where(Chunk.job_id == gone)) == 0
+    assert sweep(whole, now=ended + timedelta(hours=3)).jobs_deleted == 0
 
 
 def test_old_webhook_deliveries_go_once_made_or_given_up(own_url, tmp_path):

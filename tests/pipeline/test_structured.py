@@ -6,17 +6,19 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pyarrow.parquet as pq
 import pytest
-from sqlalchemy import func, select, text
+from sqlalchemy import func, select, text, update
 
 from specq.api import synthesis
 from specq.api.report import format_metrics
 from specq.api.tokenizer import _grammar_problem
 from specq.configs.presets import get_preset
 from specq.db.models import Job as JobRow
+from specq.db.models import utcnow
 from specq.schema.errors import InputError
 from specq.worker.pairs import load_pair
 from specq.worker.tasks import run_inline
@@ -186,3 +188,26 @@ def test_a_data_set_is_not_written_from_a_seed_file_changed_since_the_run(
     seed.write_text("".join(json.dumps({"word": w}) + "\n" for w in ("ant", "bee")))
     rows = [json.loads(x) for x in synthesis.write_output(client, job.id).open()]
     assert [r["word"] for r in rows] == ["ant", "bee"]
+
+
+def test_a_data_set_is_named_for_its_run_and_never_rewritten_from_swept_results(
+        client, engine, tmp_path):
+    """{date} is the run's start: a data set written again lands on the same path; once
+    retention swept the run's results, writing it again is refused and the file kept."""
+    spec = synthesis.SynthSpec.model_validate({
+        "name": "dated", "pair": "tiny-lookup", "template": "Say {{ word }}:",
+        "seed_data": [{"word": "ant"}, {"word": "bee"}], "sampling": {"max_new_tokens": 3},
+        "output": {"path": str(tmp_path / "out-{job_id}-{date}.jsonl")}})
+    job = synthesis.submit(client, spec)
+    run_inline(sessions=client.sessions, engine=engine, pair="tiny-lookup", job_id=job.id,
+               progress=False)
+    first = synthesis.write_output(client, job.id)
+    time.sleep(1.1)  # a clock's second later: the same name all the same
+    assert synthesis.write_output(client, job.id) == first
+    assert list(tmp_path.glob("out-*")) == [first]
+    written = first.read_bytes()
+    with client.sessions.begin() as s:
+        s.execute(update(JobRow).where(JobRow.id == job.id).values(swept_at=utcnow()))
+    with pytest.raises(RuntimeError, match=f"job {job.id}: its results were swept"):
+        synthesis.write_output(client, job.id)
+    assert first.read_bytes() == written
