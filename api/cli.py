@@ -724,14 +724,8 @@ def cmd_synth_run(args: argparse.Namespace) -> int:
 
 def cmd_synth_check(args: argparse.Namespace) -> int:
     from specq.api import synthesis
-    from specq.configs.presets import UnknownPair, get_preset
 
-    spec = synthesis.load_spec(args.spec)
-    try:  # as `synth run` finds it, with no model loaded
-        get_preset(spec.pair, get_settings().presets_file)
-    except UnknownPair as exc:
-        raise synthesis.SpecError([f"{args.spec}: pair: {exc.args[0]}"]) from None
-    rows = synthesis.check_rows(spec, args.spec)
+    spec, rows = synthesis.check_spec(args.spec, get_settings().presets_file)
     print(f"{args.spec}: valid; {rows} seed rows x n={spec.n} = {rows * spec.n} samples")
     return 0
 
@@ -751,11 +745,20 @@ def cmd_synth_write(args: argparse.Namespace) -> int:
 def cmd_beat(args: argparse.Namespace) -> int:
     """Replace this process with Celery beat (embedded in a worker on the synth queue, which
     runs the firings and writes the data sets: no GPU, no model)."""
+    from specq.api import synthesis
     from specq.broker.names import synth_queue
     from specq.configs.schedules import load_schedules
 
     settings = get_settings()
     schedules = load_schedules(settings.schedules_file)  # a bad schedule fails here, clearly
+    problems = []  # and so does its spec, as `specq synth check` finds it: not at 3 a.m.
+    for name, schedule in schedules.items():
+        try:
+            synthesis.check_spec(schedule.spec, settings.presets_file)
+        except synthesis.SpecError as exc:
+            problems += [f"schedule {name}: {p}" for p in exc.problems]
+    if problems:
+        raise synthesis.SpecError(problems)
     print(f"beat: {len(schedules)} schedules from {settings.schedules_file}: "
           f"{', '.join(schedules) or 'none'}", file=sys.stderr)
     settings.data_dir.mkdir(parents=True, exist_ok=True)

@@ -335,6 +335,20 @@ def _reason(exc: BaseException) -> str:
     return show(text, 300)
 
 
+def check_spec(path: str | os.PathLike, presets_file: Path | None) -> tuple[SynthSpec, int]:
+    """The spec at ``path`` checked as `specq synth run` would take it, with no model loaded:
+    its fields, its pair among the presets, every seed row rendered. SpecError names each
+    problem. Returns it and its number of seed rows."""
+    from specq.configs.presets import UnknownPair, get_preset
+
+    spec = load_spec(path)
+    try:
+        get_preset(spec.pair, presets_file)
+    except UnknownPair as exc:
+        raise SpecError([f"{path}: pair: {exc.args[0]}"]) from None
+    return spec, check_rows(spec, str(path))
+
+
 def check_rows(spec: SynthSpec, where: str = "spec") -> int:
     """Render the template over every seed row within the spec's limits; SpecError names
     the template field, the first row that fails and why (a missing column, a limit passed,

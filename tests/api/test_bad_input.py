@@ -810,3 +810,29 @@ def test_the_example_of_the_issue(cli_env, capsys, monkeypatch):
     get_settings.cache_clear()
     assert run_cli(["jobs"], capsys) == (2, ["error: SPECQ_CHUNK_SIZE: must be at least 1, "
                                              "got '0'"])
+
+
+def test_the_beat_refuses_to_start_with_a_schedule_whose_spec_is_bad(cli_env, capsys,
+                                                                     monkeypatch, tmp_path):
+    """A schedule's spec is checked as `specq synth check` checks it when the beat starts
+    (a missing file, an undefined column), each named by its schedule: not found broken
+    at its first firing. Nothing is exec'd."""
+    from tests.api.conftest import spec_file
+
+    good = tmp_path / "good"
+    good.mkdir()
+    undefined = tmp_path / "undefined"
+    undefined.mkdir()
+    typo = spec_file(undefined, template="About {{ topik }}")
+    schedules = tmp_path / "schedules.yaml"
+    schedules.write_text(f"gone: {{spec: nowhere.yaml, every: 5}}\n"
+                         f"typo: {{spec: {typo}, every: 5}}\n"
+                         f"fine: {{spec: {spec_file(good)}, every: 5}}\n")
+    monkeypatch.setenv("SPECQ_SCHEDULES_FILE", str(schedules))
+    get_settings.cache_clear()
+    monkeypatch.setattr(os, "execv", lambda *a: pytest.fail("the beat was started"))
+    assert cli.main(["beat"]) != 0
+    err = capsys.readouterr().err
+    assert "schedule gone: " in err and "nowhere.yaml: file not found" in err, err
+    assert "schedule typo: " in err and "topik" in err, err
+    assert "schedule fine" not in err
