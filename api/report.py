@@ -63,7 +63,7 @@ def format_metrics(m: JobMetrics) -> str:
         ("tokens/s (wall)", shown("tokens_per_second", m.tokens_per_second)),
         ("tokens/s (engine busy)", shown("engine_tokens_per_second", m.engine_tokens_per_second)),
         ("acceptance rate", f"{shown('acceptance_rate', m.acceptance_rate)}  ({m.accepted} of "
-                            f"{m.proposed} drafts)"),
+                            f"{m.proposed} draft tokens)"),
         ("mean acceptance length", f"{shown('mean_acceptance_length', m.mean_acceptance_length)}"
                                    f"  (tokens per draft step, bonus included)"),
         ("target passes", f"{m.target_passes}  ({shown('tokens_per_pass', per_pass)} tokens "
