@@ -420,6 +420,10 @@ class Client:
             context: int | None = target_context(preset, self.settings)
         except TokenizerUnavailable as exc:
             context, check.unchecked = None, unchecked_note(preset, exc)
+        most = defaults.get("max_new_tokens") if "max_new_tokens" in given else None
+        if context is not None and isinstance(most, int) and most >= context:
+            raise InputError([f"sampling parameter max_new_tokens: {most} leaves no room for "
+                              f"a prompt in the model's context of {context} tokens"])
         tokenizer: PromptTokenizer | None = None
         problems: list[str] = []
         seen: dict[str, str] = {}
@@ -447,9 +451,13 @@ class Client:
                         if problem:
                             problems.append(f"{where}: response_format: {problem}")
                 except RequestError as exc:  # named as the line names the field
-                    name = got.names.get(exc.field)
-                    problems.append(f"{where}: body.{name}: {str(exc).partition(': ')[2]}"
-                                    if name else f"{where}: {exc}")
+                    name, rest = got.names.get(exc.field), str(exc).partition(": ")[2]
+                    if name:
+                        problems.append(f"{where}: body.{name}: {rest}")
+                    elif exc.field in given and exc.field not in (got.row["params"] or {}):
+                        problems.append(f"{where}: {exc.field} (the job's default): {rest}")
+                    else:
+                        problems.append(f"{where}: {exc}")
                 except TokenizerUnavailable as exc:
                     context, check.unchecked = None, unchecked_note(preset, exc)
                 if not problems:

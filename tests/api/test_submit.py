@@ -67,6 +67,12 @@ LONG = " ".join(["word"] * 600)  # 3000 bytes: beyond the tiny model's 512-token
       {"custom_id": "x", "prompt": "c"}], "tiny", {},
      r"line 3: custom_id: 'x' is already used at line 1"),
     ([{"prompt": "ok", "max_new_tokens": 0}], "tiny", {}, r"line 1: max_new_tokens: Input should"),
+    # the job's default past the context: said once, as the job's, not once a line
+    ([{"prompt": "ok"}, {"prompt": "fine"}], "tiny", {"max_new_tokens": 10**9},
+     r"sampling parameter max_new_tokens: 1000000000 leaves no room for a prompt in the "
+     r"model's context of 512 tokens$"),
+    ([{"prompt": "ok", "max_new_tokens": 4}, {"prompt": LONG[:100]}], "tiny",
+     {"max_new_tokens": 500}, r"line 2: max_new_tokens \(the job's default\): 500 after a"),
     ([{"messages": [{"role": "user", "content": "a\u0000b"}]}], "tiny", {},
      r"line 1: prompt: contains a NUL character"),
     ([{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}], "tiny", {},
