@@ -82,6 +82,10 @@ class Settings(BaseSettings):
     reconcile_every: float = Field(
         15.0, ge=0, le=86400, description="seconds between reconciler runs in each worker and "
         "the beat (one at a time fleet-wide); 0 turns the workers' own runs off")
+    consumer_stall: float = Field(
+        60.0, ge=2, le=86400, description="seconds an idle worker may take no message while "
+        "its pair's queue holds some before it restarts itself (a broker connection left "
+        "wedged: worker/watch.py)")
     reconcile_grace: float = Field(
         10.0, ge=0, le=86400, description="a chunk sent less than this long ago is never "
         "re-sent (its message may be on its way to a worker)")

@@ -38,6 +38,7 @@ from specq.worker.device import DeviceLost, is_device_lost
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.pairs import Pair, cache_tokenizer, load_pair, resolve_device
 from specq.worker.run import BrokerLives, ChunkReport, ChunkRun, Lives
+from specq.worker.watch import ConsumerWatch
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,7 @@ class PairStartUp(bootsteps.StartStopStep):
         if settings.metrics_port:
             _serve_metrics(settings, hostname)
         self.background.append(presence.Heartbeat(settings, pair, hostname).start())
+        self.background.append(ConsumerWatch(settings, pair).start())
         _on_broker(settings, lambda r: presence.clear_start_failure(r, settings, pair),
                    "an earlier failed start is not cleared")
         if settings.reconcile_every > 0:

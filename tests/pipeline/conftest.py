@@ -78,7 +78,8 @@ PASSED_ON = ("database_url", "broker_url", "data_dir", "queue_prefix", "visibili
              "max_batch_size", "max_attempts", "lease_seconds", "db_timeout", "reconcile_every",
              "reconcile_grace", "flush_every", "flush_items", "retry_backoff",
              "retry_backoff_max", "db_patience", "broker_timeout", "chunk_size",
-             "dispatch_window", "metrics_port", "metrics_host", "device_hour_price")
+             "dispatch_window", "metrics_port", "metrics_host", "device_hour_price",
+             "consumer_stall")
 
 
 def worker_env(settings: Settings) -> dict[str, str]:

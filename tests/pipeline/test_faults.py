@@ -41,7 +41,7 @@ class Fleet:
         self.own = own_deployment(
             settings, "faults", visibility_timeout=3600, lease_seconds=3.0, db_timeout=1.0,
             reconcile_every=1.0, reconcile_grace=2.0, retry_backoff=0.2, retry_backoff_max=2.0,
-            flush_every=0.3, broker_timeout=3.0)
+            flush_every=0.3, broker_timeout=3.0, consumer_stall=8.0)
         db = self.own.broker_url.rsplit("/", 1)[1]
         self.via = self.own.model_copy(update={
             "broker_url": f"redis://127.0.0.1:{self.redis.port}/{db}",
@@ -186,6 +186,23 @@ def test_a_cut_of_four_leases_between_workers_and_a_server_loses_nothing(fleet, 
     proxy.restore()
     exactly_once(fleet, job, 240)
     assert cut_at < 240, "the job ended before the cut: it tested nothing"
+    assert all(w.proc.poll() is None for w in fleet.workers.values()), fleet.output()
+
+
+def test_a_broker_stall_while_workers_ack_leaves_no_consumer_wedged(fleet):
+    """The broker link stalls for 10 s while the fleet runs a job: a worker acknowledging a
+    chunk then had its consumer left wedged for good (kombu logs "Couldn't ack" and never
+    polls again; the job stood still for minutes). The consumer watch restarts such a
+    worker (worker/watch.py) and the job completes, exactly once."""
+    job = fleet.client.submit(prompts(160, "stall broker"), pair=LOOKUP, max_new_tokens=16,
+                              chunk_size=8)
+    wait_for(lambda: done(job) >= 16, 120, "no progress", fleet)
+    fleet.redis.stall()
+    stalled_at = done(job)
+    time.sleep(10)
+    fleet.redis.restore()
+    exactly_once(fleet, job, 160)
+    assert stalled_at < 160, "the job ended before the stall: it tested nothing"
     assert all(w.proc.poll() is None for w in fleet.workers.values()), fleet.output()
 
 
