@@ -655,6 +655,9 @@ def reconcile_summary(report: dict[str, Any], grace: float) -> list[str]:
     by_job = ", ".join(f"job {j}: {n}" for j, n in sorted(report["resent_by_job"].items()))
     lines.append(f"re-sent {report['resent']} lost chunks ({by_job})" if report["resent"]
                  else "nothing lost: no chunk re-sent")
+    if report.get("cancelled"):
+        lines.append(f"cancelled {report['cancelled']} items of cancelled jobs' chunks that "
+                     f"no worker holds")
     if report["fed"]:
         lines.append(f"sent {report['fed']} more chunks to fill their jobs' turns on the queue")
     if report["settled"]:

@@ -60,6 +60,7 @@ class ReconcileReport:
     abandoned: list[ChunkRef] = field(default_factory=list)  # sent max_chunk_runs times
     fed: list[ChunkRef] = field(default_factory=list)  # first sends, to fill a job's window
     settled: dict[int, str] = field(default_factory=dict)  # job id -> status it ended in
+    cancelled: int = 0  # items of cancelling jobs' unleased chunks, cancelled here
     broker_read: bool = False  # it read the broker (there were queues to look at)
 
     def as_dict(self) -> dict[str, Any]:
@@ -68,7 +69,8 @@ class ReconcileReport:
             by_job[r.job_id] = by_job.get(r.job_id, 0) + 1
         return {"candidates": self.candidates, "on_broker": self.on_broker,
                 "resent": len(self.resent), "resent_by_job": by_job, "fed": len(self.fed),
-                "abandoned": len(self.abandoned), "settled": self.settled}
+                "abandoned": len(self.abandoned), "settled": self.settled,
+                "cancelled": self.cancelled}
 
 
 # What the reconcilers of a deployment did, added up on the broker (a Redis hash), where
@@ -150,6 +152,7 @@ def _reconcile(settings: Settings, *, job_id: int | None,
         candidates = chunks.unclaimed(s, grace=settings.reconcile_grace, job_id=job_id,
                                       queue_prefix=settings.queue_prefix)
     report.candidates = len(candidates)
+    candidates = _cancel_unclaimed(sessions, candidates, report)
     lost = [c for c in candidates if (c.job_id, c.start) not in held]
     report.on_broker = len(candidates) - len(lost)
     report.abandoned = [c for c in lost if given_up(c, settings.max_chunk_runs)]
@@ -184,6 +187,27 @@ def _reconcile(settings: Settings, *, job_id: int | None,
     if report.fed:
         log.info("reconciler: %d chunks sent to fill their jobs' turns", len(report.fed))
     return report
+
+
+def _cancel_unclaimed(sessions: sessionmaker[Session], candidates: list[ChunkRef],
+                      report: ReconcileReport) -> list[ChunkRef]:
+    """The chunks of cancelling jobs among ``candidates`` (no live lease holds them)
+    cancelled, never sent again, and their jobs settled (a cancel ends without a worker);
+    returns the other candidates."""
+    jobs = {c.job_id for c in candidates}
+    if not jobs:
+        return candidates
+    with sessions() as s:
+        cancelling = set(s.scalars(select(Job.id).where(
+            Job.id.in_(jobs), Job.status == JobStatus.cancelling.value)))
+    for c in candidates:
+        if c.job_id in cancelling:
+            with sessions.begin() as s:
+                report.cancelled += chunks.cancel_unclaimed(s, job_id=c.job_id, start=c.start)
+    for jid in sorted(cancelling):
+        with sessions.begin() as s:
+            report.settled[jid] = repo.settle_job(s, job_id=jid).value
+    return [c for c in candidates if c.job_id not in cancelling]
 
 
 def given_up(ref: ChunkRef, most: int) -> bool:

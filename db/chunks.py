@@ -309,6 +309,31 @@ def cancel_unsent(session: Session, *, job_id: int) -> int:
         recount(session, job_id=job_id, starts=part)
     return n
 
+def cancel_unclaimed(session: Session, *, job_id: int, start: int) -> int:
+    """A cancelling job's chunk that was sent but that no live lease holds (its message
+    waits on the broker or was lost, or its worker died): done, and its pending items
+    cancelled, as cancel_unsent does for chunks never sent; without it the job waits for a
+    worker of its pair to open the chunk, for ever if none comes. The UPDATE that marks it
+    done takes it only while no live lease holds it: a worker leasing it at the same moment
+    either leased it first (and cancels its items itself) or finds it done. The items'
+    launch marks go with them. Returns the items cancelled."""
+    c, items = Chunk.__table__.c, Item.__table__.c
+    end = session.scalar(
+        update(Chunk.__table__)
+        .where(c.job_id == job_id, c.start == start, c.done.is_(False),
+               or_(c.lease_owner.is_(None), c.lease_until < db_now()))
+        .values(done=True).returning(c.end))
+    if end is None:
+        return 0
+    n = changed(session.execute(
+        update(Item.__table__)
+        .where(items.job_id == job_id, items.status == PENDING, items.index >= start,
+               items.index < end)
+        .values(status=ItemStatus.cancelled.value, finished_at=utcnow(), launch=None)))
+    recount(session, job_id=job_id, starts=[start])
+    return n
+
+
 def mark_sent(session: Session, *, refs: Iterable[ChunkRef]) -> None:
     """Stamp chunks as sent now, once their messages are on the broker."""
     c = Chunk.__table__.c

@@ -8,13 +8,14 @@ import json
 
 import redis
 from kombu.transport.redis import PRIORITY_STEPS
+from sqlalchemy import func, select, update
 
 from specq.api.client import Client
 from specq.broker.dispatch import queue_keys
 from specq.broker.reconciler import reconcile
 from specq.db import chunks
 from specq.db import repository as repo
-from specq.db.models import ItemStatus
+from specq.db.models import Chunk, Item, ItemStatus
 from specq.db.outcomes import Outcome
 from tests.conftest import live_leases, wait_until
 from tests.pipeline.conftest import own_deployment, stored_unsent
@@ -238,3 +239,41 @@ def test_the_fleet_reconciles_once_a_period_under_load(settings):
 def _burn() -> None:
     while True:
         sum(i * i for i in range(10_000))
+
+
+def test_a_cancel_ends_without_a_worker_and_a_live_lease_is_left_to_its_run(settings):
+    """A job cancelled while its workers are dead (or none serves its pair): the chunks no
+    live lease holds (waiting on the broker, or their worker's lease run out) are cancelled
+    by the reconciler, never sent again, and the job ends cancelled; a chunk under a live
+    lease is its run's to cancel, and is left alone until that lease runs out."""
+    own = own_deployment(settings, "reccancel", reconcile_grace=0.0)
+    client = Client(own)
+    job = client.submit([f"cancel me {i}" for i in range(40)], pair="tiny-lookup",
+                        max_new_tokens=4, chunk_size=10)
+    with client.sessions.begin() as s:  # a worker took chunk 0 and died; one runs 10
+        repo.start_job(s, job_id=job.id)
+        assert chunks.claim(s, job_id=job.id, start=0, owner="dead", ttl=0.2) == 1
+        assert chunks.claim(s, job_id=job.id, start=10, owner="alive", ttl=3600) == 1
+        s.execute(update(Item).where(Item.job_id == job.id, Item.index < 3)
+                  .values(launch="dead/1#1"))
+    assert client.job(job.id).cancel().status == "cancelling"
+
+    def dead_lease_ran_out() -> bool:
+        with client.sessions() as s:
+            return "dead" not in [o for _, _, o in live_leases(s, job_id=job.id)]
+
+    wait_until(dead_lease_ran_out, 10, "the dead worker's lease running out")
+    report = reconcile(own, job_id=job.id)
+    assert report.resent == [] and report.cancelled == 30  # 0, 20, 30: not 10 (alive)
+    state = job.status(check_workers=False)
+    assert (state.status, state.cancelled, state.pending) == ("cancelling", 30, 10)
+    with client.sessions.begin() as s:  # its worker dies too: its lease runs out
+        s.execute(update(Chunk).where(Chunk.job_id == job.id, Chunk.start == 10)
+                  .values(lease_until=0.0))
+    report = reconcile(own, job_id=job.id)
+    assert report.cancelled == 10 and report.settled[job.id] == "cancelled"
+    with client.sessions() as s:
+        assert s.scalar(select(func.count()).select_from(Item).where(
+            Item.job_id == job.id, Item.launch.is_not(None))) == 0
+        assert s.scalar(select(func.count()).select_from(Item).where(
+            Item.job_id == job.id, Item.status != ItemStatus.cancelled.value)) == 0
