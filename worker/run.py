@@ -276,7 +276,8 @@ class ChunkRun:
                         self.where, "died" if proven else "stopped renewing its lease",
                         indices, launch)
             repo.record_crash(s, job_id=self.job_id, start=self.start, indices=indices,
-                              why="the worker process died (killed, or crashed)" if proven
+                              why="its worker process stopped: killed, crashed, or "
+                              "frozen past its lease and its presence" if proven
                               else "its run stopped renewing its lease (its process is "
                               "still announced: no attempt is counted)", attempt=proven)
             self.report.crashed += len(indices)
