@@ -251,9 +251,23 @@ class _FileLines:
             yield from _lines(f)
 
 
+# what a file that is not JSON lines starts with, and what it is
+NOT_JSONL = {b"PAR1": "a Parquet file, not JSON lines (Parquet and CSV are read as a "
+                      "synthesis spec's seed_data: docs/synthesis.md)",
+             b"\x1f\x8b": "gzip-compressed: decompress it first (zcat FILE | specq submit -)",
+             b"PK\x03\x04": "a zip archive, not JSON lines"}
+
+
 def _lines(f: Iterable[bytes]) -> Iterator[tuple[str, Any]]:
-    """(where, JsonLine or BadLine) for each non-blank line of a binary stream."""
+    """(where, JsonLine or BadLine) for each non-blank line of a binary stream; a file that
+    is plainly something else (Parquet, gzip, zip) is one BadLine saying so."""
     for n, data in enumerate(f, 1):
+        if n == 1:
+            kind = next((what for magic, what in NOT_JSONL.items()
+                         if data.startswith(magic)), None)
+            if kind:
+                yield "line 1", BadLine(f"the file is {kind}")
+                return
         try:
             line = data.decode("utf-8-sig" if n == 1 else "utf-8")
         except UnicodeDecodeError as exc:

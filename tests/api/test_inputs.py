@@ -170,3 +170,20 @@ def test_store_asks_for_nothing_and_is_served():
         row = normalise(line({"custom_id": "r", "body": {
             "messages": [{"role": "user", "content": "x"}], "store": store}}))
         assert row["params"] is None
+
+
+def test_a_file_that_is_plainly_not_jsonl_says_what_it_is(tmp_path):
+    """Parquet (a synthesis seed format), gzip, zip: one problem naming what the file is,
+    not a line of "not valid UTF-8" per binary line."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["a", "b"]}), tmp_path / "p.parquet")
+    (tmp_path / "p.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "a"}\n' * 50))
+    for name, says in (("p.parquet", "a Parquet file, not JSON lines"),
+                       ("p.jsonl.gz", "gzip-compressed: decompress it first")):
+        _, entries = open_source(tmp_path / name)
+        ((where, bad),) = list(entries)
+        assert where == "line 1" and says in bad
