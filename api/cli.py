@@ -675,10 +675,27 @@ def cmd_results(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schedule_names() -> set[str] | None:
+    """The schedules the schedules file names; None where it cannot be read."""
+    from specq.configs.schedules import ScheduleError, load_schedules
+
+    try:
+        return set(load_schedules(get_settings().schedules_file))
+    except (ScheduleError, OSError):
+        return None
+
+
 def cmd_jobs(args: argparse.Namespace) -> int:
     """The latest jobs (or one schedule's runs) with their figures, from the view
     job_metrics in one query."""
-    jobs = Client().jobs(limit=args.limit, schedule=getattr(args, "schedule", None))
+    schedule = getattr(args, "schedule", None)
+    jobs = Client().jobs(limit=args.limit, schedule=schedule)
+    if schedule is not None and not jobs:  # no runs: a schedule not yet fired, or a typo
+        known = _schedule_names()
+        if known is not None and schedule not in known:
+            return _fail([f"schedule: no runs of {schedule!r}, and the schedules file names "
+                          f"no such schedule (known: {', '.join(sorted(known)) or 'none'})"],
+                         2)
     if getattr(args, "json", False):
         print(json.dumps([_summary(j.as_dict()) for j in jobs], indent=2))
         return 0

@@ -836,3 +836,14 @@ def test_the_beat_refuses_to_start_with_a_schedule_whose_spec_is_bad(cli_env, ca
     assert "schedule gone: " in err and "nowhere.yaml: file not found" in err, err
     assert "schedule typo: " in err and "topik" in err, err
     assert "schedule fine" not in err
+
+
+def test_the_runs_of_a_schedule_no_file_names_are_an_error_not_an_empty_table(cli_env,
+                                                                               capsys):
+    """`specq jobs --schedule NAME` of a typo: exit 2 naming the known schedules; a known
+    schedule that has not fired yet: its (empty) table."""
+    assert cli.main(["jobs", "--schedule", "exmaple-nightly"]) == 2
+    err = capsys.readouterr().err
+    assert "no such schedule" in err and "example-nightly" in err, err
+    assert cli.main(["synth", "runs", "example-nightly"]) == 0
+    assert "status" in capsys.readouterr().out
