@@ -469,8 +469,9 @@ class Client:
             at = int(generated.group(1)) if generated else -1
             if 0 <= at < len(unnamed) and unnamed[at]:
                 problems.append(f"{where}: custom_id: {cid!r} is the id the results give "
-                                f"request {at + 1} of the input, which has none: their "
-                                f"results could not be told apart")
+                                f"the input's request at index {at} (its request {at + 1}, "
+                                f"counted from 1), which has none: their results could not "
+                                f"be told apart")
         if problems:
             raise InputError(problems[:MAX_PROBLEMS], truncated=len(problems) > MAX_PROBLEMS)
 

@@ -344,7 +344,8 @@ def test_a_custom_id_an_unnamed_requests_result_gets_is_refused(lite, scratch):
                     ["a", "b", {"prompt": "c", "custom_id": "request-1"}]):
         err = refused(lite, entries)
         assert len(err.problems) == 1 and "custom_id: 'request-1' is the id the results " \
-            "give request 2" in err.problems[0], err.problems
+            "give the input's request at index 1 (its request 2" in err.problems[0], \
+            err.problems
     for entries in ([{"prompt": "a", "custom_id": "request-1"}, {"prompt": "b", "custom_id":
                                                                    "x"}],
                     ["a", {"prompt": "b", "custom_id": "request-1"}],
