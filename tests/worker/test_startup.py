@@ -19,4 +19,6 @@ def test_bench_startup_times_each_phase_of_fresh_worker_starts(tmp_path):
     assert lines[-1].startswith("median of 2: ")
     for line in lines:
         total, *parts = map(float, re.search(phase, line).groups())
-        assert abs(total - sum(parts)) < 0.15  # each part rounded to 0.1 s
+        # the total and each of its four parts rounded to 0.1 s, each off by 0.05 at most
+        # (a median of 2 is their mean: its parts still add up to it)
+        assert abs(total - sum(parts)) <= 0.05 * (len(parts) + 1) + 1e-9, line
