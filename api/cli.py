@@ -637,7 +637,12 @@ def cmd_reconcile(args: argparse.Namespace) -> int:
     try:
         report = reconcile(settings, job_id=args.job)
     except Exception as exc:  # noqa: BLE001 (the broker's and the database's errors vary)
-        raise RuntimeError(f"reconcile: {type(exc).__name__}: "
+        import redis
+        from kombu.exceptions import OperationalError as BrokerError
+
+        where = (f"the broker at {mask_url(settings.broker_url)} cannot be reached: "
+                 if isinstance(exc, (redis.RedisError, BrokerError)) else "")
+        raise RuntimeError(f"reconcile: {where}{type(exc).__name__}: "
                            f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
     if args.json:
         print(json.dumps(report.as_dict(), indent=2))

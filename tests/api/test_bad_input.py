@@ -848,3 +848,15 @@ def test_the_runs_of_a_schedule_no_file_names_are_an_error_not_an_empty_table(cl
     assert "no such schedule" in err and "example-nightly" in err, err
     assert cli.main(["synth", "runs", "example-nightly"]) == 0
     assert "status" in capsys.readouterr().out
+
+
+def test_reconcile_names_the_broker_it_cannot_reach_and_hides_its_password(cli_env, capsys,
+                                                                           monkeypatch):
+    monkeypatch.setenv("SPECQ_BROKER_URL", "redis://:s3cret@127.0.0.1:1/0")
+    monkeypatch.setenv("SPECQ_BROKER_TIMEOUT", "1")
+    get_settings.cache_clear()
+    Client().submit(["a"], pair="tiny")  # stored; its send fails (a warning): in the queue
+    assert cli.main(["reconcile"]) == 1
+    err = capsys.readouterr().err
+    assert "the broker at redis://:***@127.0.0.1:1/0 cannot be reached" in err, err
+    assert "s3cret" not in err
