@@ -109,3 +109,12 @@ def test_every_path_a_spec_names_is_relative_to_the_spec(tmp_path, monkeypatch):
     spec = load_spec(spec_file(folder, output={"path": "{data_dir}/synth/{job_id}.parquet"}),
                      data_dir=data)
     assert synthesis.output_path(spec, 3) == data / "synth" / "3.parquet"
+
+
+def test_the_docs_list_the_data_sets_columns_as_written():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "synthesis.md").read_text()
+    listed = text[text.index("then, in this order,"):text.index("(`api/synthesis.py: SAMPLE")]
+    assert re.findall(r"`([a-z_]+)`", listed) == list(synthesis.SAMPLE_COLUMNS)
