@@ -316,9 +316,7 @@ def cancel_batch(request: Request, batch_id: str, who: Who) -> dict[str, Any]:
             raise not_found("Batch", batch_id, param="batch_id")
         # validating (its create running, or dead with its server): cancelled before any
         # job is stored, or, if its job was attached meanwhile, that job is cancelled
-        if batch.job_id is None and store.cancel_validating(s, batch_id=batch.id):
-            pass  # cancelled before any job was stored
-        else:
+        if batch.job_id is not None or not store.cancel_validating(s, batch_id=batch.id):
             s.refresh(batch)
             if batch.job_id is not None:  # (None: failed meanwhile as stale; nothing runs)
                 store.mark(s, batch_id=batch.id, column="cancelling_at")
