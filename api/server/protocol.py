@@ -14,11 +14,22 @@ client (slowloris) use up the process's descriptors, and no one else is served. 
   connection past it is closed as it opens.
 
 A connection that breaks a rule is closed; a request it was sending sees its client gone,
-as with a client that hangs up. What was refused is logged at most once every few seconds
-with a count, so a flood cannot fill the log either. nginx keeps the same two deadlines
-(client_header_timeout, client_body_timeout); behind such a proxy, every connection comes
-from the proxy's address: set ``api_max_client_connections`` to 0 there (no cap) and let
-the proxy keep its own.
+as with a client that hangs up.
+
+An answer given while the client is still sending its body (a 413 for a body past its
+route's cap, a 401 before an upload is read) closes the connection with that body still
+arriving. Closed at once, the kernel answers the bytes still coming with a reset, and a
+client that sends before it reads (curl, after ``Expect: 100-continue`` went unanswered)
+loses the answer with it: "connection reset" where the server said 413. Such a connection
+is closed as nginx does (lingering close): the answer goes out with the server's half of
+the connection shut, what the client still sends is read and dropped, and the connection
+closes when the client closes its half, or after ``LINGER`` seconds.
+
+What was refused is logged at most once every few seconds with a count, so a flood cannot
+fill the log either. nginx keeps the same two deadlines (client_header_timeout,
+client_body_timeout); behind such a proxy, every connection comes from the proxy's
+address: set ``api_max_client_connections`` to 0 there (no cap) and let the proxy keep its
+own.
 """
 
 from __future__ import annotations
@@ -27,7 +38,7 @@ import asyncio
 import logging
 import time
 from collections import Counter
-from typing import Any
+from typing import Any, cast
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -36,6 +47,7 @@ from specq.configs.settings import get_settings
 
 log = logging.getLogger(__name__)
 NOTE_EVERY = 10.0  # seconds between two log lines about refused connections
+LINGER = 5.0  # seconds an answered connection reads (and drops) a body still arriving
 
 
 class _Notes:
@@ -70,9 +82,13 @@ class GuardedH11Protocol(H11Protocol):
         self._guard: asyncio.TimerHandle | None = None
         self._guarding: str | None = None  # "head" or "body": what the timer waits for
         self._host: str | None = None
+        self._lingering = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._raw = transport
+        # uvicorn closes through self.transport (its request cycles take it from here)
+        self.transport = cast(asyncio.Transport, _Lingering(transport, self))
         self._host = self.client[0] if self.client else None
         if self._host is not None:
             self.per_client[self._host] += 1
@@ -93,6 +109,8 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._lingering:
+            return  # the rest of a body the answer came before: dropped
         super().data_received(data)
         if self.transport.is_closing():
             return
@@ -119,6 +137,20 @@ class GuardedH11Protocol(H11Protocol):
             self._guard.cancel()
         self._guard, self._guarding = None, None
 
+    def linger(self, transport: asyncio.Transport) -> bool:
+        """Close ``transport`` by lingering if the client is still sending a request's
+        body; False where a plain close is right: nothing is arriving, the half-close
+        cannot be done, or this is a second close (a shutting-down server's)."""
+        if (self._lingering or self.conn.their_state is not h11.SEND_BODY
+                or transport.is_closing() or not transport.can_write_eof()):
+            return False
+        self._disarm()
+        self._lingering = True
+        transport.write_eof()  # the answer, then the server's FIN
+        self.flow.resume_reading()
+        self._guard = self.loop.call_later(LINGER, transport.close)
+        return True
+
     def _expired(self, what: str) -> None:
         self._guard, self._guarding = None, None
         if self.transport.is_closing():
@@ -130,4 +162,24 @@ class GuardedH11Protocol(H11Protocol):
         self.notes.add("a request's head not sent within SPECQ_API_HEADER_TIMEOUT"
                        if what == "head" else
                        "a body paused past SPECQ_API_BODY_TIMEOUT")
-        self.transport.close()
+        self._raw.close()  # cut, not lingered: the client is the one holding it
+
+
+class _Lingering:
+    """The connection's transport as uvicorn sees it: a close while the client is still
+    sending becomes a lingering close (GuardedH11Protocol.linger); all else is the
+    transport's own. Reads as closing once lingering, so uvicorn neither arms its
+    keep-alive timer nor starts another request on it."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedH11Protocol) -> None:
+        self._transport, self._protocol = transport, protocol
+
+    def close(self) -> None:
+        if not self._protocol.linger(self._transport):
+            self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._protocol._lingering or self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)

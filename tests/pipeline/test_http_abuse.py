@@ -559,3 +559,52 @@ def test_a_batch_left_validating_by_a_dead_create_can_be_cancelled(door, abuse_s
     assert http.get(f"/batches/{stuck['id']}").json()["status"] == "cancelled"
     again = http.post(f"/batches/{stuck['id']}/cancel")
     assert again.status_code == 400 and error_of(again.content)["code"] == "batch_not_cancellable"
+
+
+def send_then_read(port: int, head: list[str], body_pieces, *, wait_continue: float = 1.0
+                   ) -> tuple[BaseException | None, bytes]:
+    """A client that sends its whole body before it reads a word of the answer (curl with
+    ``Expect: 100-continue`` once its second of waiting for the 100 is up): (what sending
+    raised, everything read after it, up to the server's close)."""
+    raised: BaseException | None = None
+    answer = b""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as s:
+        s.sendall(("\r\n".join(head) + "\r\n\r\n").encode())
+        if io.select([s], [], [], wait_continue)[0]:
+            answer = s.recv(65536)  # a 100 Continue (or an answer already)
+        try:
+            for piece in body_pieces:
+                s.sendall(piece)
+        except OSError as exc:  # a reset, or a broken pipe: the server closed on it
+            raised = exc
+        try:
+            while got := s.recv(65536):
+                answer += got
+        except ConnectionResetError as exc:
+            raised = raised or exc
+    return raised, answer
+
+
+def test_an_answer_given_mid_body_reaches_a_client_that_sends_before_it_reads(
+        door, abuse_settings):
+    """A body past its cap is answered 413 while it still arrives. Closed at once, the
+    connection's unread bytes turned into a reset and a client that sends before it reads
+    (curl) saw "connection reset" instead: the connection now lingers, reading and dropping
+    what still comes, so the whole body goes out and the 413 is read after it."""
+    key = new_key(abuse_settings)
+    block = b"{}\n" * (MiB // 3)
+    part = (b"--xyz\r\nContent-Disposition: form-data; name=\"file\"; "
+            b"filename=\"a.jsonl\"\r\n\r\n")
+    pieces = [b"%x\r\n%s\r\n" % (len(part), part)]
+    pieces += [b"%x\r\n%s\r\n" % (len(block), block)] * 64  # 64 MiB past a 4 MiB cap
+    pieces.append(b"0\r\n\r\n")
+    for expect in (True, False):
+        head = ["POST /v1/files HTTP/1.1", "Host: door", f"Authorization: Bearer {key}",
+                "Content-Type: multipart/form-data; boundary=xyz",
+                "Transfer-Encoding: chunked"] + (["Expect: 100-continue"] if expect else [])
+        raised, answer = send_then_read(door.port, head, pieces)
+        assert raised is None, f"expect={expect}: the client's sending failed: {raised!r}"
+        final = answer.split(b"HTTP/1.1 ")[-1]
+        assert final.startswith(b"413 "), (expect, answer[:300])
+        assert error_of(final.partition(b"\r\n\r\n")[2])["code"] in (
+            "request_too_large", "file_too_large")
