@@ -28,9 +28,12 @@ def _drafter(name, models):
                                      "none"])
 def test_greedy_equals_target_generate(drafter, tiny_models, tiny_tokenizer, make_requests,
                                        check_greedy):
-    requests = make_requests(24, seed=1)
+    mix = make_requests(24, seed=1)
     ties, accepted, proposed = 0, {}, {}
     for bs in BATCH_SIZES:
+        # one row at a time, each request runs alone whatever the mix: a third of it says
+        # as much (and costs half the test)
+        requests = mix[:8] if bs == 1 else mix
         engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer,
                                    _drafter(drafter, tiny_models), max_batch_size=bs,
                                    draft_length=4, adaptive=False)
