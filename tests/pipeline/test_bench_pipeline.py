@@ -34,13 +34,13 @@ def test_bench_fleet_runs_a_job_through_workers_exactly_once(settings, env_for, 
     is submitted; every item written once, and each figure the note quotes is there."""
     own = own_deployment(settings, "fleet")
     out = tmp_path / "fleet"
-    cmd = [sys.executable, "-m", "specq.api.cli", "bench-fleet", "--items", "1500",
+    cmd = [sys.executable, "-m", "specq.api.cli", "bench-fleet", "--items", "600",
            "--workers", "2", "--chunk-size", "50", "--small-items", "20", "--small-at", "0",
            "--output-dir", str(out)]
     done = subprocess.run(cmd, env=env_for(own), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     r = json.loads((out / "fleet.json").read_text())
-    assert r["exactly_once"] == {"items": 1500, "writes": 1500, "written_twice": 0,
+    assert r["exactly_once"] == {"items": 600, "writes": 600, "written_twice": 0,
                                  "not_completed": 0, "engine_faults": 0, "first_fault": None,
                                  "items_isolated": 0}
     assert r["small_job"]["exactly_once"]["writes"] == 20
@@ -49,4 +49,4 @@ def test_bench_fleet_runs_a_job_through_workers_exactly_once(settings, env_for, 
                 "status_s", "metrics_s", "export_s", "cli_status_s", "cli_metrics_s"):
         assert r[key] > 0, key
     assert all(m > 0 for m in r["worker_peak_mb"]) and len(r["worker_peak_mb"]) == 2
-    assert "exactly once: 1500 items, 1500 writes, 0 written twice" in done.stdout
+    assert "exactly once: 600 items, 600 writes, 0 written twice" in done.stdout
