@@ -306,6 +306,8 @@ def list_batches(request: Request, who: Who,
 def cancel_batch(request: Request, batch_id: str, who: Who) -> dict[str, Any]:
     client = request.app.state.client
     current = _fresh(client, who, batch_id)
+    if current["status"] == "cancelling":  # a cancel sent again (a client's retry after a
+        return current  # timeout): answered as the first was (llm-d's batch gateway too)
     if current["status"] not in ("in_progress", "validating"):
         raise ApiError(400, f"Cannot cancel a batch that is {current['status']}: only a batch "
                        "validating or in progress can be", param="batch_id",

@@ -19,7 +19,7 @@ import httpx2 as httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from specq.api.client import Client
 from specq.db.batches import storable
@@ -608,3 +608,33 @@ def test_an_answer_given_mid_body_reaches_a_client_that_sends_before_it_reads(
         assert final.startswith(b"413 "), (expect, answer[:300])
         assert error_of(final.partition(b"\r\n\r\n")[2])["code"] in (
             "request_too_large", "file_too_large")
+
+
+def test_a_cancel_sent_again_while_cancelling_gets_the_batch(door, abuse_settings):
+    """A client that retries its cancel (its first answer lost to a timeout) gets the
+    cancelling batch again, not a 400; a batch that has ended is still not cancellable."""
+    tenant = f"t-{uuid.uuid4().hex[:8]}"
+    key = new_key(abuse_settings, tenant)
+    client = Client(abuse_settings)
+    job = client.submit(["Say hi"], pair="tiny", enqueue=False)  # stored; no worker runs it
+    with client.sessions.begin() as s:
+        tenant_id = s.scalar(select(Tenant.id).where(Tenant.name == tenant))
+        s.execute(update(Job).where(Job.id == job.id).values(status="cancelling"))
+        now = utcnow()  # what a cancel of a running job leaves while its chunk finishes
+        s.add(Batch(openai_id=f"batch_{uuid.uuid4().hex[:24]}", tenant_id=tenant_id,
+                    job_id=job.id, status="submitted", input_file_id="file-x", endpoint=CHAT,
+                    completion_window="24h", created_at=now, in_progress_at=now,
+                    cancelling_at=now, expires_at=now + timedelta(days=1)))
+    http = httpx.Client(base_url=door.url, headers={"Authorization": f"Bearer {key}"},
+                        timeout=30)
+    (batch,) = http.get("/batches").json()["data"]
+    assert batch["status"] == "cancelling"
+    for _ in range(2):
+        again = http.post(f"/batches/{batch['id']}/cancel")
+        assert again.status_code == 200, again.text
+        assert again.json()["status"] == "cancelling"
+        assert again.json()["cancelling_at"] == batch["cancelling_at"]
+    with client.sessions.begin() as s:
+        s.execute(update(Job).where(Job.id == job.id).values(status="cancelled"))
+    ended = http.post(f"/batches/{batch['id']}/cancel")
+    assert ended.status_code == 400 and error_of(ended.content)["code"] == "batch_not_cancellable"
