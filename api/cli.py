@@ -478,7 +478,7 @@ def cmd_heavy(args: argparse.Namespace) -> int:
 def _job_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=_count())
     p.add_argument("--temperature", type=_number())
-    p.add_argument("--top-p", type=_number(0.0, inclusive=False))
+    p.add_argument("--top-p", type=_number(0.0))
     p.add_argument("--top-k", type=_count(low=0))
     p.add_argument("--stop", action="append", help="a stop string (repeatable)")
     p.add_argument("--seed", type=_converter("seed", _seed))

@@ -28,7 +28,10 @@ from specq.schema.generation import INT32_MAX, Request, SamplingParams, merge
 SAMPLING_FIELDS = frozenset(SamplingParams.model_fields)
 LINE_FIELDS = frozenset({"custom_id", "prompt", "messages"}) | SAMPLING_FIELDS
 OPENAI_URLS = {"/v1/chat/completions": "messages", "/v1/completions": "prompt"}
-OPENAI_IGNORED = frozenset({"model", "user", "stream"})  # accepted, not used
+# accepted, not used: who asks (user, safety_identifier), OpenAI's own caching, tiers and
+# stored-completion tags, none of which changes what a model writes
+OPENAI_IGNORED = frozenset({"model", "user", "stream", "safety_identifier", "prompt_cache_key",
+                            "service_tier", "metadata"})
 # OpenAI's own defaults for what a line leaves out (or sends as null): sampled at
 # temperature 1, no cap on new tokens but the model's context; a job's parameters given
 # explicitly (`Client.submit`'s sampling, the CLI's flags) go first
@@ -38,7 +41,9 @@ OPENAI_NOOPS: dict[str, tuple[Any, ...]] = {
     "logprobs": (False,), "top_logprobs": (0,), "presence_penalty": (0, 0.0),
     "frequency_penalty": (0, 0.0), "logit_bias": ({},), "tools": ([],),
     "tool_choice": ("none",), "parallel_tool_calls": (True, False),
-    "store": (True, False)}  # whether OpenAI keeps the completion: specq keeps every one
+    "store": (True, False),  # whether OpenAI keeps the completion: specq keeps every one
+    "modalities": (["text"],), "echo": (False,), "best_of": (1,)}  # (the last two:
+# /v1/completions' prompt echoed back, and candidates generated to return the best of)
 OPENAI_MAX_TEMPERATURE = 2  # OpenAI's range is 0 to 2
 # an OpenAI batch line's field that is none of its four (the HTTP door names it as it is)
 UNKNOWN_LINE_FIELD = "unknown field of a request line (it has custom_id, method, url, body)"

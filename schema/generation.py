@@ -34,7 +34,8 @@ class SamplingParams(Shaped):
         256, ge=1, le=INT32_MAX, strict=True,
         description="None: until the model's context ends (OpenAI's default, no cap)")
     temperature: float = Field(0.0, ge=0.0, le=1e6, strict=True)
-    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
+    top_p: float = Field(1.0, ge=0.0, le=1.0, strict=True,
+                         description="0 keeps the likeliest token alone (OpenAI and HF take 0)")
     top_k: int = Field(0, ge=0, le=INT32_MAX, strict=True, description="0 keeps every token")
     stop: list[str] = Field(default_factory=list, max_length=MAX_STOP_STRINGS)
     seed: int | None = Field(None, ge=0, lt=2**63, strict=True)

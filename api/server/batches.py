@@ -37,7 +37,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
 from specq.api.client import Client
-from specq.api.inputs import MAX_PROBLEMS, OPENAI_URLS, UNKNOWN_LINE_FIELD, InputError
+from specq.api.inputs import MAX_PROBLEMS, OPENAI_URLS, SAMPLING_FIELDS, InputError
 from specq.api.retention import EXPIRY_LIMITS
 from specq.api.server.auth import caller
 from specq.api.server.errors import NO_RETRY, ApiError, not_found
@@ -568,7 +568,6 @@ def openai_field(field: str, rest: str, endpoint: str) -> tuple[str, str]:
         if at:
             return at.group(2), at.group(1) + at.group(3)
         return ("body.messages" if endpoint == "/v1/chat/completions" else "body.prompt"), rest
-    if field.startswith("body.") or field in ("custom_id", "method", "url", "body") \
-            or rest.removeprefix(": ").startswith(UNKNOWN_LINE_FIELD):
-        return field, rest
-    return f"body.{SPECQ_FIELDS.get(field, field)}", rest
+    if field in SAMPLING_FIELDS:  # a parameter, by specq's name: the body's field
+        return f"body.{SPECQ_FIELDS.get(field, field)}", rest
+    return field, rest  # the line's own place (body.n, custom_id, a top-level field)

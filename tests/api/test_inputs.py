@@ -154,7 +154,10 @@ def test_the_http_door_names_each_bad_field_as_the_line_holds_it():
     under body., and no message speaks of specq's own names (max_new_tokens)."""
     cases = [({"extra": 1}, "extra"), ({"body": {"messages": [], "x_y": 1}}, "body.x_y"),
              ({"body": {"messages": [], "max_tokens": 5, "max_completion_tokens": 6}},
-              "body.max_completion_tokens")]
+              "body.max_completion_tokens"), ({"x": float("nan")}, "x"),
+             ({"y": float("inf")}, "y"), ({"body": {"messages": [], "top_p": -1}},
+                                          "body.top_p"),
+             ({"body": {"messages": [], "temperature": float("nan")}}, "body.temperature")]
     for over, param in cases:
         obj = {"custom_id": "r", "method": "POST", "url": "/v1/chat/completions",
                "body": {"messages": []}, **over}
@@ -170,6 +173,25 @@ def test_store_asks_for_nothing_and_is_served():
         row = normalise(line({"custom_id": "r", "body": {
             "messages": [{"role": "user", "content": "x"}], "store": store}}))
         assert row["params"] is None
+
+
+def test_fields_that_change_nothing_the_model_writes_are_served():
+    """Who asks, OpenAI's caching and tiers, values that ask for nothing: accepted, no
+    parameter set; top_p 0 is a parameter (the likeliest token alone)."""
+    body = {"safety_identifier": "u-1", "prompt_cache_key": "k", "service_tier": "flex",
+            "metadata": {"a": "b"}, "modalities": ["text"], "echo": False, "best_of": 1}
+    for url, kind, prompt in (("/v1/chat/completions", "messages",
+                               [{"role": "user", "content": "x"}]),
+                              ("/v1/completions", "prompt", "x")):
+        row = normalise(line({"custom_id": "r", "url": url, "body": {kind: prompt, **body}}))
+        assert row["params"] is None
+    row = normalise(line({"custom_id": "r", "url": "/v1/completions",
+                          "body": {"prompt": "x", "top_p": 0}}))
+    assert row["params"] == {"top_p": 0}
+    for asks in ({"echo": True}, {"best_of": 3}, {"modalities": ["text", "audio"]}):
+        with pytest.raises(ValueError, match=f"body.{next(iter(asks))}: not supported"):
+            normalise(line({"custom_id": "r", "url": "/v1/completions",
+                            "body": {"prompt": "x", **asks}}))
 
 
 def test_a_file_that_is_plainly_not_jsonl_says_what_it_is(tmp_path):

@@ -74,9 +74,11 @@ def logits_to_probs(
         drop = filt_k[:, None, None] & (rank >= top_k[:, None, None])
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         sorted_probs = sorted_logits.softmax(-1)
-        # keep the smallest prefix whose mass reaches top_p (the first token always stays)
+        # keep the smallest prefix whose mass reaches top_p (the first token always stays:
+        # top_p 0 keeps it alone)
         before = sorted_probs.cumsum(-1) - sorted_probs
-        drop = filt_p[:, None, None] & (before >= top_p[:, None, None].to(before.dtype))
+        drop = filt_p[:, None, None] & (before >= top_p[:, None, None].to(before.dtype)) \
+            & (rank > 0)
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
     probs = scaled.softmax(-1)

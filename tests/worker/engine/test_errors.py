@@ -8,7 +8,7 @@ from specq.worker.engine.speculative import SpeculativeEngine
 
 
 @pytest.mark.parametrize("field,value", [
-    ("temperature", -1), ("top_p", 0.0), ("top_p", 1.5), ("max_new_tokens", 0),
+    ("temperature", -1), ("top_p", -0.1), ("top_p", 1.5), ("max_new_tokens", 0),
     ("top_k", -2), ("stop", [""]),
 ])
 def test_impossible_parameters_name_the_field(field, value):

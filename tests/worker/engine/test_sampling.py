@@ -30,6 +30,14 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert torch.allclose(probs[2, 0], torch.tensor([0, 4 / 9, 2 / 9, 3 / 9]))
 
 
+def test_top_p_0_keeps_the_likeliest_token_alone():
+    """OpenAI and HF take top_p 0: the first token of the sorted distribution stays."""
+    logits = torch.log(torch.tensor([[[0.1, 0.4, 0.2, 0.3]]])).expand(2, 1, 4)
+    probs = logits_to_probs(logits, torch.tensor([1.0, 2.0]), torch.tensor([0, 3]),
+                            torch.tensor([0.0, 0.0]))
+    assert torch.equal(probs[:, 0], torch.tensor([[0.0, 1.0, 0.0, 0.0]] * 2))
+
+
 def test_keyed_uniforms_depend_only_on_seed_and_position():
     seeds = torch.tensor([7, 7, 8])
     pos = torch.tensor([[0, 1, 2], [0, 1, 2], [0, 1, 2]])
