@@ -232,12 +232,20 @@ class FileCheck(_Lines):
         if n == 1:
             text = text.removeprefix(codecs.BOM_UTF8)
         try:
-            text.decode("utf-8")
+            value = _json(text.decode("utf-8", "surrogatepass"))
         except UnicodeDecodeError as exc:
             self._fail(f"not valid UTF-8 (byte 0x{text[exc.start]:02x} at byte "
                        f"{exc.start + 1} of the line)", n, code="invalid_utf8")
             return
-        if text[:1] != b"{" or text[-1:] != b"}":
+        except json.JSONDecodeError as exc:  # parsed whole: two objects on a line, or lines
+            # ended by a lone CR, are refused here, not first when a batch reads the file
+            self._fail(f"not valid JSON ({exc.msg} at column {exc.colno}): a batch file is "
+                       f"JSONL, one request object per line", n, code="invalid_json_line")
+            return
+        except (ValueError, RecursionError):
+            self._fail("not valid JSON", n, code="invalid_json_line")
+            return
+        if not isinstance(value, dict):
             self._fail("not a JSON object: a batch file is JSONL, one request object per "
                        "line", n, code="invalid_json_line")
 

@@ -442,7 +442,7 @@ def counts(settings) -> tuple[int, int, int]:
 
 
 # (file, code, what the message says); the first ones are refused by the upload, at the
-# speed of the bytes, the rest when a batch is made of the file (each line read as JSON)
+# speed of the bytes (each line parsed as JSON), the rest when a batch is made of the file
 BAD_UPLOADS = {
     "not JSONL": (b"custom_id,prompt\nx,hello\n", "invalid_json_line", "line 1"),
     "not UTF-8": (jsonl([line("a", "ok")]) + b'{"custom_id": "\xff"}\n', "invalid_utf8",
@@ -450,10 +450,14 @@ BAD_UPLOADS = {
     "empty": (b"\n\n", "empty_file", "no requests"),
     "too many lines": (jsonl([line(f"n{i}", "x") for i in range(3001)]), "too_many_lines",
                        "3000"),
-}
-BAD_REQUESTS = {
     "not JSON": (jsonl([line("a", "x")]) + b"{custom_id: b}\n", "invalid_json_line",
                  "line 2"),
+    "two objects on a line": (jsonl([line("a", "x")]).rstrip(b"\n") * 2 + b"\n",
+                              "invalid_json_line", "Extra data"),
+    "lines ended by a lone CR": (jsonl([line("a", "x"), line("b", "y")]).replace(b"\n", b"\r"),
+                                 "invalid_json_line", "line 1"),
+}
+BAD_REQUESTS = {
     "mixed models": (jsonl([line("a", "x"), line("b", "y", model="tiny")]), "mixed_models",
                      "line 2"),
     "unknown model": (jsonl([line("a", "x", model="gpt-4o")]), "model_not_found",
