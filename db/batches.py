@@ -21,6 +21,7 @@ from specq.db import views, webhooks
 from specq.db.models import (
     Batch,
     Chunk,
+    DeletedFile,
     File,
     FilePart,
     Item,
@@ -88,15 +89,20 @@ def get_file(session: Session, *, tenant_id: int, openai_id: str) -> File | None
 
 
 def _page(session: Session, model: Any, *, tenant_id: int, after: str | None, limit: int,
-          ascending: bool = False, where: Sequence[Any] = ()) -> tuple[list[Any], bool]:
+          ascending: bool = False, where: Sequence[Any] = (), gone: Any = None
+          ) -> tuple[list[Any], bool]:
     """A page of ``model`` rows of the tenant after the one whose id is ``after``, newest
-    first (oldest first if ``ascending``), and whether more follow."""
+    first (oldest first if ``ascending``), and whether more follow. ``gone``: where the ids
+    of deleted rows are kept with their places (a cursor naming one still pages)."""
     stmt = select(model).where(model.tenant_id == tenant_id, *where)
     if after is not None:
         if not could_be_id(after):
             raise KeyError(after)
         seq = session.scalar(select(model.id).where(model.openai_id == after,
                                                     model.tenant_id == tenant_id))
+        if seq is None and gone is not None:
+            seq = session.scalar(select(gone.seq).where(gone.openai_id == after,
+                                                        gone.tenant_id == tenant_id))
         if seq is None:
             raise KeyError(after)
         stmt = stmt.where(model.id > seq if ascending else model.id < seq)
@@ -109,12 +115,7 @@ def list_files(session: Session, *, tenant_id: int, after: str | None, limit: in
                ascending: bool = False, purpose: str | None = None) -> tuple[list[File], bool]:
     where = [_shown()] + ([] if purpose is None else [File.purpose == purpose])
     return _page(session, File, tenant_id=tenant_id, after=after, limit=limit,
-                 ascending=ascending, where=where)
-
-
-def delete_file(session: Session, *, file_id: int) -> None:
-    session.execute(FilePart.__table__.delete().where(FilePart.file_id == file_id))
-    session.execute(File.__table__.delete().where(File.id == file_id))
+                 ascending=ascending, where=where, gone=DeletedFile)
 
 
 def set_file_bytes(session: Session, *, file_id: int, size: int) -> None:

@@ -31,6 +31,7 @@ from specq.api.server.uploads import (
 )
 from specq.configs.settings import Settings
 from specq.db import batches as store
+from specq.db import retention
 from specq.db.models import File, as_utc, utcnow
 from specq.db.tenants import Caller
 
@@ -182,7 +183,7 @@ def get_file(request: Request, file_id: str, who: Who) -> dict[str, Any]:
 def delete_file(request: Request, file_id: str, who: Who) -> dict[str, Any]:
     row = _file(request, who, file_id)
     with request.app.state.client.sessions.begin() as s:
-        store.delete_file(s, file_id=row.id)
+        retention.delete_files(s, file_ids=[row.id])  # its id kept: a cursor on it pages
     if row.kind == "input" and row.stored_in == "directory":
         store_path(request.app.state.settings.files_dir, row.openai_id).unlink(missing_ok=True)
     return {"id": row.openai_id, "object": "file", "deleted": True}

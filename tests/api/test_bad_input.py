@@ -98,7 +98,8 @@ OUT_OF_RANGE = {
     "temperature": st.floats(max_value=-1e-12) | st.integers(max_value=-1) | NON_FINITE
     | st.floats(min_value=1e6, exclude_min=True) | BEYOND_INT64,
     "top_p": st.floats(max_value=0.0, exclude_max=True)
-    | st.floats(min_value=1.0, exclude_min=True) | st.integers(max_value=-1) | st.integers(min_value=2) | NON_FINITE,
+    | st.floats(min_value=1.0, exclude_min=True) | st.integers(max_value=-1)
+    | st.integers(min_value=2) | NON_FINITE,
     "top_k": st.integers(max_value=-1) | st.integers(min_value=2**31) | NON_FINITE,
     "stop": BAD_STOP,
     "seed": st.integers(max_value=-1) | st.integers(min_value=2**63) | NON_FINITE,
