@@ -102,6 +102,12 @@ def sweep(settings: Settings, *, sessions: sessionmaker[Session] | None = None,
             _sweep_job(settings, sessions, job_id, now, report)
         if len(jobs) < rows:
             break
+    forget_before = now - timedelta(seconds=retention.DELETED_FILES_KEPT)
+    while True:  # ids of files deleted long ago: no listing's cursor names them any more
+        with sessions.begin() as s:
+            forgotten = retention.old_deleted_files(s, before=forget_before, limit=rows)
+        if forgotten < rows:
+            break
     while settings.retention_webhooks is not None:
         with sessions.begin() as s:
             ids = retention.old_deliveries(

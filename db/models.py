@@ -323,6 +323,21 @@ class FilePart(Base):
     data: Mapped[bytes] = mapped_column(LargeBinary)
 
 
+class DeletedFile(Base):
+    """A file deleted (through the API, or by the retention sweep) kept by its id, so that a
+    listing's cursor still finds its place: the SDKs page with the last id they were given,
+    which a loop deleting what it lists has just deleted. Swept once DELETED_FILES_KEPT has
+    passed (db/retention.py)."""
+
+    __tablename__ = "deleted_files"
+
+    openai_id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(Integer)  # the file's row id: its place in a listing
+    deleted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow,
+                                                 index=True)
+
+
 class Batch(Base):
     """A batch of the Batch API: its request, and the job that runs it. Its status is the
     job's once the job exists (api/server/batches.py); before, validating or failed."""

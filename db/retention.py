@@ -16,6 +16,8 @@ What expires:
                           retention_keep_metrics off the job, its items, chunks and batch
     a webhook delivery    retention_webhooks after it was made, once delivered or given up:
                           the row and its attempts (pending ones stay)
+    a deleted file's id   DELETED_FILES_KEPT after its deletion (what places a listing's
+                          cursor that names it: db/models.py DeletedFile)
 
 Each statement changes at most ``rows`` rows and each batch is its own transaction (the
 caller's), so a sweep never holds a long lock, and one stopped half-way is taken up where
@@ -27,12 +29,13 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import delete, func, or_, select, update
+from sqlalchemy import delete, func, insert, literal, or_, select, update
 from sqlalchemy.orm import Session
 
 from specq.db.models import (
     Batch,
     Chunk,
+    DeletedFile,
     File,
     FilePart,
     Item,
@@ -40,10 +43,12 @@ from specq.db.models import (
     JobStatus,
     WebhookAttempt,
     WebhookDelivery,
+    utcnow,
 )
 from specq.db.session import changed
 
 FINISHED = tuple(s.value for s in JobStatus if s.finished)
+DELETED_FILES_KEPT = 7 * 86400  # seconds a deleted file's id still places a listing's cursor
 TEXTS = ("prompt", "messages", "output", "token_ids")  # what emptying a job's results drops
 
 
@@ -79,11 +84,24 @@ def known_files(session: Session, *, openai_ids: list[str]) -> set[str]:
 
 
 def delete_files(session: Session, *, file_ids: list[int]) -> int:
-    """The files' rows and the parts kept in the database; how many rows."""
+    """The files' rows and the parts kept in the database, each id kept in deleted_files;
+    how many rows."""
     if not file_ids:
         return 0
+    now = literal(utcnow(), DeletedFile.deleted_at.type)
+    gone = select(File.openai_id, File.tenant_id, File.id, now).where(File.id.in_(file_ids))
+    session.execute(insert(DeletedFile).from_select(
+        ["openai_id", "tenant_id", "seq", "deleted_at"], gone))
     session.execute(delete(FilePart).where(FilePart.file_id.in_(file_ids)))
     return changed(session.execute(delete(File).where(File.id.in_(file_ids))))
+
+
+def old_deleted_files(session: Session, *, before: datetime, limit: int) -> int:
+    """Forget the ids of files deleted before ``before`` (``limit`` at most); how many."""
+    ids = select(DeletedFile.openai_id).where(DeletedFile.deleted_at < before) \
+        .order_by(DeletedFile.deleted_at).limit(limit)
+    return changed(session.execute(delete(DeletedFile).where(DeletedFile.openai_id.in_(
+        ids.scalar_subquery()))))
 
 
 def _batch_jobs(before: datetime) -> Any:

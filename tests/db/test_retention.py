@@ -16,8 +16,8 @@ from specq.api.server.uploads import store_path
 from specq.configs.settings import Settings
 from specq.db import batches as store
 from specq.db import repository as repo
-from specq.db import tenants
-from specq.db.models import Chunk, File, FilePart, Item, Job, utcnow
+from specq.db import retention, tenants
+from specq.db.models import Chunk, DeletedFile, File, FilePart, Item, Job, utcnow
 from specq.db.session import migrate, session_factory
 
 from ..conftest import fresh_pg_database
@@ -262,3 +262,47 @@ def test_bytes_no_row_names_go_once_an_hour_old(own_url, tmp_path):
     sweep(settings)
     assert sorted(p.name for p in settings.files_dir.iterdir()) == [
         "file-named.jsonl", "file-young.jsonl"]
+
+
+def test_a_listing_pages_on_after_its_cursors_file_is_deleted(own_url, tmp_path):
+    """The SDKs page with the last id they were given: a loop that deletes every file it
+    lists asks for the page after a deleted file. Its place is kept (deleted_files) and
+    the listing goes on, newest first or oldest first, until the sweep forgets it."""
+    settings = settings_for(own_url, tmp_path, retention_sweep_rows=2)
+    sessions = session_factory(own_url)
+    with sessions.begin() as s:
+        tid = tenants.authenticate(s, key=tenants.create_key(s, tenant="t")).tenant_id
+        other = tenants.authenticate(s, key=tenants.create_key(s, tenant="u")).tenant_id
+    for ascending, name in ((False, "n"), (True, "a")):
+        with sessions.begin() as s:
+            for i in range(7):
+                store.add_file(s, openai_id=f"file-{name}{i}", tenant_id=tid, kind="input",
+                               purpose="batch", filename="a.jsonl", bytes=3, lines=1,
+                               stored_in="database")
+        seen, after = [], None
+        while True:  # what a delete-all loop over the SDK's auto-pagination does
+            with sessions.begin() as s:
+                page, more = store.list_files(s, tenant_id=tid, after=after, limit=3,
+                                              ascending=ascending)
+                retention.delete_files(s, file_ids=[f.id for f in page])
+            seen += [f.openai_id for f in page]
+            if not more:
+                break
+            after = page[-1].openai_id
+        made = [f"file-{name}{i}" for i in range(7)]
+        assert seen == (made if ascending else made[::-1])
+        with sessions() as s:
+            assert store.list_files(s, tenant_id=tid, after=None, limit=3)[0] == []
+    with sessions() as s:  # a deleted file's id is its tenant's only
+        with pytest.raises(KeyError):
+            store.list_files(s, tenant_id=other, after="file-n3", limit=3)
+        assert store.list_files(s, tenant_id=tid, after="file-n3", limit=3) == ([], False)
+    now = utcnow()
+    sweep(settings, now=now + timedelta(seconds=retention.DELETED_FILES_KEPT - 60))
+    with sessions() as s:
+        assert store.list_files(s, tenant_id=tid, after="file-n3", limit=3) == ([], False)
+    sweep(settings, now=now + timedelta(seconds=retention.DELETED_FILES_KEPT + 60))
+    with sessions() as s:
+        assert s.scalar(select(func.count()).select_from(DeletedFile)) == 0
+        with pytest.raises(KeyError):
+            store.list_files(s, tenant_id=tid, after="file-n3", limit=3)

@@ -410,6 +410,20 @@ def test_lists_page_newest_first(sdk):
     assert len(list(sdk.files.list(limit=3))) == 1 + 2 * 5  # now 5 error files too
 
 
+def test_a_loop_deleting_what_it_lists_pages_to_the_end(sdk):
+    """The SDK pages with the last id of a page; deleted as they are listed, that file is
+    gone when the next page is asked for: the listing goes on past it, newest first or
+    oldest first."""
+    for order in ("desc", "asc"):
+        made = [upload(sdk, [line(f"d{i}", "x")], name=f"{i}.jsonl").id for i in range(7)]
+        deleted = []
+        for f in sdk.files.list(limit=3, order=order):
+            assert sdk.files.delete(f.id).deleted
+            deleted.append(f.id)
+        assert deleted == (made if order == "asc" else made[::-1])
+        assert sdk.files.list().data == []
+
+
 def test_an_upload_whose_bytes_are_gone_is_a_404_not_a_cut_body(sdk, http_settings):
     """A row whose bytes went from under it (a sweep or a delete racing the download) is
     answered 404 before any byte, not 200 with a body cut short."""
