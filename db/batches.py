@@ -118,8 +118,14 @@ def list_files(session: Session, *, tenant_id: int, after: str | None, limit: in
                  ascending=ascending, where=where, gone=DeletedFile)
 
 
-def set_file_bytes(session: Session, *, file_id: int, size: int) -> None:
-    session.execute(update(File).where(File.id == file_id).values(bytes=size))
+def set_file_bytes(session: Session, *, file_id: int, size: int,
+                   created_at: datetime | None = None) -> None:
+    """An output or error file made whole: its size, and its ``created_at`` (its batch's end,
+    where OpenAI makes the file; the row was made with the batch, for partial downloads)."""
+    values: dict[str, Any] = {"bytes": size}
+    if created_at is not None:
+        values["created_at"] = created_at
+    session.execute(update(File).where(File.id == file_id).values(**values))
 
 
 # -- batches ------------------------------------------------------------------------------

@@ -87,4 +87,4 @@ def _lines(client: Any, row: File, batch: Batch, job: Any) -> Iterator[bytes]:
             yield data
     if finished and row.bytes != size:  # the whole file: its size is known from now on
         with client.sessions.begin() as s:
-            store.set_file_bytes(s, file_id=row.id, size=size)
+            store.set_file_bytes(s, file_id=row.id, size=size, created_at=job.finished_at)

@@ -157,6 +157,7 @@ def test_upload_create_poll_download_and_a_restart_loses_nothing(
     assert [x.filename for x in sdk.files.list()] == [f"{batch.id}_output.jsonl", "in.jsonl"]
     output = sdk.files.retrieve(done.output_file_id)
     assert output.expires_at == done.completed_at + 7200  # output_expires_after, from its end
+    assert output.created_at == done.completed_at  # made whole there, as OpenAI makes it
     size = output.bytes  # known before any download
     assert size > 0 and size == len(sdk.files.content(done.output_file_id).content)
 
