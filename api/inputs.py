@@ -481,6 +481,9 @@ def _openai(raw: dict[str, Any]) -> dict[str, Any]:
         keys[name] = key
     if body.get(kind) is None:
         raise _Problem(f"body.{kind}: required for {url}")
+    if kind == "prompt" and isinstance(body["prompt"], list):
+        raise _Problem("body.prompt: one prompt string per request; an array (of prompts or "
+                       "of token ids) is not served: give each prompt a line of its own")
     try:
         SamplingParams.model_validate(params)
     except ValidationError as exc:  # named as the line names it: body.max_tokens

@@ -186,6 +186,10 @@ class LineScan(_Lines):
             self._fail(f"method: must be POST, got {show(value.get('method'))}", n, "method")
             return
         url = value.get("url")
+        if url is None:
+            self._fail(f"url: required in a batch line, one of {', '.join(OPENAI_URLS)}", n,
+                       "url", "missing_url")
+            return
         if not isinstance(url, str) or url not in OPENAI_URLS:
             self._fail(f"url: {show(url)} is not served; one of {', '.join(OPENAI_URLS)}", n,
                        "url", "unsupported_url")

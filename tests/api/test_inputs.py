@@ -188,6 +188,10 @@ def test_fields_that_change_nothing_the_model_writes_are_served():
     row = normalise(line({"custom_id": "r", "url": "/v1/completions",
                           "body": {"prompt": "x", "top_p": 0}}))
     assert row["params"] == {"top_p": 0}
+    for prompt in (["a", "b"], [1, 2, 3]):
+        with pytest.raises(ValueError, match="body.prompt: one prompt string per request"):
+            normalise(line({"custom_id": "r", "url": "/v1/completions",
+                            "body": {"prompt": prompt}}))
     for asks in ({"echo": True}, {"best_of": 3}, {"modalities": ["text", "audio"]}):
         with pytest.raises(ValueError, match=f"body.{next(iter(asks))}: not supported"):
             normalise(line({"custom_id": "r", "url": "/v1/completions",

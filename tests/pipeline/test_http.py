@@ -482,6 +482,8 @@ BAD_REQUESTS = {
     "duplicate custom_id": (jsonl([line("a", "x"), line("a", "y")]), "duplicate_custom_id",
                             "line 2"),
     "stream": (jsonl([line("a", "x", stream=True)]), "stream_not_supported", "body.stream"),
+    "no url": (jsonl([{k: v for k, v in line("a", "x").items() if k != "url"}]),
+               "missing_url", "url: required"),
     "unsupported url": (jsonl([{**line("a", "x"), "url": "/v1/embeddings"}]),
                         "unsupported_url", "/v1/embeddings"),
 }
@@ -584,6 +586,10 @@ def test_refusals_of_uploads_and_creates(sdk, server, http_settings):
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_json"
     missing = httpx.post(f"{server.url}/batches", json={"endpoint": CHAT}, headers=headers)
     assert missing.status_code == 400 and missing.json()["error"]["param"] == "input_file_id"
+    for body, said in ((b"", "none was sent"), (b"[]", "got an array"), (b"null", "none was"),
+                       (b"7", "got a number"), (b'"x"', "got a string")):
+        odd = httpx.post(f"{server.url}/batches", content=body, headers=headers)
+        assert odd.status_code == 400 and said in odd.json()["error"]["message"], (body, odd.text)
     plain = httpx.post(f"{server.url}/batches", content=b'{"input_file_id": "file-x"}',
                        headers={**headers, "Content-Type": "text/plain"})
     assert plain.status_code == 400 and plain.json()["error"]["code"] == "invalid_content_type"
