@@ -23,7 +23,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Literal
 
 from specq.api.client import INPUT_COLUMNS, ItemResult, Job, item_id
-from specq.api.outputs import OutputError, OutputFile, check_output
+from specq.api.outputs import OutputError, OutputFile, check_output, said_of
 from specq.db import repository as repo
 from specq.db.models import ItemStatus
 from specq.schema.counters import ARRAYS, SCALARS, acceptance_rate
@@ -51,10 +51,12 @@ class JsonlSink:
         self._file = OutputFile(self.path)
 
     def write(self, rows: list[dict[str, Any]]) -> None:
-        self._file.stream.writelines(json_line(r) + "\n" for r in rows)
+        with said_of(self._file):
+            self._file.stream.writelines(json_line(r) + "\n" for r in rows)
 
     def close(self) -> None:
-        self._file.close()
+        with said_of(self._file):
+            self._file.close()
 
     def abort(self) -> None:
         """Stop writing and remove what was written (a stream keeps what it was sent)."""
@@ -83,20 +85,22 @@ class ParquetSink:
         if self.schema is None:
             self.schema = infer_schema(rows)
         table = arrow_table(rows, self.schema)
-        if self._writer is None:
-            self._writer = pq.ParquetWriter(self._file.stream, self.schema)
-        self._writer.write_table(table, row_group_size=len(rows))
+        with said_of(self._file):
+            if self._writer is None:
+                self._writer = pq.ParquetWriter(self._file.stream, self.schema)
+            self._writer.write_table(table, row_group_size=len(rows))
 
     def close(self) -> None:
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        if self._writer is None:  # no rows: still a valid, empty file
-            pq.write_table(pa.Table.from_pylist([], schema=self.schema or pa.schema([])),
-                           self._file.stream)
-        else:
-            self._writer.close()  # writes the footer; the file stays open for close()
-        self._file.close()
+        with said_of(self._file):
+            if self._writer is None:  # no rows: still a valid, empty file
+                pq.write_table(pa.Table.from_pylist([], schema=self.schema or pa.schema([])),
+                               self._file.stream)
+            else:
+                self._writer.close()  # writes the footer; the file stays open for close()
+            self._file.close()
 
     def abort(self) -> None:
         """Stop writing and remove what was written. The file is closed before the writer,

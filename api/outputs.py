@@ -28,6 +28,7 @@ import os
 import re
 import stat
 import sys
+import tempfile
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -82,13 +83,26 @@ def check_output(path: str | os.PathLike, fmt: str = "jsonl") -> str:
             raise OutputError(f"output: {text}: {parent} is not a directory")
         if not os.access(parent, os.W_OK | os.X_OK):
             raise OutputError(f"output: {text}: directory {parent} is not writable")
-    except OSError as exc:  # a name too long, a loop of links
+        _try_a_file_in(parent, text)
+    except OSError as exc:  # a name too long, a loop of links, no file can be made there
         raise OutputError(f"output: {text}: {exc.strerror or exc}") from None
     return text
 
 
 _DESCRIPTOR = re.compile(r"/dev/fd/(\d+)|/proc/(?:self|(\d+))/fd/(\d+)")
 _STANDARD = {"/dev/stdout": 1, "/dev/stderr": 2}
+
+
+def _try_a_file_in(directory: Path, text: str) -> None:
+    """A file made and removed in ``directory``: what access() cannot tell (root passes it
+    everywhere; /proc, a read-only mount), found before a job is run for nothing."""
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".specq-check-", dir=directory)
+    except OSError as exc:
+        raise OutputError(f"output: {text}: no file can be made in {directory} "
+                          f"({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
 
 
 def descriptor(path: str | os.PathLike) -> int | None:
@@ -153,11 +167,19 @@ class OutputFile:
                                encoding=None if binary else "utf-8")
         else:
             self._target = Path(os.path.realpath(self.path))
-            self._target.parent.mkdir(parents=True, exist_ok=True)
             self._part = part_path(self._target)
-            fd = _create_part(self._part, self._target)
+            try:
+                self._target.parent.mkdir(parents=True, exist_ok=True)
+                fd = _create_part(self._part, self._target)
+            except OSError as exc:
+                raise self.error(exc) from None
             self.stream = os.fdopen(fd, "wb" if binary else "w",
                                     encoding=None if binary else "utf-8")
+
+    def error(self, exc: OSError) -> OutputError:
+        """``exc`` said of the path asked for (not of the hidden part file, nor of nothing,
+        as a write's error is)."""
+        return OutputError(f"output: {self.path}: {exc.strerror or exc}")
 
     def close(self) -> None:
         """Finish the output: a part file is renamed over its target. One that cannot be
@@ -194,9 +216,31 @@ class OutputFile:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:
         if kind is None:
-            self.close()
+            try:
+                self.close()
+            except OSError as exc:  # the last bytes, or the rename
+                raise self.error(exc) from exc
         else:
             self.abort()
+            if isinstance(error, OSError) and _failed_write(error):
+                raise self.error(error) from error
+
+
+def _failed_write(error: BaseException | None) -> bool:
+    """Whether ``error`` is a write's own failure (a full disk, a device's end), said
+    without the path; a reader gone (a broken pipe) is not: the CLI ends quietly there."""
+    return isinstance(error, OSError) and not isinstance(error, (BrokenPipeError, OutputError))
+
+
+@contextlib.contextmanager
+def said_of(out: OutputFile) -> Any:
+    """Within it, a write's failure is an OutputError naming ``out``'s path."""
+    try:
+        yield
+    except OSError as exc:
+        if not _failed_write(exc):
+            raise
+        raise out.error(exc) from exc
 
 
 def _create_part(part: Path, target: Path) -> int:

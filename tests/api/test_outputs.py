@@ -99,9 +99,34 @@ def test_a_file_that_cannot_be_put_in_place_leaves_no_part_file(tmp_path):
     path = tmp_path / "out.jsonl"
     sink = JsonlSink(path)
     path.mkdir()  # after the check and the open: the rename at close fails
-    with pytest.raises(IsADirectoryError):
-        write_batches(sink, ROWS)
+    with pytest.raises(OutputError, match=f"output: {path}: Is a directory"):
+        write_batches(sink, ROWS)  # (the path asked for, not the hidden part file)
     assert sorted(tmp_path.iterdir()) == [path]
+
+
+def test_a_place_no_file_can_be_made_in_is_refused_before_any_work():
+    """access() passes root everywhere; /proc takes no new file all the same: found by
+    making one there, before a job runs for an output it cannot write."""
+    if not Path("/proc/self").is_dir():
+        pytest.skip("no /proc here")
+    with pytest.raises(OutputError, match="no file can be made in /proc"):
+        check_output("/proc/out.jsonl")
+
+
+@pytest.mark.parametrize("sink", [JsonlSink, ParquetSink])
+def test_a_write_that_fails_names_the_output(tmp_path, sink):
+    """A full disk (a copy of /dev/full) is said of the path asked for, not as a bare
+    "No space left on device"."""
+    if os.geteuid() != 0:
+        pytest.skip("making a device node needs root")
+    path = tmp_path / "full"
+    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
+    try:
+        os.close(os.open(path, os.O_WRONLY))
+    except PermissionError:
+        pytest.skip("tmp_path is on a file system mounted nodev")
+    with pytest.raises(OutputError, match=f"output: {path}: No space left on device"):
+        write_batches(sink(path), ROWS * 5000)
 
 
 def test_a_failed_parquet_export_to_a_fifo_is_no_parquet_file(tmp_path):
