@@ -235,6 +235,9 @@ def open_source(source: Source) -> tuple[str | None, Iterable[tuple[str, Any]]]:
     if isinstance(source, (bytes, bytearray, Mapping)) or not isinstance(source, Iterable):
         raise InputError([f"prompts: expected a file path or a list of prompts, got "
                           f"{type(source).__name__}"])
+    if isinstance(source, (set, frozenset)):  # items are stored by their place: none here
+        raise InputError([f"prompts: a {type(source).__name__} has no order, and each item "
+                          f"keeps its place; give a list (sorted(...), or as written)"])
     items = source if isinstance(source, (list, tuple)) else list(source)
     return None, [(f"prompt {i + 1}", raw) for i, raw in enumerate(items)]
 
@@ -408,6 +411,9 @@ def normalise(raw: Any) -> dict[str, Any]:
         return {"custom_id": None, "prompt": None, "messages": raw, "params": None}
     if "body" in raw:
         return _openai(raw)
+    if "url" in raw or "method" in raw:  # an OpenAI batch line that lost its body
+        raise _Problem("body: required in an OpenAI batch line (custom_id, method, url, "
+                       "body), the request's parameters")
     unknown = sorted(set(raw) - LINE_FIELDS)
     if unknown:
         raise _Problem(f"{show(unknown[0])}: unknown field (known: "

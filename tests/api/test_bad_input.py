@@ -442,6 +442,19 @@ def test_a_source_that_is_neither_file_nor_list(lite, source):
     only_problem(refused(lite, source), "prompts", "expected a file path or a list")
 
 
+@pytest.mark.parametrize("source", [{"a", "b"}, frozenset({"a"})])
+def test_a_set_of_prompts_is_refused_for_having_no_order(lite, source):
+    only_problem(refused(lite, source), "prompts", "has no order")
+
+
+def test_an_openai_line_without_its_body_says_so(lite, scratch):
+    path = scratch / "nobody.jsonl"
+    path.write_text('{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions"}\n')
+    assert refused(lite, path).problems == [
+        "line 1: body: required in an OpenAI batch line (custom_id, method, url, body), the "
+        "request's parameters"]
+
+
 def test_file_problems_are_named(lite, scratch):
     assert "a directory" in only_problem(refused(lite, scratch), str(scratch), "directory")
     path = scratch / "latin1.jsonl"
