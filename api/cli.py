@@ -750,7 +750,8 @@ def cmd_synth_run(args: argparse.Namespace) -> int:
 def cmd_synth_check(args: argparse.Namespace) -> int:
     from specq.api import synthesis
 
-    spec, rows = synthesis.check_spec(args.spec, get_settings().presets_file)
+    settings = get_settings()
+    spec, rows = synthesis.check_spec(args.spec, settings.presets_file, Client(settings))
     print(f"{args.spec}: valid; {rows} seed rows x n={spec.n} = {rows * spec.n} samples")
     return 0
 

@@ -33,6 +33,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import string
 from collections.abc import Iterator
 from datetime import datetime, timezone
@@ -335,9 +336,12 @@ def _reason(exc: BaseException) -> str:
     return show(text, 300)
 
 
-def check_spec(path: str | os.PathLike, presets_file: Path | None) -> tuple[SynthSpec, int]:
+def check_spec(path: str | os.PathLike, presets_file: Path | None,
+               client: Client | None = None) -> tuple[SynthSpec, int]:
     """The spec at ``path`` checked as `specq synth run` would take it, with no model loaded:
-    its fields, its pair among the presets, every seed row rendered. SpecError names each
+    its fields, its pair among the presets, every seed row rendered; with ``client``, every
+    request too as its submit checks them (prompt lengths against the model's context,
+    where its tokenizer is on this machine), storing nothing. SpecError names each
     problem. Returns it and its number of seed rows."""
     from specq.configs.presets import UnknownPair, get_preset
 
@@ -346,7 +350,35 @@ def check_spec(path: str | os.PathLike, presets_file: Path | None) -> tuple[Synt
         get_preset(spec.pair, presets_file)
     except UnknownPair as exc:
         raise SpecError([f"{path}: pair: {exc.args[0]}"]) from None
-    return spec, check_rows(spec, str(path))
+    rows = check_rows(spec, str(path))
+    if client is not None:
+        try:
+            client.check(list(requests(spec)), pair=spec.pair, **_job_params(spec))
+        except InputError as exc:
+            raise SpecError(by_row(spec, exc.problems, str(path))) from None
+    return spec, rows
+
+
+REQUEST_AT = re.compile(r"prompt (\d+): (.*)", re.S)  # an entry's problem, as submit names it
+
+
+def by_row(spec: SynthSpec, problems: list[str], where: str) -> list[str]:
+    """Problems of the spec's requests ('prompt K: ...', K from 1) said of the template's
+    seed row they came from, once a row: its n samples share their text."""
+    out: list[str] = []
+    for problem in problems:
+        found = REQUEST_AT.fullmatch(problem)
+        said = problem if found is None else \
+            f"{where}: template: row {(int(found.group(1)) - 1) // spec.n}: {found.group(2)}"
+        if said not in out:
+            out.append(said)
+    return out
+
+
+def _job_params(spec: SynthSpec) -> dict[str, Any]:
+    """The job-wide parameters its submit gives: its sampling and response_format."""
+    shape = {"response_format": spec.response_format} if spec.response_format else {}
+    return {**spec.sampling, **shape}
 
 
 def check_rows(spec: SynthSpec, where: str = "spec") -> int:
@@ -401,10 +433,13 @@ def requests(spec: SynthSpec) -> Iterator[dict[str, Any]]:
 def submit(client: Client, spec: SynthSpec, *, schedule: str | None = None) -> Job:
     """Submit the spec as an ordinary job that records its spec and schedule."""
     origin = {"spec": spec.name, "schedule": schedule, "synthesis": spec.model_dump()}
-    shape: dict[str, Any] = {"response_format": spec.response_format} \
-        if spec.response_format else {}
-    job = client.submit(list(requests(spec)), pair=spec.pair, chunk_size=spec.chunk_size,
-                        origin=origin, priority=spec.priority, **spec.sampling, **shape)
+    try:
+        job = client.submit(list(requests(spec)), pair=spec.pair, chunk_size=spec.chunk_size,
+                            origin=origin, priority=spec.priority, **_job_params(spec))
+    except SpecError:
+        raise
+    except InputError as exc:  # a request's problem is its template row's
+        raise SpecError(by_row(spec, exc.problems, "spec"), exc.truncated) from None
     log.info("synthesis %s%s: job %d submitted", spec.name,
              f" (schedule {schedule})" if schedule else "", job.id)
     return job

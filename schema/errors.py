@@ -15,7 +15,7 @@ class InputError(ValueError):
     title = "invalid job spec"
 
     def __init__(self, problems: list[str], truncated: bool = False) -> None:
-        self.problems = problems
+        self.problems, self.truncated = problems, truncated
         if len(problems) == 1 and not truncated:
             message = f"{self.title}: {problems[0]}"
         else:

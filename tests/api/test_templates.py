@@ -89,6 +89,14 @@ def test_synth_check_prints_one_line_and_submits_nothing(tmp_path, capsys, monke
                 err = capsys.readouterr().err
                 assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
                 assert err.startswith(f"error: invalid synthesis spec: {path}: template: row 0")
+        # rows whose prompts the model cannot take: check finds what run would refuse,
+        # each seed row named once (its n samples share the text)
+        capsys.readouterr()
+        assert cli.main(["synth", "check", too_long(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err
+        assert "template: row 1: prompt: at least 3000 tokens, the model's context is " \
+            "512" in err, err
         # a pair no preset names: check says so, as run would, not "valid"
         path = spec_file(tmp_path, pair="nope")
         capsys.readouterr()
@@ -99,6 +107,23 @@ def test_synth_check_prints_one_line_and_submits_nothing(tmp_path, capsys, monke
     finally:
         get_settings.cache_clear()
     assert not db.exists() or jobs(f"sqlite:///{db}") == 0
+
+
+def too_long(tmp_path) -> str:
+    """A spec whose second seed row renders a prompt past the tiny pair's context."""
+    return spec_file(tmp_path, template="{% if topic == 'bread' %}{{ 'word ' * 3000 }}"
+                                        "{% else %}About {{ topic }}{% endif %}")
+
+
+def test_run_names_the_row_whose_prompt_the_model_cannot_take(db_client, tmp_path):
+    """What the job's submit refuses ('prompt 4: ...') is said of the template's seed row,
+    once for its n samples, and nothing is stored."""
+    before = jobs(db_client.settings.sqlalchemy_url)
+    with pytest.raises(SpecError) as err:
+        synthesis.submit(db_client, load_spec(too_long(tmp_path)))
+    (problem,) = err.value.problems
+    assert problem.startswith("spec: template: row 1: prompt: at least 3000 tokens"), problem
+    assert jobs(db_client.settings.sqlalchemy_url) == before  # (others' jobs may share it)
 
 
 def jobs(url: str) -> int:
