@@ -16,6 +16,9 @@ of whose items is pending (their last writer died before it could),
 and keeps every unfinished job's turn on its queue: a job with chunks not sent yet and
 fewer than ``dispatch_window`` messages on the broker gets its next chunks sent (a producer
 that died before sending any, a submission while the broker was down, a flushed broker).
+A chunk sent within ``reconcile_grace`` counts as waiting even before the broker shows its
+message: a producer publishes after its commit, and filling that gap would put twice the
+window on the queue.
 
 It runs in every worker (a thread; one run per ``reconcile_every`` seconds fleet-wide,
 under a Redis lock), in the beat process, and by hand: `specq reconcile [JOB]`. It sends
@@ -151,6 +154,9 @@ def _reconcile(settings: Settings, *, job_id: int | None,
     with sessions() as s:
         candidates = chunks.unclaimed(s, grace=settings.reconcile_grace, job_id=job_id,
                                       queue_prefix=settings.queue_prefix)
+        # sent within the grace: on the broker or on their way (published after a commit)
+        coming = chunks.in_flight(s, grace=settings.reconcile_grace, job_id=job_id,
+                                  queue_prefix=settings.queue_prefix)
     report.candidates = len(candidates)
     candidates = _cancel_unclaimed(sessions, candidates, report)
     lost = [c for c in candidates if (c.job_id, c.start) not in held]
@@ -174,7 +180,7 @@ def _reconcile(settings: Settings, *, job_id: int | None,
         report.resent = lost
         log.warning("reconciler: %d chunks re-sent (%s)", len(lost), ", ".join(
             f"job {j}: {n}" for j, n in report.as_dict()["resent_by_job"].items()))
-    waiting = Counter(j for j, _ in held) + Counter(c.job_id for c in lost)
+    waiting = Counter(j for j, _ in set(held) | set(coming)) + Counter(c.job_id for c in lost)
     with sessions() as s:
         short = [j for j in chunks.unsent_jobs(s, job_id=job_id,
                                                queue_prefix=settings.queue_prefix)

@@ -220,6 +220,26 @@ def unclaimed(session: Session, *, grace: float, job_id: int | None = None,
     return [ChunkRef(*row) for row in session.execute(stmt)]
 
 
+def in_flight(session: Session, *, grace: float, job_id: int | None = None,
+              queue_prefix: str | None = None) -> list[tuple[int, int]]:
+    """(job_id, start) of the chunks sent within the last ``grace`` seconds that no lease
+    holds: their messages are on the broker, or about to be (a producer marks a chunk sent
+    in the transaction that stores it and publishes the message after the commit), so
+    they count in their job's turn though the broker may not show them yet."""
+    c = Chunk.__table__.c
+    stmt = (
+        select(c.job_id, c.start).join(Job, Job.id == c.job_id)
+        .where(Job.status.in_(RUNNING), Job.queue.is_not(None), c.done.is_(False),
+               or_(c.lease_owner.is_(None), c.lease_until < db_now()),
+               c.sent_at.is_not(None), c.sent_at >= db_now() - grace)
+    )
+    if job_id is not None:
+        stmt = stmt.where(c.job_id == job_id)
+    if queue_prefix is not None:
+        stmt = stmt.where(deployment(queue_prefix))
+    return [(j, start) for j, start in session.execute(stmt)]
+
+
 def take_unsent(session: Session, *, job_id: int, n: int) -> list[ChunkRef]:
     """Mark the job's next ``n`` unsent chunks (in item order) sent now and return them,
     for the caller to send once this transaction commits (if it dies first, the

@@ -124,6 +124,28 @@ def test_a_job_keeps_its_turn_on_the_queue(settings):
     client.job(urgent.id).cancel()
 
 
+def test_chunks_marked_sent_but_not_yet_published_hold_their_turn(settings):
+    """A producer commits its job's first turn as sent, then publishes: a reconciler pass
+    between the two must not fill the turn again (twice the window on the queue)."""
+    own = own_deployment(settings, "rec", dispatch_window=2, reconcile_grace=60.0)
+    client = Client(own)
+    queue = f"{own.queue_prefix}.tiny-lookup"
+    r = redis.Redis.from_url(own.broker_url)
+    job = stored_unsent(client, [f"gap {i}" for i in range(50)], pair="tiny-lookup",
+                        max_new_tokens=4, chunk_size=10)
+    with client.sessions.begin() as s:  # the producer's commit; its publish not yet made
+        assert [c.start for c in chunks.take_unsent(s, job_id=job.id, n=2)] == [0, 10]
+    assert reconcile(own, job_id=job.id).fed == [] and _queued(r, queue, own) == {}
+    with client.sessions.begin() as s:  # past the grace, unpublished: lost, sent again
+        s.execute(update(Chunk).where(Chunk.job_id == job.id, Chunk.start.in_([0, 10]))
+                  .values(sent_at=Chunk.sent_at - 120))  # (epoch seconds)
+    report = reconcile(own, job_id=job.id)
+    assert [c.start for c in report.resent] == [0, 10] and report.fed == []
+    assert _queued(r, queue, own) == {6: [0, 10]}
+    r.close()
+    client.job(job.id).cancel()
+
+
 def test_a_chunk_sent_max_chunk_runs_times_fails_with_its_jobs_error(settings):
     """Messages that vanish without a lease (a worker that fails the chunk before its items
     reach the engine) count: after max_chunk_runs sends the chunk is not sent again, its
