@@ -188,7 +188,8 @@ def load_spec(source: str | os.PathLike | dict[str, Any], where: str | None = No
         path = Path(source)
         where = where or str(path)
         if not path.is_file():
-            raise SpecError([f"{where}: file not found"])
+            raise SpecError([f"{where}: " + ("a directory, not a spec file" if path.is_dir()
+                                             else "file not found")])
         try:
             raw = yaml.safe_load(path.read_text(encoding="utf-8"))
         except yaml.YAMLError as exc:

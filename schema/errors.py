@@ -3,6 +3,8 @@ each problem naming where and which field, before anything is stored."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import ValidationError
 
 
@@ -38,11 +40,30 @@ def path(loc: tuple | list) -> str:
     return "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in loc).lstrip(".")
 
 
+OBJECT_EXPECTED = frozenset({"model_type", "dict_type", "model_attributes_type"})
+
+
+def json_type(value: Any) -> str:
+    """What a parsed JSON value is, as JSON names it ('an array', 'a number', ...)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    names: dict[type, str] = {str: "a string", list: "an array", tuple: "an array",
+                              dict: "an object"}
+    return names.get(type(value), type(value).__name__)
+
+
 def describe(exc: ValidationError) -> list[str]:
-    """'field: message' for each error of a pydantic ValidationError."""
+    """'field: message' for each error of a pydantic ValidationError (an object expected
+    says so in JSON's words, not by the model class's name)."""
     out = []
     for err in exc.errors():
         loc = path(err["loc"])
         msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] in OBJECT_EXPECTED:
+            msg = f"must be a JSON object, got {json_type(err.get('input'))}"
         out.append(f"{loc}: {msg}" if loc else msg)
     return out

@@ -13,7 +13,7 @@ from sqlalchemy.exc import DataError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from specq.schema.errors import path
+from specq.schema.errors import json_type, path
 
 log = logging.getLogger(__name__)
 
@@ -21,8 +21,6 @@ TYPES = {401: "invalid_request_error", 429: "insufficient_quota", 500: "server_e
 # on a 409 or 429 that the same request meets again, whenever it is sent: OpenAI's SDKs
 # retry both unless told not to, and this header tells them
 NO_RETRY = {"x-should-retry": "false"}
-JSON_NAMES = {"list": "an array", "str": "a string", "int": "a number", "float": "a number",
-              "bool": "a boolean"}  # a parsed body's Python type, as JSON says it
 
 
 class ApiError(Exception):
@@ -84,11 +82,10 @@ def install(app: FastAPI) -> None:
             return respond(ApiError(400, message, code="invalid_json"))
         message = str(err.get("msg", "invalid request")).removeprefix("Value error, ")
         if tuple(err.get("loc", ())) == ("body",):  # no body, or not an object: say so
-            given = type(err.get("input")).__name__ if err.get("input") is not None else None
+            given = err.get("input")
             message = ("The request needs a JSON object as its body; none was sent"
                        if err.get("type") == "missing" or given is None else
-                       f"The request's body must be a JSON object, got "
-                       f"{JSON_NAMES.get(given, given)}")
+                       f"The request's body must be a JSON object, got {json_type(given)}")
         elif param and err.get("type") == "missing":
             message = f"Missing required parameter: '{param}'."
         elif param:

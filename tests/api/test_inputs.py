@@ -213,3 +213,16 @@ def test_a_file_that_is_plainly_not_jsonl_says_what_it_is(tmp_path):
         _, entries = open_source(tmp_path / name)
         ((where, bad),) = list(entries)
         assert where == "line 1" and says in bad
+
+
+def test_an_object_expected_is_said_in_json_words_not_a_class_name():
+    """pydantic's "a valid dictionary or instance of Message" names a class no user wrote."""
+    from pydantic import ValidationError
+
+    from specq.schema.errors import describe
+    from specq.schema.generation import Request
+
+    with pytest.raises(ValidationError) as exc:
+        Request(messages=[1, "x"])
+    assert describe(exc.value) == ["messages[0]: must be a JSON object, got a number",
+                                   "messages[1]: must be a JSON object, got a string"]

@@ -97,6 +97,9 @@ def test_synth_check_prints_one_line_and_submits_nothing(tmp_path, capsys, monke
         assert len(err.strip().splitlines()) == 1, err
         assert "template: row 1: prompt: at least 3000 tokens, the model's context is " \
             "512" in err, err
+        capsys.readouterr()  # a directory is not a missing file
+        assert cli.main(["synth", "check", str(tmp_path)]) == 2
+        assert f"{tmp_path}: a directory, not a spec file" in capsys.readouterr().err
         # a pair no preset names: check says so, as run would, not "valid"
         path = spec_file(tmp_path, pair="nope")
         capsys.readouterr()
