@@ -456,6 +456,11 @@ class Client:
                         problems.append(f"{where}: body.{name}: {rest}")
                     elif exc.field in given and exc.field not in (got.row["params"] or {}):
                         problems.append(f"{where}: {exc.field} (the job's default): {rest}")
+                    elif exc.field in SamplingParams.model_fields and exc.field not in (
+                            got.row["params"] or {}):  # nobody set it: say whose it is
+                        default = SamplingParams.model_fields[exc.field].default
+                        problems.append(f"{where}: {exc.field} (specq's default, {default}; "
+                                        f"set it on the line or for the job): {rest}")
                     else:
                         problems.append(f"{where}: {exc}")
                 except TokenizerUnavailable as exc:

@@ -73,6 +73,9 @@ LONG = " ".join(["word"] * 600)  # 3000 bytes: beyond the tiny model's 512-token
      r"model's context of 512 tokens$"),
     ([{"prompt": "ok", "max_new_tokens": 4}, {"prompt": LONG[:100]}], "tiny",
      {"max_new_tokens": 500}, r"line 2: max_new_tokens \(the job's default\): 500 after a"),
+    ([{"prompt": "ok"}, {"prompt": LONG[:400]}], "tiny", {},  # nobody set it: specq did
+     r"line 2: max_new_tokens \(specq's default, 256; set it on the line or for the job\): "
+     r"256 after a"),
     ([{"messages": [{"role": "user", "content": "a\u0000b"}]}], "tiny", {},
      r"line 1: prompt: contains a NUL character"),
     ([{"prompt": "a", "messages": [{"role": "user", "content": "b"}]}], "tiny", {},
