@@ -29,6 +29,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from specq.api.inputs import MAX_CUSTOM_ID, MAX_PROBLEMS, OPENAI_URLS, show
 from specq.api.server.errors import shown
 from specq.db.batches import storable
+from specq.schema.errors import json_type
 
 MAX_LINE_BYTES = 16 * 1024 * 1024  # one request line (a prompt of 128k tokens is 1-3 MB)
 # the form around the file, bounded as a whole (OpenAI's upload has two parts)
@@ -131,6 +132,30 @@ class _Lines:
         """Line ``n``, not blank."""
         raise NotImplementedError
 
+    def _object(self, raw: bytes, n: int) -> dict[str, Any] | None:
+        """Line ``n`` parsed (a BOM before the first skipped), or None with its problem
+        said: not UTF-8, not JSON, not an object."""
+        if n == 1:
+            raw = raw.removeprefix(codecs.BOM_UTF8)
+        try:  # (as json.loads reads bytes, without its guess at UTF-16: UTF-8 is checked)
+            value = _json(raw.decode("utf-8", "surrogatepass"))
+        except UnicodeDecodeError as exc:
+            self._fail(f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} "
+                       f"of the line)", n, code="invalid_utf8")
+            return None
+        except json.JSONDecodeError as exc:
+            self._fail(f"not valid JSON ({exc.msg} at column {exc.colno}): a batch file is "
+                       f"JSONL, one request object per line", n, code="invalid_json_line")
+            return None
+        except (ValueError, RecursionError):
+            self._fail("not valid JSON", n, code="invalid_json_line")
+            return None
+        if not isinstance(value, dict):
+            self._fail(f"not a request object but {json_type(value)}: a batch file is JSONL, "
+                       f"one request object per line", n, code="invalid_json_line")
+            return None
+        return value
+
 
 @dataclass(kw_only=True)
 class LineScan(_Lines):
@@ -142,24 +167,8 @@ class LineScan(_Lines):
     _ids: set[str] = field(default_factory=set)
 
     def _check(self, raw: bytes, n: int) -> None:
-        try:  # (as json.loads reads bytes, without its guess at UTF-16: the upload checked
-            # that every line is UTF-8)
-            value = _json((raw[3:] if n == 1 and raw.startswith(b"\xef\xbb\xbf") else raw)
-                          .decode("utf-8", "surrogatepass"))
-        except UnicodeDecodeError as exc:
-            self._fail(f"not valid UTF-8 (byte 0x{raw[exc.start]:02x} at byte {exc.start + 1} "
-                       f"of the line)", n, code="invalid_utf8")
-            return
-        except json.JSONDecodeError as exc:
-            self._fail(f"not valid JSON ({exc.msg} at column {exc.colno}): the file must be "
-                       f"JSONL, one request object per line", n, code="invalid_json_line")
-            return
-        except (ValueError, RecursionError):
-            self._fail("not valid JSON", n, code="invalid_json_line")
-            return
-        if not isinstance(value, dict):
-            self._fail(f"expected a request object, got {type(value).__name__}", n,
-                       code="invalid_json_line")
+        value = self._object(raw, n)
+        if value is None:
             return
         where = unstorable(value) if suspect(raw) else None
         if where is not None:
@@ -232,26 +241,8 @@ class FileCheck(_Lines):
         super()._fail(message, line, "file", code)  # every problem is the file part's
 
     def _check(self, raw: bytes, n: int) -> None:
-        text = raw.strip()
-        if n == 1:
-            text = text.removeprefix(codecs.BOM_UTF8)
-        try:
-            value = _json(text.decode("utf-8", "surrogatepass"))
-        except UnicodeDecodeError as exc:
-            self._fail(f"not valid UTF-8 (byte 0x{text[exc.start]:02x} at byte "
-                       f"{exc.start + 1} of the line)", n, code="invalid_utf8")
-            return
-        except json.JSONDecodeError as exc:  # parsed whole: two objects on a line, or lines
-            # ended by a lone CR, are refused here, not first when a batch reads the file
-            self._fail(f"not valid JSON ({exc.msg} at column {exc.colno}): a batch file is "
-                       f"JSONL, one request object per line", n, code="invalid_json_line")
-            return
-        except (ValueError, RecursionError):
-            self._fail("not valid JSON", n, code="invalid_json_line")
-            return
-        if not isinstance(value, dict):
-            self._fail("not a JSON object: a batch file is JSONL, one request object per "
-                       "line", n, code="invalid_json_line")
+        self._object(raw, n)  # parsed whole: two objects on a line, or lines ended by a
+        # lone CR, are refused at the upload, not first when a batch reads the file
 
 
 def suspect(raw: bytes) -> bool:
