@@ -29,7 +29,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, cast
 
-from sqlalchemy import delete, func, insert, literal, or_, select, update
+from sqlalchemy import delete, func, insert, or_, select, update
 from sqlalchemy.orm import Session
 
 from specq.db.models import (
@@ -88,12 +88,16 @@ def delete_files(session: Session, *, file_ids: list[int]) -> int:
     how many rows."""
     if not file_ids:
         return 0
-    now = literal(utcnow(), DeletedFile.deleted_at.type)
-    gone = select(File.openai_id, File.tenant_id, File.id, now).where(File.id.in_(file_ids))
-    session.execute(insert(DeletedFile).from_select(
-        ["openai_id", "tenant_id", "seq", "deleted_at"], gone))
     session.execute(delete(FilePart).where(FilePart.file_id.in_(file_ids)))
-    return changed(session.execute(delete(File).where(File.id.in_(file_ids))))
+    # the ids of the rows this statement deleted: two deletes of one file at once (a
+    # client's retry) keep it once, the second finding no row once the first commits
+    gone = session.execute(delete(File).where(File.id.in_(file_ids))
+                           .returning(File.openai_id, File.tenant_id, File.id)).all()
+    if gone:
+        now = utcnow()
+        session.execute(insert(DeletedFile), [
+            {"openai_id": o, "tenant_id": t, "seq": i, "deleted_at": now} for o, t, i in gone])
+    return len(gone)
 
 
 def old_deleted_files(session: Session, *, before: datetime, limit: int) -> int:

@@ -306,3 +306,37 @@ def test_a_listing_pages_on_after_its_cursors_file_is_deleted(own_url, tmp_path)
         assert s.scalar(select(func.count()).select_from(DeletedFile)) == 0
         with pytest.raises(KeyError):
             store.list_files(s, tenant_id=tid, after="file-n3", limit=3)
+
+
+def test_two_deletes_of_one_file_at_once_keep_it_once(own_url, tmp_path):
+    """A client's retry deleting a file its first request is deleting: the second waits for
+    the first, finds no row, and neither fails on the kept id."""
+    import threading
+
+    sessions = session_factory(own_url)
+    with sessions.begin() as s:
+        tid = tenants.authenticate(s, key=tenants.create_key(s, tenant="t")).tenant_id
+        f = store.add_file(s, openai_id="file-twice", tenant_id=tid, kind="input",
+                           purpose="batch", filename="a.jsonl", bytes=3, lines=1,
+                           stored_in="database")
+    first = sessions()
+    first.begin()
+    assert retention.delete_files(first, file_ids=[f.id]) == 1  # its transaction still open
+    second: list[int | BaseException] = []
+
+    def delete_again() -> None:
+        try:
+            with sessions.begin() as s:
+                second.append(retention.delete_files(s, file_ids=[f.id]))
+        except BaseException as exc:  # noqa: BLE001 (the test reports it)
+            second.append(exc)
+
+    thread = threading.Thread(target=delete_again)
+    thread.start()
+    thread.join(0.5)  # (on PostgreSQL it waits on the row; on SQLite on the write lock)
+    first.commit()
+    first.close()
+    thread.join(60)
+    assert second == [0]
+    with sessions() as s:
+        assert [d.seq for d in s.scalars(select(DeletedFile))] == [f.id]
