@@ -9,6 +9,7 @@ database keeps as it is: valid Unicode text without NUL, finite numbers, integer
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import os
@@ -263,7 +264,11 @@ class _FileLines:
 NOT_JSONL = {b"PAR1": "a Parquet file, not JSON lines (Parquet and CSV are read as a "
                       "synthesis spec's seed_data: docs/synthesis.md)",
              b"\x1f\x8b": "gzip-compressed: decompress it first (zcat FILE | specq submit -)",
-             b"PK\x03\x04": "a zip archive, not JSON lines"}
+             b"PK\x03\x04": "a zip archive, not JSON lines",
+             codecs.BOM_UTF16_LE: "UTF-16 text (it starts with a UTF-16 byte order mark); "
+                                  "JSONL is UTF-8: convert it (iconv -f UTF-16 -t UTF-8 FILE)",
+             codecs.BOM_UTF16_BE: "UTF-16 text (it starts with a UTF-16 byte order mark); "
+                                  "JSONL is UTF-8: convert it (iconv -f UTF-16 -t UTF-8 FILE)"}
 
 
 def _lines(f: Iterable[bytes]) -> Iterator[tuple[str, Any]]:

@@ -199,8 +199,8 @@ def test_fields_that_change_nothing_the_model_writes_are_served():
 
 
 def test_a_file_that_is_plainly_not_jsonl_says_what_it_is(tmp_path):
-    """Parquet (a synthesis seed format), gzip, zip: one problem naming what the file is,
-    not a line of "not valid UTF-8" per binary line."""
+    """Parquet (a synthesis seed format), gzip, zip, UTF-16: one problem naming what the
+    file is, not a line of "not valid UTF-8" per binary line."""
     import gzip
 
     import pyarrow as pa
@@ -208,8 +208,10 @@ def test_a_file_that_is_plainly_not_jsonl_says_what_it_is(tmp_path):
 
     pq.write_table(pa.table({"prompt": ["a", "b"]}), tmp_path / "p.parquet")
     (tmp_path / "p.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "a"}\n' * 50))
+    (tmp_path / "u16.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n', "utf-16")
     for name, says in (("p.parquet", "a Parquet file, not JSON lines"),
-                       ("p.jsonl.gz", "gzip-compressed: decompress it first")):
+                       ("p.jsonl.gz", "gzip-compressed: decompress it first"),
+                       ("u16.jsonl", "UTF-16 text")):
         _, entries = open_source(tmp_path / name)
         ((where, bad),) = list(entries)
         assert where == "line 1" and says in bad
