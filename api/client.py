@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from specq.api.inputs import (
     MAX_PROBLEMS,
+    ArgumentError,
     Entry,
     InputError,
     Refused,
@@ -488,7 +489,7 @@ class Client:
         return self.job(job_id).retry()
 
     def job(self, job_id: int) -> Job:
-        """A handle on a stored job; KeyError if there is none (InputError: not an id)."""
+        """A handle on a stored job; KeyError if there is none (ArgumentError: not an id)."""
         job_id = check_job_id(job_id)
         with self.sessions() as s:
             if repo.get_job(s, job_id=job_id) is None:
@@ -499,7 +500,7 @@ class Client:
         """The latest jobs, newest first (only one beat schedule's runs if ``schedule``),
         with how each drafts and its figures (one query of the view job_metrics), and the
         tenant of those made over HTTP."""
-        check_count("limit", limit)  # as the command's --limit
+        check_count("limit", limit, error=ArgumentError)  # as the command's --limit
         with self.sessions() as s:
             ids = repo.latest_job_ids(s, limit=limit, schedule=schedule)
             rows = repo.job_figures(s, job_ids=ids)
@@ -666,7 +667,8 @@ class Job:
         """Every item in index order, streamed from the database (only the columns read),
         ``batch`` items (a positive integer) per round trip; with ``input`` (the default)
         each carries its prompt or messages and parameters."""
-        check_count("batch", batch)  # here, not at the first item: the generator's below
+        # here, not at the first item: the generator's below
+        check_count("batch", batch, error=ArgumentError)
         return self._results(batch, input)
 
     def _results(self, batch: int, input: bool) -> Iterator[ItemResult]:

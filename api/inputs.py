@@ -170,21 +170,27 @@ def _fine(value: Any) -> bool:
     return True
 
 
-def check_count(name: str, value: Any, *, low: int = 1, high: int = INT32_MAX) -> int:
-    """``value`` if it is an int in [low, high] (not a bool); InputError naming ``name``."""
+class ArgumentError(InputError):
+    """A call's argument (a job id, a page's limit) out of its range: not a job spec's."""
+
+    title = "invalid argument"
+
+
+def check_count(name: str, value: Any, *, low: int = 1, high: int = INT32_MAX,
+                error: type[InputError] = InputError) -> int:
+    """``value`` if it is an int in [low, high] (not a bool); ``error`` naming ``name``."""
     if not isinstance(value, int) or isinstance(value, bool):
-        raise InputError([f"{name}: must be an integer, got {type(value).__name__} "
-                          f"{show(value)}"])
+        raise error([f"{name}: must be an integer, got {type(value).__name__} {show(value)}"])
     if value < low:
-        raise InputError([f"{name}: must be at least {low}, got {value}"])
+        raise error([f"{name}: must be at least {low}, got {value}"])
     if value > high:
-        raise InputError([f"{name}: must be at most {high}, got {show(value)}"])
+        raise error([f"{name}: must be at most {high}, got {show(value)}"])
     return value
 
 
 def check_job_id(value: Any) -> int:
-    """``value`` as a job id (jobs.id is a 32-bit INTEGER); InputError otherwise."""
-    return check_count("job", value)
+    """``value`` as a job id (jobs.id is a 32-bit INTEGER); ArgumentError otherwise."""
+    return check_count("job", value, error=ArgumentError)
 
 
 @dataclass

@@ -874,3 +874,18 @@ def test_reconcile_names_the_broker_it_cannot_reach_and_hides_its_password(cli_e
     err = capsys.readouterr().err
     assert "the broker at redis://:***@127.0.0.1:1/0 cannot be reached" in err, err
     assert "s3cret" not in err
+
+
+def test_a_bad_argument_of_the_client_is_no_job_spec(lite):
+    """A job id, a page's limit or a batch size out of range is an ArgumentError ("invalid
+    argument: ..."), still an InputError for code that catches those."""
+    from specq.api.inputs import ArgumentError
+
+    job = lite.submit(["Fix: he go home"], pair="tiny", enqueue=False)
+    for call, said in ((lambda: lite.job(0), "invalid argument: job: must be at least 1"),
+                       (lambda: lite.jobs(limit=0), "invalid argument: limit: must be"),
+                       (lambda: job.results(batch=0), "invalid argument: batch: must be"),
+                       (lambda: lite.retry("x"), "invalid argument: job: must be an integer")):
+        with pytest.raises(ArgumentError) as err:
+            call()
+        assert str(err.value).startswith(said) and isinstance(err.value, InputError)
