@@ -117,14 +117,7 @@ def test_a_place_no_file_can_be_made_in_is_refused_before_any_work():
 def test_a_write_that_fails_names_the_output(tmp_path, sink):
     """A full disk (a copy of /dev/full) is said of the path asked for, not as a bare
     "No space left on device"."""
-    if os.geteuid() != 0:
-        pytest.skip("making a device node needs root")
-    path = tmp_path / "full"
-    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 7))
-    try:
-        os.close(os.open(path, os.O_WRONLY))
-    except PermissionError:
-        pytest.skip("tmp_path is on a file system mounted nodev")
+    path = device_node(tmp_path / "full", 7)
     with pytest.raises(OutputError, match=f"output: {path}: No space left on device"):
         write_batches(sink(path), ROWS * 5000)
 
@@ -146,18 +139,23 @@ def test_a_failed_parquet_export_to_a_fifo_is_no_parquet_file(tmp_path):
         pq.read_table(io.BytesIO(got))
 
 
-@pytest.fixture
-def device(tmp_path) -> Path:
-    """A copy of /dev/null (character device 1, 3) under tmp_path: root only."""
+def device_node(path: Path, minor: int) -> Path:
+    """A copy of the memory device 1:``minor`` (3 /dev/null, 7 /dev/full) at ``path``;
+    the test is skipped where no device node can be made or opened there."""
     if os.geteuid() != 0:
         pytest.skip("making a device node needs root")
-    path = tmp_path / "null"
-    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, 3))
+    os.mknod(path, 0o666 | stat.S_IFCHR, os.makedev(1, minor))
     try:
         os.close(os.open(path, os.O_WRONLY))
     except PermissionError:
         pytest.skip("tmp_path is on a file system mounted nodev")
     return path
+
+
+@pytest.fixture
+def device(tmp_path) -> Path:
+    """A copy of /dev/null under tmp_path: root only."""
+    return device_node(tmp_path / "null", 3)
 
 
 def test_a_character_device_is_written_not_replaced(device):
