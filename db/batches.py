@@ -315,14 +315,18 @@ def unfinished_items(session: Session, *, tenant_id: int) -> int:
     """Requests of the tenant's batches whose job is not finished and that have no outcome
     yet (from the chunks' counts: a few rows per thousand items), and of its batches still
     validating (their job not stored yet: their input files' lines)."""
+    # one statement, so one snapshot: counted in two, a create committing its job between
+    # them was in neither (its batch no longer validating, its job not yet seen), and
+    # creates at the same moment passed the quota together
     validating = (select(func.coalesce(func.sum(File.lines), 0))
                   .select_from(Batch).join(File, File.openai_id == Batch.input_file_id)
                   .where(Batch.tenant_id == tenant_id, Batch.status == "validating",
-                         Batch.job_id.is_(None)))
-    return _unfinished_jobs(session, tenant_id) + int(session.execute(validating).scalar_one() or 0)
+                         Batch.job_id.is_(None)).scalar_subquery())
+    return int(session.execute(select(_unfinished_jobs(tenant_id) + validating)).scalar_one())
 
 
-def _unfinished_jobs(session: Session, tenant_id: int) -> int:
+def _unfinished_jobs(tenant_id: int) -> Any:
+    """The tenant's batches' requests that have no outcome yet, as a scalar subquery."""
     c = Chunk.__table__.c
     done = func.coalesce(func.sum(c.completed + c.failed + c.cancelled), 0)
     jobs = (select(Job.id.label("job_id"), Job.total.label("total"), done.label("done"))
@@ -330,8 +334,7 @@ def _unfinished_jobs(session: Session, tenant_id: int) -> int:
             .outerjoin(Chunk.__table__, c.job_id == Job.id)
             .where(Batch.tenant_id == tenant_id, Job.status.in_(UNFINISHED))
             .group_by(Job.id, Job.total).subquery())
-    return int(session.execute(select(func.coalesce(func.sum(jobs.c.total - jobs.c.done), 0)))
-               .scalar_one())
+    return select(func.coalesce(func.sum(jobs.c.total - jobs.c.done), 0)).scalar_subquery()
 
 
 def overdue(session: Session, *, now: datetime | None = None) -> list[tuple[int, int]]:
