@@ -216,10 +216,8 @@ class OutputFile:
     def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
                  tb: TracebackType | None) -> None:
         if kind is None:
-            try:
+            with said_of(self):  # the last bytes, or the rename
                 self.close()
-            except OSError as exc:  # the last bytes, or the rename
-                raise self.error(exc) from exc
         else:
             self.abort()
             if isinstance(error, OSError) and _failed_write(error):

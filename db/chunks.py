@@ -198,25 +198,31 @@ def deployment(queue_prefix: str) -> Any:
     return Job.queue.startswith(f"{queue_prefix}.", autoescape=True)
 
 
+def _unleased_sent(*columns: Any, job_id: int | None, queue_prefix: str | None) -> Any:
+    """``columns`` of the chunks of unfinished jobs that were sent, are not done and that no
+    live lease holds (of one job, of one deployment's jobs with ``queue_prefix``)."""
+    c = Chunk.__table__.c
+    stmt = (select(*columns).join(Job, Job.id == c.job_id)
+            .where(Job.status.in_(RUNNING), Job.queue.is_not(None), c.done.is_(False),
+                   or_(c.lease_owner.is_(None), c.lease_until < db_now()),
+                   c.sent_at.is_not(None)))
+    if job_id is not None:
+        stmt = stmt.where(c.job_id == job_id)
+    if queue_prefix is not None:
+        stmt = stmt.where(deployment(queue_prefix))
+    return stmt
+
+
 def unclaimed(session: Session, *, grace: float, job_id: int | None = None,
               queue_prefix: str | None = None) -> list[ChunkRef]:
     """Chunks of unfinished jobs that were sent, are not done, that no live lease holds,
     and whose last message was sent more than ``grace`` seconds ago: the candidates for
     re-sending (of one deployment's jobs with ``queue_prefix``)."""
     c = Chunk.__table__.c
-    stmt = (
-        select(c.job_id, c.start, c.end, Job.queue, c.runs > 0, Job.priority, c.sends,
-               c.runs, Job.error.is_not(None))
-        .join(Job, Job.id == c.job_id)
-        .where(Job.status.in_(RUNNING), Job.queue.is_not(None), c.done.is_(False),
-               or_(c.lease_owner.is_(None), c.lease_until < db_now()),
-               c.sent_at.is_not(None), c.sent_at < db_now() - grace)
-        .order_by(c.job_id, c.start)
-    )
-    if job_id is not None:
-        stmt = stmt.where(c.job_id == job_id)
-    if queue_prefix is not None:
-        stmt = stmt.where(deployment(queue_prefix))
+    stmt = _unleased_sent(c.job_id, c.start, c.end, Job.queue, c.runs > 0, Job.priority,
+                          c.sends, c.runs, Job.error.is_not(None), job_id=job_id,
+                          queue_prefix=queue_prefix)
+    stmt = stmt.where(c.sent_at < db_now() - grace).order_by(c.job_id, c.start)
     return [ChunkRef(*row) for row in session.execute(stmt)]
 
 
@@ -227,17 +233,8 @@ def in_flight(session: Session, *, grace: float, job_id: int | None = None,
     in the transaction that stores it and publishes the message after the commit), so
     they count in their job's turn though the broker may not show them yet."""
     c = Chunk.__table__.c
-    stmt = (
-        select(c.job_id, c.start).join(Job, Job.id == c.job_id)
-        .where(Job.status.in_(RUNNING), Job.queue.is_not(None), c.done.is_(False),
-               or_(c.lease_owner.is_(None), c.lease_until < db_now()),
-               c.sent_at.is_not(None), c.sent_at >= db_now() - grace)
-    )
-    if job_id is not None:
-        stmt = stmt.where(c.job_id == job_id)
-    if queue_prefix is not None:
-        stmt = stmt.where(deployment(queue_prefix))
-    return [(j, start) for j, start in session.execute(stmt)]
+    stmt = _unleased_sent(c.job_id, c.start, job_id=job_id, queue_prefix=queue_prefix)
+    return [(j, start) for j, start in session.execute(stmt.where(c.sent_at >= db_now() - grace))]
 
 
 def take_unsent(session: Session, *, job_id: int, n: int) -> list[ChunkRef]:
