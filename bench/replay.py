@@ -6,12 +6,16 @@ without the target. Rows step as the engine steps them (refilled in order as the
 job index fed with each row that ended), the suffix drafter proposes up to --max-g tokens a
 row from the row's tokens so far, a row accepts the longest prefix of the drafts it keeps
 that its greedy output goes on with, then one token more, and each pass is priced as the
-packed pass costs: plain + per token carried + per column of the widest row (``Price``).
+packed pass costs: plain + per token carried + per column of the widest row, less what
+the rows that ended took (``Price``).
 The same proposals under each way of keeping drafts:
 
 - oracle: each row keeps exactly the drafts that survive: the drafter's ceiling;
 - budget: the engine's own budget (budget.TwoPart over the policy's survivals, its
-  calibration learning from each pass's verdicts as drafting.verdicts teaches it);
+  calibration learning from each pass's verdicts as drafting.verdicts teaches it), and
+  once no prompt waits for a place the engine's draining budget (budget.drain);
+- rate: the same budget at tokens per second to the end, as the engine kept it before
+  it knew a batch drains;
 - g = k: every row keeps its first k drafts (a fixed draft length).
 
 Only the verify passes are priced, all alike (no prefill, no host work, no drafting), so
@@ -22,7 +26,8 @@ make of a run's wall time if host work cost nothing, the oracle's the ceiling of
 ratio with this drafter at this price. The price is the one calibration measures on this
 machine at the batch size (its ragged passes' fit: plain, per draft token, per column, and
 once for a pass that drafts at all; a batch of fewer than 4 rows has none, and then a pass
-of 1 to max_g + 1 tokens a row gives its plain pass and its slope), or --price.
+of 1 to max_g + 1 tokens a row gives its plain pass and its slope; a row's share of a plain
+pass from the plain passes at batch 1 and this one), or --price.
 """
 
 from __future__ import annotations
@@ -39,23 +44,31 @@ from specq.worker.engine import budget
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from specq.worker.engine.policy import Widths
 
-ORACLE, BUDGET = "oracle", "budget"
+ORACLE, BUDGET, RATE = "oracle", "budget", "rate"
 
 
 @dataclass(frozen=True)
 class Price:
-    """Seconds of a packed verify pass: ``plain`` for one token a row, ``per_token`` for
-    each draft token carried, ``per_column`` for each draft column of the widest row, and
-    ``per_pass`` once for a pass that carries any draft (policy.PassFit)."""
+    """Seconds of a packed verify pass: ``plain`` for one token a row of ``batch`` rows,
+    ``per_token`` for each draft token carried, ``per_column`` for each draft column of the
+    widest row, ``per_pass`` once for a pass that carries any draft (policy.PassFit), less
+    ``per_row`` for each of the batch's rows that ended (0: a pass costs as much whatever
+    its rows)."""
 
     plain: float
     per_token: float
     per_column: float = 0.0
     per_pass: float = 0.0
+    per_row: float = 0.0
+    batch: int = 1
 
     def seconds(self, kept: list[int]) -> float:
-        return (self.plain + self.per_token * sum(kept) + self.per_column * max(kept, default=0)
-                + (self.per_pass if any(kept) else 0.0))
+        return (self.rows(len(kept)) + self.per_token * sum(kept)
+                + self.per_column * max(kept, default=0) + (self.per_pass if any(kept) else 0.0))
+
+    def rows(self, rows: int) -> float:
+        """A plain pass over this many rows."""
+        return self.plain - self.per_row * max(0, self.batch - rows)
 
 
 @dataclass
@@ -94,7 +107,7 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
            make_drafter: Callable[[], Drafter], keep: str | int, price: Price,
            max_g: int = 8) -> Replayed:
     """Step the outputs as the engine would at this batch size, keeping drafts by ``keep``
-    (ORACLE, BUDGET or a fixed g; 0: plain decoding), each pass priced by ``price``."""
+    (ORACLE, BUDGET, RATE or a fixed g; 0: plain decoding), each pass priced by ``price``."""
     drafter = make_drafter()
     policy = Widths(max_g=max_g)  # its survivals and its calibration, as the engine's
     calibration = policy.calibration
@@ -114,7 +127,7 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
         zeros = torch.zeros(B, dtype=torch.long)
         seqs = [prompts[i] + outputs[i][:n] for i, n in rows]
         rest = [outputs[i][n:] for i, n in rows]
-        asked = max_g if keep in (ORACLE, BUDGET) else int(keep)
+        asked = max_g if keep in (ORACLE, BUDGET, RATE) else int(keep)
         if asked:
             prop = drafter.propose(DraftInputs(seqs, zeros, zeros.float(), zeros,
                                                torch.ones(B), greedy=True), asked)
@@ -127,11 +140,19 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
         right = [_agree(d, r) for d, r in zip(drafts, rest)]
         if keep == ORACLE:
             kept = right
-        elif keep == BUDGET:
+        elif keep in (BUDGET, RATE):
             survivals = policy.survivals([len(c) for c in conf], [[] for _ in conf], conf)
-            kept = (budget.TwoPart(price.plain, price.per_token, price.per_column, B,
-                                   price.per_pass).allot(survivals)
-                    if any(survivals) else [0] * B)
+            cost = budget.TwoPart(price.rows(B), price.per_token, price.per_column, B,
+                                  price.per_pass)
+            if not any(survivals):
+                kept = [0] * B
+            elif keep == BUDGET and not waiting and B > 1:  # as policy.allot drains
+                lone = price.rows(1)
+                per_row = (price.rows(B) - lone) / (B - 1)
+                kept = budget.drain(cost, survivals, [len(r) for r in rest],
+                                    max(0.0, lone - per_row), per_row)
+            else:
+                kept = cost.allot(survivals)
             for c, k, a, d, r in zip(conf, kept, right, drafts, rest):
                 if k:
                     calibration.add(c[:k], min(a, k))
@@ -169,11 +190,13 @@ def measured_price(model, tokenizer, make_drafter: Callable[[], Drafter], batch:
 
     eng = SpeculativeEngine(model, tokenizer, make_drafter(), max_batch_size=batch,
                             max_draft_length=max_g)
-    eng.calibrate([batch])
+    eng.calibrate([1, batch])
+    lone = eng.policy.costs.verify_seconds(1, 1)
     fit = eng.policy.costs.pass_fit(batch)
     if fit is not None:
         plain, per_pass, per_token, per_column = fit
-        return Price(plain, per_token, per_column, per_pass)
+        per_row = max(0.0, (plain - lone) / (batch - 1)) if lone and batch > 1 else 0.0
+        return Price(plain, per_token, per_column, per_pass, per_row, batch)
     widths = [(n, eng.policy.costs.verify_seconds(n, batch)) for n in range(1, max_g + 2)]
     points = [(batch * (n - 1), t) for n, t in widths if t is not None]
     if len(points) < 2:
@@ -195,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=48)
     p.add_argument("--max-g", type=int, default=8, help="draft tokens a row is asked for")
     p.add_argument("--draft-lengths", default="1,2,4", help="fixed g replayed beside")
-    p.add_argument("--price", default=None, metavar="PLAIN,PER_TOKEN[,PER_COLUMN[,PER_PASS]]",
+    p.add_argument("--price", default=None,
+                   metavar="PLAIN,PER_TOKEN[,PER_COLUMN[,PER_PASS[,PER_ROW]]]",
                    help="seconds of a pass instead of calibration's (e.g. a bench run's fit)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -219,16 +243,20 @@ def main(argv: list[str] | None = None) -> int:
     outputs, prefill, wall = plain_run(pair.target, pair.tokenizer, prompts,
                                        args.max_new_tokens, args.batch_size)
     if args.price:
-        price = Price(*(float(x) for x in args.price.split(",")))
+        v = [float(x) for x in args.price.split(",")]
+        v += [0.0] * (5 - len(v))
+        price = Price(v[0], v[1], v[2], v[3], v[4], args.batch_size)
     else:
         price = measured_price(pair.target, pair.tokenizer, SuffixDrafter, args.batch_size,
                                args.max_g)
     plain = replay(prompts, outputs, args.batch_size, SuffixDrafter, 0, price)
-    keeps: list[str | int] = [ORACLE, BUDGET, *(int(g) for g in args.draft_lengths.split(","))]
+    keeps: list[str | int] = [ORACLE, BUDGET, RATE,
+                              *(int(g) for g in args.draft_lengths.split(","))]
     print(f"replay: {args.pair}, {args.workload}, {len(prompts)} prompts, batch "
           f"{args.batch_size}, {sum(map(len, outputs))} tokens; a pass {1e3 * price.plain:.1f} "
           f"ms + {1e3 * price.per_token:.2f} ms a draft token + {1e3 * price.per_column:.2f} "
-          f"ms a column + {1e3 * price.per_pass:.2f} ms a drafting pass; plain decoding "
+          f"ms a column + {1e3 * price.per_pass:.2f} ms a drafting pass, "
+          f"{1e3 * price.per_row:.2f} ms of it a row's; plain decoding "
           f"{plain.passes} passes priced {plain.seconds:.2f} s")
     print(f"a plain run measured: {wall:.2f} s, of which prefill {prefill:.2f} s (the same "
           f"work with drafts or without; x run: (prefill + plain decoding) / (prefill + "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specq.bench.replay import BUDGET, ORACLE, Price, greedy_outputs, plain_run, replay
+from specq.bench.replay import BUDGET, ORACLE, RATE, Price, greedy_outputs, plain_run, replay
 from specq.worker.engine.suffix import SuffixDrafter
 
 MAX_G = 6
@@ -48,7 +48,8 @@ def test_the_oracle_keeps_exactly_what_survives_and_saves_passes(job):
 def test_the_budget_keeps_every_draft_when_drafts_are_free_and_none_when_dear(job):
     prompts, outputs = job
     every = replay(prompts, outputs, 4, SuffixDrafter, MAX_G, PRICE, MAX_G)
-    free = replay(prompts, outputs, 4, SuffixDrafter, BUDGET, Price(0.1, 0.0), MAX_G)
+    free = replay(prompts, outputs, 4, SuffixDrafter, BUDGET,
+                  Price(0.1, 0.0, per_row=0.01, batch=4), MAX_G)
     assert (free.passes, free.carried, free.accepted) == (every.passes, every.carried,
                                                           every.accepted)
     assert free.accepted < free.carried  # some drafts are wrong: the budget is not an oracle
@@ -66,3 +67,15 @@ def test_a_plain_run_gives_its_outputs_and_the_prefill_within_its_wall_time(
     again, prefill, wall = plain_run(tiny_models["target"], tiny_tokenizer, prompts, 24, 4)
     assert again == outputs
     assert 0 < prefill < wall
+
+
+def test_a_draining_batch_verifies_less_for_the_time_it_saves(job):
+    """Once no prompt waits, the budget (budget.drain) keeps only what takes time off the
+    rest of the job: fewer drafts carried than at tokens per second to the end (RATE), for
+    no more priced seconds."""
+    prompts, outputs = job
+    price = Price(0.1, 0.004, 0.001, 0.002, per_row=0.006, batch=4)
+    rate = replay(prompts, outputs, 4, SuffixDrafter, RATE, price, MAX_G)
+    drained = replay(prompts, outputs, 4, SuffixDrafter, BUDGET, price, MAX_G)
+    assert drained.carried < rate.carried
+    assert drained.seconds <= rate.seconds

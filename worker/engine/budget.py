@@ -31,6 +31,12 @@ work a step that verifies drafts adds to a plain one (the accept test over wider
 a padded cache's holes to compact, the drafter's update: ``step``, measured by the
 policy), paid once by all the step's tokens together. A step where no token clears the bar
 keeps none: a plain step.
+
+All of this holds while requests wait for a place: a row that gains ends sooner and the
+next request takes its place, so a token is a token of the job sooner. Once none waits the
+batch drains, and a token is worth only the time it takes off the rest of the job
+(``drain``): a row's share of the passes it no longer joins, and a whole pass's fixed
+part where it shortens the longest row's remaining work.
 """
 
 from __future__ import annotations
@@ -45,9 +51,16 @@ NEGLIGIBLE = 0.01  # padded: a row's tokens past the point where survival falls 
 class VerifyCost(Protocol):
     """How a step's verify pass is priced; ``allot`` spends the budget under that price."""
 
+    step: float  # seconds a step that verifies any draft adds, however many
+
     def allot(self, survivals: list[list[float]]) -> list[int]:
         """Per row, how many of its first draft tokens to verify. ``survivals``: per row,
         the predicted survival of each candidate token, non-increasing along the row."""
+        ...
+
+    def extra(self, kept: list[int]) -> float:
+        """Seconds a pass verifying ``kept`` draft tokens per row costs beyond a plain
+        step's (host work included)."""
         ...
 
 
@@ -76,6 +89,10 @@ class Padded:
             if seconds > 0 and tokens / seconds > best_rate:
                 best, best_rate = w, tokens / seconds
         return [_alive(row[:best]) for row in survivals]
+
+    def extra(self, kept: list[int]) -> float:
+        w = max(kept, default=0)
+        return self.pass_seconds(w) - self.pass_seconds(0) + self.step if w else 0.0
 
 
 @dataclass
@@ -113,6 +130,9 @@ class Packed:
             tokens += s
             seconds += self.per_token
         return affordable(kept, tokens, seconds + self.step, self.batch / self.plain)
+
+    def extra(self, kept: list[int]) -> float:
+        return self.per_token * sum(kept) + self.step if any(kept) else 0.0
 
 
 @dataclass
@@ -158,6 +178,74 @@ class TwoPart:
             if tokens / seconds > best_rate:
                 best, best_rate = kept, tokens / seconds
         return best
+
+    def extra(self, kept: list[int]) -> float:
+        if not any(kept):
+            return 0.0
+        return self.per_token * sum(kept) + self.per_column * max(kept) + self.step
+
+
+def drain(cost: VerifyCost, survivals: list[list[float]], remaining: list[int],
+          fixed: float, per_row: float) -> list[int]:
+    """The budget of a step when no request waits for a place: the batch drains.
+
+    While requests wait, a token a row gains is a token of the job sooner: a row that ends
+    early takes the next request (``allot``'s tokens per second). Once none waits the job
+    ends with its last row, and a token saves only the time it takes off the rest of the
+    job: the row's own share of each pass it no longer joins (``per_row`` seconds, about
+    what the token cost to verify: it rarely pays alone), and, if it shortens the longest
+    row's remaining work, a pass's fixed part (``fixed``: the weights read, the launches)
+    for each step the job no longer runs. ``remaining``: per row, the tokens it may still
+    emit (a step emits one anyway; its limit, not its end of sequence, which nobody knows).
+
+    The job's remaining steps shrink by d only if every row within d of the longest
+    (``remaining``) gains what it lacks; with survivals independent, the chance is the
+    product of their survivals at that depth. Each depth d (0: none) keeps those tokens,
+    then any other whose ``per_row`` share beats its price; the allotment that saves the
+    most seconds over its price wins, else a plain step. On rows that end together (a
+    batch of rows run to one limit) a step is saved only when all of them gain: the tail
+    of such a job runs plain, where tokens per second drafted on and lost (the chat
+    workload at batch 16, docs/benchmarks.md)."""
+    rows = [row[:max(0, r - 1)] for row, r in zip(survivals, remaining)]  # the last
+    # token a row may emit ends it: a draft past it is never kept
+    longest = max(remaining, default=0)
+    lag = [longest - r for r in remaining]
+    ranked = sorted(((s, b, j) for b, row in enumerate(rows) for j, s in enumerate(row)),
+                    key=lambda t: (-t[0], t[1], t[2]))
+
+    def variable(kept: list[int]) -> float:  # the pass's price less the step's own
+        return cost.extra(kept) - (cost.step if any(kept) else 0.0)
+
+    best, best_net, saved = [0] * len(rows), 0.0, 0.0
+    for depth in range(max((len(row) for row in rows), default=0) + 1):
+        kept = [max(0, depth - lg) for lg in lag]
+        if any(k > len(row) for k, row in zip(kept, rows)):
+            break  # a row the depth needs has no such token: no deeper either
+        if depth:  # the chance the job runs one step fewer for this depth's tokens
+            chance = 1.0
+            for row, lg in zip(rows, lag):
+                if depth > lg:
+                    chance *= row[depth - lg - 1]
+            if chance < NEGLIGIBLE:
+                break  # deeper, the chance only falls
+            saved += chance
+        # then others' tokens, likeliest first, each while its row's share beats what it
+        # adds to the pass (the step's own cost, paid once, is weighed with the whole)
+        price = variable(kept)
+        for s, b, j in ranked:
+            if j != kept[b]:  # kept already, or past the end of its row's prefix
+                continue
+            kept[b] += 1
+            more = variable(kept)
+            if s * per_row < more - price:  # (a free token is kept: it costs nothing)
+                kept[b] -= 1
+                break
+            price = more
+        net = (fixed * saved + per_row * sum(sum(row[:k]) for row, k in zip(rows, kept))
+               - cost.extra(kept))
+        if net > best_net:
+            best, best_net = kept, net
+    return best
 
 
 def affordable(kept: list[int], tokens: float, seconds: float, plain_rate: float) -> list[int]:

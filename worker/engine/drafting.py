@@ -65,13 +65,15 @@ class Drafting:
         self.grammar: ForcedDrafts | None = None  # the grammar drafter, when it is on
         self.looked: list[bool] = []  # per row of the latest step: led by a text lookup
 
-    def draft(self, inputs: DraftInputs, rows: list[Row], packed: bool = False
-              ) -> tuple[int, Proposal, list[list[int]]]:
+    def draft(self, inputs: DraftInputs, rows: list[Row], packed: bool = False,
+              draining: bool = False) -> tuple[int, Proposal, list[list[int]]]:
         """This step's g, the proposal the target judges (cut to g; in shaped rows the
         grammar's forced tokens and the drafter's in turn: grammar.ForcedDrafts.chain; then
         each row cut to what the step's budget verifies: ``spend``), and the positions of
         the forced tokens in it per row. ``packed``: the verify pass costs the tokens it
-        carries (batch.py: KVRows.packed), else every row pays for the widest."""
+        carries (batch.py: KVRows.packed), else every row pays for the widest;
+        ``draining``: no request waits for a place, a token pays only by the time it
+        takes off the rest of the job (budget.drain)."""
         self.policy.packed = packed  # g is priced as the pass will cost (policy.predicted)
         g, full = self.propose(inputs, rows)
         if inputs.grammar is not None:  # a draft model advanced the matchers as it drafted:
@@ -85,16 +87,17 @@ class Drafting:
             text = self.policy.max_g if self.policy.adapts else g
             prop, forced, self.looked = self.grammar.merge(prop, matchers, inputs.tokens, g,
                                                            self.policy.max_g, text)
-        return self.spend(g, prop, forced, packed)
+        remaining = [r.limit - len(r.generated) for r in rows] if draining else None
+        return self.spend(g, prop, forced, packed, remaining)
 
-    def spend(self, g: int, prop: Proposal, forced: list[list[int]], packed: bool
-              ) -> tuple[int, Proposal, list[list[int]]]:
+    def spend(self, g: int, prop: Proposal, forced: list[list[int]], packed: bool,
+              remaining: list[int] | None = None) -> tuple[int, Proposal, list[list[int]]]:
         """Each row cut to the tokens the step's budget verifies (policy.allot). g stays
         what the drafter was asked for (the policy prices a draft token by it), or 0 where
         the budget kept none of the drafter's tokens: nothing of its was judged."""
         num = prop.num_draft.tolist()
         kept = self.policy.allot(num, forced, self.confidence(prop, len(num)), packed,
-                                 self.looked)
+                                 self.looked, remaining)
         if kept == num:
             return g, prop, forced
         prop.num_draft = torch.tensor(kept, dtype=torch.long)

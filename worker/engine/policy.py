@@ -603,14 +603,17 @@ class DraftLengthPolicy:
 
     def allot(self, num_draft: list[int], forced: list[list[int]],
               confidence: list[list[float]], packed: bool,
-              looked: list[bool] | None = None) -> list[int]:
+              looked: list[bool] | None = None,
+              remaining: list[int] | None = None) -> list[int]:
         """Per row, how many of its ``num_draft`` proposed tokens this step verifies: the
         budget of the verify pass (budget.py), spent on the tokens likeliest to survive
         (``survivals``). A measuring step (``choose``) and a batch size without costs keep
         every token. ``forced``: per row, the positions a grammar forced; ``confidence``:
         per row, the scoring drafter's confidence in each of its own tokens (empty: none);
         ``packed``: the verify pass costs the tokens it carries (batch.py); ``looked``: per
-        row, a text lookup's tokens lead it (grammar.ForcedDrafts.text)."""
+        row, a text lookup's tokens lead it (grammar.ForcedDrafts.text); ``remaining``: per
+        row, the tokens it may still emit, given once no request waits for a place (the
+        batch drains: budget.drain)."""
         widest = max(num_draft, default=0)
         if self.measuring or not widest:
             return list(num_draft)
@@ -626,7 +629,24 @@ class DraftLengthPolicy:
         else:
             cost = budget.verify_cost([t for t in seconds if t is not None], len(num_draft),
                                       packed, step)
-        return cost.allot(self.survivals(num_draft, forced, confidence, looked))
+        survivals = self.survivals(num_draft, forced, confidence, looked)
+        split = self._split(len(num_draft), fit[0] if fit else seconds[0]) \
+            if remaining is not None and len(num_draft) > 1 else None
+        if split is not None:
+            assert remaining is not None  # split is None without it
+            return budget.drain(cost, survivals, remaining, *split)
+        return cost.allot(survivals)
+
+    def _split(self, batch: int, plain: float | None) -> tuple[float, float] | None:
+        """A plain step at this batch size in two parts, seconds: what the step costs
+        whatever its rows (the weights read, the launches, the step's host work) and what
+        each row adds, from the plain passes at batch 1 and here (budget.drain)."""
+        lone = self.t_verify(1, 1)
+        if plain is None or lone is None:
+            return None
+        per_row = max(0.0, (plain - lone) / (batch - 1))
+        host = self.costs.host.get(batch, {}).get(False)
+        return max(0.0, lone - per_row) + (host.mean if host else 0.0), per_row
 
     def survivals(self, num_draft: list[int], forced: list[list[int]],
                   confidence: list[list[float]], looked: list[bool] | None = None
@@ -791,5 +811,6 @@ class Pinned(DraftLengthPolicy):
 
     def allot(self, num_draft: list[int], forced: list[list[int]],
               confidence: list[list[float]], packed: bool,
-              looked: list[bool] | None = None) -> list[int]:
+              looked: list[bool] | None = None,
+              remaining: list[int] | None = None) -> list[int]:
         return list(num_draft)

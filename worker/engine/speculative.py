@@ -266,6 +266,7 @@ class SpeculativeEngine:
                 if self.rows:
                     if check is not None:
                         check()
+                    self.draining = not waiting
                     self._apply(self.step())  # the step books its own phases
                     with phase("upkeep"):
                         self._retire(hand_back)
@@ -311,6 +312,7 @@ class SpeculativeEngine:
         self.rows: list[Row] = []
         self.order: list[int] = []  # request index of each row
         self.joining: list[int | str] = []  # ids of requests being prefilled
+        self.draining = False  # no request waits for a place: the job ends with these rows
         self.last = torch.zeros(0, dtype=torch.long)  # [B] token the target has not seen yet
 
     def active_ids(self) -> list[int | str]:
@@ -478,7 +480,8 @@ class SpeculativeEngine:
         """This step's g and proposal, cut where a grammar refuses it, on the device. Prompt
         lookup may find less than g anywhere, a grammar's forced tokens be more."""
         try:
-            g, prop, forced = self.drafting.draft(inputs, self.rows, self.kv.packed)
+            g, prop, forced = self.drafting.draft(inputs, self.rows, self.kv.packed,
+                                                  self.draining)
         finally:  # a draft model advanced the matchers as it drafted, or failed half-way
             shaping.rewind()
         forced = shaping.before_verify(prop, forced)

@@ -311,3 +311,85 @@ def test_a_lone_row_is_priced_by_its_passes_whole_curve():
     seconds2 = [policy.t_verify(n, 2) for n in range(1, 10)]
     assert policy.allot([8, 8], [[], []], [[0.95] * 8] * 2, packed=True) == Packed.from_widths(
         seconds2, 2).allot(two)
+
+
+# -- a draining batch (budget.drain): no request waits, the job ends with its last row ----
+
+
+def drain_net(survivals, remaining, kept, cost, fixed, per_row):
+    """Seconds an allotment saves over its price, exactly: the expected steps the job no
+    longer runs (its longest row's remaining work, over every outcome of the accept test)
+    at ``fixed`` each, and each accepted token's row share."""
+    rows = [row[:k] for row, k in zip(survivals, kept)]
+    plain_left = max(remaining) - 1
+    saved = 0.0
+    for accepted in itertools.product(*(range(len(row) + 1) for row in rows)):
+        chance = 1.0
+        for row, a in zip(rows, accepted):
+            chance *= (([1.0] + row)[a]) - (row[a] if a < len(row) else 0.0)
+        left = max(r - 1 - a for r, a in zip(remaining, accepted))
+        saved += chance * (plain_left - left)
+    return fixed * saved + per_row * sum(sum(row) for row in rows) - cost.extra(kept)
+
+
+def test_rows_that_end_together_drain_plain_where_tokens_per_second_drafted():
+    """Sixteen rows run to one limit, drafts of survival 0.6 then 0.36: while requests
+    wait, a row that gains ends sooner and takes the next one, and the budget keeps its
+    first tokens; once none waits a step is saved only if all sixteen gain (0.6^16), and
+    each token's own row share costs what it saves: a plain step."""
+    cost = TwoPart(plain=0.1, per_token=0.002, per_column=0.001, batch=16)
+    survivals = [chain([0.6, 0.6])] * 16
+    assert any(cost.allot(survivals))
+    assert budget.drain(cost, survivals, [20] * 16, fixed=0.068, per_row=0.002) == [0] * 16
+
+
+def test_a_draining_batch_drafts_its_longest_row():
+    """One row has 30 tokens to go, the others 10: each token the long row gains is a step
+    the job no longer runs (the pass's fixed part); the short rows' tokens save only their
+    own share of a pass, less than they cost to verify."""
+    cost = TwoPart(plain=0.1, per_token=0.004, per_column=0.001, batch=4)
+    survivals = [chain([0.7] * 4)] * 4
+    kept = budget.drain(cost, survivals, [30, 10, 10, 10], fixed=0.04, per_row=0.004)
+    assert kept[0] >= 2 and kept[1:] == [0, 0, 0]
+    # two longest rows: a step is saved only if both gain; still worth it at 0.7 each
+    kept = budget.drain(cost, survivals, [30, 30, 10, 10], fixed=0.04, per_row=0.004)
+    assert kept[0] == kept[1] >= 1 and kept[2:] == [0, 0]
+    # a row one token from its limit gains nothing whatever its drafts
+    assert budget.drain(cost, survivals, [1, 1, 1, 1], fixed=0.04, per_row=0.004) == [0] * 4
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_drain_saves_what_the_best_allotment_saves(seed):
+    """Against every allotment of small batches, scored exactly (every accept outcome):
+    drain's choice (the longest rows' tokens depth by depth, then others' tokens one by
+    one) saves what the best saves (500 seeds checked so when it was written)."""
+    rng = random.Random(seed)
+    B = rng.randint(2, 3)
+    survivals = [chain([rng.random() ** 0.5 for _ in range(rng.randint(0, 3))])
+                 for _ in range(B)]
+    remaining = [rng.randint(1, 6) for _ in range(B)]
+    cost = TwoPart(plain=0.1, per_token=rng.uniform(0.001, 0.02),
+                   per_column=rng.uniform(0.0, 0.01), batch=B, step=rng.uniform(0.0, 0.01))
+    fixed, per_row = rng.uniform(0.01, 0.1), rng.uniform(0.001, 0.02)
+    usable = [row[:max(0, r - 1)] for row, r in zip(survivals, remaining)]
+    best = max(drain_net(survivals, remaining, list(kept), cost, fixed, per_row)
+               for kept in itertools.product(*(range(len(r) + 1) for r in usable)))
+    got = drain_net(survivals, remaining, budget.drain(cost, survivals, remaining, fixed,
+                                                       per_row), cost, fixed, per_row)
+    assert got >= 0.0
+    assert got == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def test_the_policy_drains_once_no_request_waits():
+    """policy.allot with ``remaining`` prices the step as a draining batch: the pass's
+    fixed part and a row's share from the plain passes at batch 1 and here."""
+    policy = Widths(default=4, max_g=8)
+    policy.record_costs(1, {1: [0.03] * 2, 2: [0.032] * 2}, [0.0001] * 2)
+    policy.record_costs(8, {1: [0.06] * 2, 2: [0.10] * 2}, [0.0001] * 2)
+    policy.choose(batch=8)
+    policy.measuring = False
+    none, conf = [[] for _ in range(8)], [[0.8] * 4] * 8
+    assert policy.allot([4] * 8, none, conf, packed=True) != [0] * 8
+    assert policy.allot([4] * 8, none, conf, packed=True, remaining=[5] * 8) == [0] * 8
+    kept = policy.allot([4] * 8, none, conf, packed=True, remaining=[9] + [5] * 7)
+    assert kept[0] > 0 and kept[1:] == [0] * 7
