@@ -52,6 +52,7 @@ from specq.db.models import ItemStatus, JobStatus, as_utc
 from specq.db.session import migrate, session_factory
 from specq.schema.counters import ARRAYS, SCALARS, Counters
 from specq.schema.counters import kinds as counter_kinds
+from specq.schema.errors import NotFound
 from specq.schema.generation import RequestError, SamplingParams, fits_by_size
 from specq.schema.grammar import grammar
 
@@ -489,11 +490,12 @@ class Client:
         return self.job(job_id).retry()
 
     def job(self, job_id: int) -> Job:
-        """A handle on a stored job; KeyError if there is none (ArgumentError: not an id)."""
+        """A handle on a stored job; NotFound (a KeyError) if there is none (ArgumentError:
+        not an id)."""
         job_id = check_job_id(job_id)
         with self.sessions() as s:
             if repo.get_job(s, job_id=job_id) is None:
-                raise KeyError(f"job {job_id}: not found")
+                raise NotFound(f"job {job_id}: not found")
         return Job(self, job_id)
 
     def jobs(self, limit: int = 50, schedule: str | None = None) -> list[JobSummary]:
@@ -603,7 +605,7 @@ class Job:
         with self.client.sessions() as s:
             job = repo.get_job(s, job_id=self.id)
             if job is None:
-                raise KeyError(f"job {self.id}: not found")
+                raise NotFound(f"job {self.id}: not found")
             counts = repo.status_counts(s, job_id=self.id)
             faults = chunks.faults(s, job_id=self.id)
         state = JobState(
@@ -696,7 +698,7 @@ class Job:
         with self.client.sessions() as s:
             rows = repo.job_figures(s, job_ids=[self.id])
             if not rows:
-                raise KeyError(f"job {self.id}: not found")
+                raise NotFound(f"job {self.id}: not found")
             arrays: dict[str, Any] = {
                 "accepted_by_position": repo.accepted_by_position(s, job_id=self.id),
                 "steps_by_draft_length": repo.steps_by_draft_length(s, job_id=self.id),

@@ -53,7 +53,7 @@ from pydantic import (
     model_validator,
 )
 
-from specq.api.client import Client, Job
+from specq.api.client import Client, Job, NotFound
 from specq.api.formats import (
     BATCH,
     counter_fields,
@@ -474,7 +474,7 @@ def write_output(client: Client, job_id: int) -> Path:
     with client.sessions() as s:
         job = repo.get_job(s, job_id=job_id)
         if job is None or job.synthesis is None:
-            raise KeyError(f"job {job_id}: not a synthesis run")
+            raise NotFound(f"job {job_id}: not a synthesis run")
         if job.swept_at is not None:  # its outputs are gone: a rewrite would empty the set
             raise RuntimeError(f"job {job_id}: its results were swept at "
                                f"{as_utc(job.swept_at):%Y-%m-%d %H:%M} UTC (retention); the "

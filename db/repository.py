@@ -37,6 +37,7 @@ from specq.db.outcomes import COLUMNS as OUTCOME_COLUMNS
 from specq.db.outcomes import Outcome, storable
 from specq.db.session import changed
 from specq.schema.counters import ARRAYS, SCALARS
+from specq.schema.errors import NotFound
 
 PENDING = ItemStatus.pending.value
 OUTCOME_COUNTERS = SCALARS + ARRAYS
@@ -122,7 +123,7 @@ def require_job(session: Session, *, job_id: int) -> Job:
     """The job, which the caller knows exists; KeyError naming it if it does not."""
     job = get_job(session, job_id=job_id)
     if job is None:
-        raise KeyError(f"job {job_id}: not found")
+        raise NotFound(f"job {job_id}: not found")
     return job
 
 
@@ -501,7 +502,7 @@ def retry_failed(session: Session, *, job_id: int) -> list[int]:
     counted) and reopen the job. Returns their indices. Takes the job's lock."""
     job = lock_job(session, job_id=job_id)
     if job is None:
-        raise KeyError(f"job {job_id}: not found")
+        raise NotFound(f"job {job_id}: not found")
     status = JobStatus(job.status)
     if status in (JobStatus.cancelling, JobStatus.cancelled):
         raise ValueError(f"job {job_id} is {status.value}: its items are not retried")
@@ -614,7 +615,7 @@ def request_cancel(session: Session, *, job_id: int) -> JobStatus:
     cancels its chunk's items at the chunk's start."""
     job = lock_job(session, job_id=job_id)
     if job is None:
-        raise KeyError(f"job {job_id}: not found")
+        raise NotFound(f"job {job_id}: not found")
     status = JobStatus(job.status)
     if status in (JobStatus.validating, JobStatus.queued):
         cancel_pending(session, job_id=job_id)

@@ -21,6 +21,7 @@ from sqlalchemy.orm import Session
 
 from specq.db.models import ApiKey, Tenant, utcnow
 from specq.db.session import changed
+from specq.schema.errors import NotFound
 
 KEY_PREFIX = "sk-specq-"
 SHOWN = len(KEY_PREFIX) + 6  # characters of a key `specq keys list` shows
@@ -84,7 +85,7 @@ def revoke(session: Session, *, tenant: str, prefix: str | None = None) -> int:
     how many. KeyError for an unknown tenant."""
     tenant_id = session.scalar(select(Tenant.id).where(Tenant.name == tenant))
     if tenant_id is None:
-        raise KeyError(f"tenant {tenant!r}: not found")
+        raise NotFound(f"tenant {tenant!r}: not found")
     stmt = update(ApiKey).where(ApiKey.tenant_id == tenant_id, ApiKey.revoked_at.is_(None))
     if prefix is not None:
         stmt = stmt.where(ApiKey.prefix == prefix)

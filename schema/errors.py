@@ -8,6 +8,15 @@ from typing import Any
 from pydantic import ValidationError
 
 
+class NotFound(KeyError):
+    """A job, tenant or endpoint asked for by id or name that is not stored. Still a
+    KeyError, said as its message (a bare KeyError prints its message quoted, as a
+    dictionary key)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else "not found"
+
+
 class InputError(ValueError):
     """The job spec is invalid; ``problems`` lists each one as 'where: field: message'.
 

@@ -15,9 +15,10 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-__all__ = ["Client", "Job", "InputError", "Settings"]
+__all__ = ["Client", "Job", "InputError", "NotFound", "Settings"]
 
 _WHERE = {"Client": "specq.api.client", "Job": "specq.api.client",
+          "NotFound": "specq.schema.errors",
           "InputError": "specq.schema.errors", "Settings": "specq.configs.settings"}
 
 

@@ -365,8 +365,9 @@ def test_the_python_api_refuses_odd_arguments_naming_them(lite):
         with pytest.raises(InputError, match=says):
             lite.jobs(limit=limit)
     refused(lite, ["Fix: he go home"], priority=["high"])
-    with pytest.raises(KeyError, match="job 999999: not found"):
+    with pytest.raises(KeyError, match="job 999999: not found") as gone:
         Job(lite, 999999).cancel()
+    assert str(gone.value) == "job 999999: not found"  # its message, not a quoted key
     with pytest.raises(ValueError, match="poll: seconds between looks"):
         Job(lite, 1).wait(poll=-1)
     for timeout in ("1", -1, float("nan")):
