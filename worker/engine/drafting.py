@@ -87,7 +87,8 @@ class Drafting:
             text = self.policy.max_g if self.policy.adapts else g
             prop, forced, self.looked = self.grammar.merge(prop, matchers, inputs.tokens, g,
                                                            self.policy.max_g, text)
-        remaining = [r.limit - len(r.generated) for r in rows] if draining else None
+        remaining = ([r.limit - (len(r.tokens) - r.prompt_len) for r in rows] if draining
+                     else None)
         return self.spend(g, prop, forced, packed, remaining)
 
     def spend(self, g: int, prop: Proposal, forced: list[list[int]], packed: bool,
