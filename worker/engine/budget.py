@@ -231,15 +231,18 @@ def drain(cost: VerifyCost, survivals: list[list[float]], remaining: list[int],
             saved += chance
         # then others' tokens, likeliest first, each while its row's share beats what it
         # adds to the pass (the step's own cost, paid once, is weighed with the whole)
-        price = variable(kept)
+        price, widest = variable(kept), None  # widest: once a token that widened failed
         for s, b, j in ranked:
-            if j != kept[b]:  # kept already, or past the end of its row's prefix
-                continue
+            if j != kept[b] or (widest is not None and j >= widest):  # kept already, past
+                continue  # the end of its row's prefix, or widening what cannot widen
             kept[b] += 1
             more = variable(kept)
             if s * per_row < more - price:  # (a free token is kept: it costs nothing)
                 kept[b] -= 1
-                break
+                if widest is not None or j < max(kept):
+                    break  # within the width every later token costs as much, for less
+                widest = max(kept)
+                continue
             price = more
         net = (fixed * saved + per_row * sum(sum(row[:k]) for row, k in zip(rows, kept))
                - cost.extra(kept))

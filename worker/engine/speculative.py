@@ -205,6 +205,8 @@ class SpeculativeEngine:
             eos.append(tokenizer.eos_token_id)
         self.eos_ids = set(eos)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self._ends_job: Hashable = None  # the job whose rows' ends are counted
+        self._ends = {True: 0, False: 0}  # its rows ended at their limit (True) or before
         self.prefill_seconds = 0.0  # spent prefilling prompts, over the engine's life
         self.admissions = 0  # prefills that admitted rows (each of one or a few passes)
         # shared prefixes' keys and values: they depend on the tokens alone, so they
@@ -255,6 +257,8 @@ class SpeculativeEngine:
 
         self.reset()
         self.drafter.use_job(job)
+        if job is None or job != self._ends_job:  # how the job's rows end, from its first
+            self._ends_job, self._ends = job, {True: 0, False: 0}
         phase = self.profile.phase
         with self.profile.loop():  # every second in one phase: the rest is the host's
             while waiting or self.rows:
@@ -266,12 +270,19 @@ class SpeculativeEngine:
                 if self.rows:
                     if check is not None:
                         check()
-                    self.draining = not waiting
+                    self.draining = not waiting and self._limits_end_rows()
                     self._apply(self.step())  # the step books its own phases
                     with phase("upkeep"):
                         self._retire(hand_back)
         self.reset()  # both caches' buffers go back now, not when the next job starts
         return [results[i] for i in sorted(results)]
+
+    def _limits_end_rows(self) -> bool:
+        """Most of the job's rows so far ran to their ``max_new_tokens``: a row's limit
+        says when it ends, and a draining batch's budget (budget.drain) can tell which
+        row ends last. Rows that end at their EOS first (a JSON object closed, an answer
+        given) end where nobody knows: the budget keeps to tokens per second."""
+        return self._ends[True] > 0 and self._ends[True] >= self._ends[False]
 
     def _room_for(self, waiting: int) -> bool:
         """Admit now? Once ``admit_group`` rows are free (or all the waiting fit, or the
@@ -413,6 +424,7 @@ class SpeculativeEngine:
         """Hand back the finished row of request ``i``; its text teaches the drafter."""
         if row.result.error is None:  # a failed row teaches the drafter nothing
             self.drafter.finish(row.tokens)
+            self._ends[row.result.finish_reason == "length"] += 1
         hand_back(i, row.finish())
 
     def _retire(self, hand_back: Callable[[int, Result], None]) -> None:

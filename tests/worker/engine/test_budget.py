@@ -393,3 +393,41 @@ def test_the_policy_drains_once_no_request_waits():
     assert policy.allot([4] * 8, none, conf, packed=True, remaining=[5] * 8) == [0] * 8
     kept = policy.allot([4] * 8, none, conf, packed=True, remaining=[9] + [5] * 7)
     assert kept[0] > 0 and kept[1:] == [0] * 7
+
+
+def test_a_draining_batch_fills_a_width_its_longest_rows_paid_for():
+    """Tokens of other rows inside the columns the longest rows' depth pays for cost a
+    token each; one that would widen the pass costs its column too. A sure token that
+    widens is refused and a likely one inside the width still kept."""
+    cost = TwoPart(plain=0.1, per_token=0.002, per_column=0.003, batch=3)
+    survivals = [[1.0] * 4, chain([0.9, 0.9]), [0.95]]  # forced, the longest, a guess
+    kept = budget.drain(cost, survivals, [10, 30, 10], fixed=0.05, per_row=0.004)
+    assert kept == [2, 2, 1]
+
+
+def test_the_engine_drains_only_where_rows_run_to_their_limit(tiny_models, tiny_tokenizer,
+                                                              make_requests):
+    """A job whose rows end at their max_new_tokens: once no request waits, the budget
+    is told each row's remaining tokens (budget.drain). A job whose rows end at their EOS
+    first: never (a limit does not say which row ends last)."""
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, SuffixDrafter(),
+                               max_batch_size=4)
+    told, allot = [], engine.policy.allot
+
+    def spy(num, *args, **kwargs):
+        told.append(kwargs.get("remaining", args[4] if len(args) > 4 else None))
+        return allot(num, *args, **kwargs)
+
+    engine.policy.allot = spy  # type: ignore[method-assign]
+    requests = [r.model_copy(update={"max_new_tokens": 12}) for r in make_requests(7, seed=5)]
+    results = engine.generate(requests, job="to the limit")
+    assert all(r.finish_reason == "length" for r in results)
+    draining = [t for t in told if t is not None]
+    assert draining and told[-1] is not None and told[0] is None
+    assert all(len(t) <= 3 for t in draining)  # the last wave: 7 requests, 4 places
+    # the same prompts, their 4th token taken for an end of sequence: they end first
+    engine.eos_ids = engine.eos_ids | {r.token_ids[3] for r in results}
+    told.clear()
+    ended = engine.generate(requests, job="to the end")
+    assert all(r.finish_reason == "stop" for r in ended) and told
+    assert all(t is None for t in told)
