@@ -630,11 +630,10 @@ class DraftLengthPolicy:
             cost = budget.verify_cost([t for t in seconds if t is not None], len(num_draft),
                                       packed, step)
         survivals = self.survivals(num_draft, forced, confidence, looked)
-        split = self._split(len(num_draft), fit[0] if fit else seconds[0]) \
-            if remaining is not None and len(num_draft) > 1 else None
-        if split is not None:
-            assert remaining is not None  # split is None without it
-            return budget.drain(cost, survivals, remaining, *split)
+        if remaining is not None and len(num_draft) > 1:
+            split = self._split(len(num_draft), fit[0] if fit else seconds[0])
+            if split is not None:
+                return budget.drain(cost, survivals, remaining, *split)
         return cost.allot(survivals)
 
     def _split(self, batch: int, plain: float | None) -> tuple[float, float] | None:
