@@ -147,10 +147,8 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
             if not any(survivals):
                 kept = [0] * B
             elif keep == BUDGET and not waiting and B > 1:  # as policy.allot drains
-                lone = price.rows(1)
-                per_row = (price.rows(B) - lone) / (B - 1)
                 kept = budget.drain(cost, survivals, [len(r) for r in rest],
-                                    max(0.0, lone - per_row), per_row)
+                                    *budget.split(price.rows(B), price.rows(1), B))
             else:
                 kept = cost.allot(survivals)
             for c, k, a, d, r in zip(conf, kept, right, drafts, rest):
@@ -195,7 +193,7 @@ def measured_price(model, tokenizer, make_drafter: Callable[[], Drafter], batch:
     fit = eng.policy.costs.pass_fit(batch)
     if fit is not None:
         plain, per_pass, per_token, per_column = fit
-        per_row = max(0.0, (plain - lone) / (batch - 1)) if lone and batch > 1 else 0.0
+        per_row = budget.split(plain, lone, batch)[1] if lone else 0.0
         return Price(plain, per_token, per_column, per_pass, per_row, batch)
     widths = [(n, eng.policy.costs.verify_seconds(n, batch)) for n in range(1, max_g + 2)]
     points = [(batch * (n - 1), t) for n, t in widths if t is not None]

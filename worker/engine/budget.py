@@ -114,10 +114,7 @@ class Packed:
         return cls(seconds[0], per_token, batch, step)
 
     def allot(self, survivals: list[list[float]]) -> list[int]:
-        # all rows' tokens, the most likely to survive first (ties: row order, then
-        # position, so that each row keeps a prefix)
-        ranked = sorted(((s, b, j) for b, row in enumerate(survivals)
-                         for j, s in enumerate(row)), key=lambda t: (-t[0], t[1], t[2]))
+        ranked = _ranked(survivals)
         kept = [0] * len(survivals)
         tokens, seconds = float(self.batch), self.plain
         for s, b, j in ranked:
@@ -157,8 +154,7 @@ class TwoPart:
     # host work (Packed.step) and its pass's own step at the first draft (PassFit.per_pass)
 
     def allot(self, survivals: list[list[float]]) -> list[int]:
-        ranked = sorted(((s, b, j) for b, row in enumerate(survivals)
-                         for j, s in enumerate(row)), key=lambda t: (-t[0], t[1], t[2]))
+        ranked = _ranked(survivals)
         best, best_rate = [0] * len(survivals), self.batch / self.plain
         widest = max((len(row) for row in survivals), default=0)
         for w in range(1, widest + 1):
@@ -210,8 +206,7 @@ def drain(cost: VerifyCost, survivals: list[list[float]], remaining: list[int],
     # token a row may emit ends it: a draft past it is never kept
     longest = max(remaining, default=0)
     lag = [longest - r for r in remaining]
-    ranked = sorted(((s, b, j) for b, row in enumerate(rows) for j, s in enumerate(row)),
-                    key=lambda t: (-t[0], t[1], t[2]))
+    ranked = _ranked(rows)
 
     def variable(kept: list[int]) -> float:  # the pass's price less the step's own
         return cost.extra(kept) - (cost.step if any(kept) else 0.0)
@@ -249,6 +244,21 @@ def drain(cost: VerifyCost, survivals: list[list[float]], remaining: list[int],
         if net > best_net:
             best, best_net = kept, net
     return best
+
+
+def split(plain: float, lone: float, batch: int) -> tuple[float, float]:
+    """A plain pass over ``batch`` rows (``plain`` seconds; ``lone``: over one row) in two
+    parts: what it costs whatever its rows (the weights read, the launches) and what each
+    row adds (``drain``'s ``fixed`` and ``per_row``)."""
+    per_row = max(0.0, (plain - lone) / (batch - 1)) if batch > 1 else 0.0
+    return max(0.0, lone - per_row), per_row
+
+
+def _ranked(survivals: list[list[float]]) -> list[tuple[float, int, int]]:
+    """All rows' tokens as (survival, row, position), the likeliest first (ties: row
+    order, then position, so that a row's tokens come in its own order)."""
+    return sorted(((s, b, j) for b, row in enumerate(survivals) for j, s in enumerate(row)),
+                  key=lambda t: (-t[0], t[1], t[2]))
 
 
 def affordable(kept: list[int], tokens: float, seconds: float, plain_rate: float) -> list[int]:

@@ -643,9 +643,9 @@ class DraftLengthPolicy:
         lone = self.t_verify(1, 1)
         if plain is None or lone is None:
             return None
-        per_row = max(0.0, (plain - lone) / (batch - 1))
+        fixed, per_row = budget.split(plain, lone, batch)
         host = self.costs.host.get(batch, {}).get(False)
-        return max(0.0, lone - per_row) + (host.mean if host else 0.0), per_row
+        return fixed + (host.mean if host else 0.0), per_row
 
     def survivals(self, num_draft: list[int], forced: list[list[int]],
                   confidence: list[list[float]], looked: list[bool] | None = None
