@@ -215,12 +215,15 @@ class KVRows:
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, valid: torch.Tensor,
-                last_only: bool = False) -> torch.Tensor:
+                last_only: bool = False, first: list[int] | None = None) -> torch.Tensor:
         """Append T columns per row and return their logits.
 
         input_ids: [B, T] int64; valid: [B, T] bool (False = padding, masked for good)
         returns logits [B, T, V], or [B, 1, V] for the last column when ``last_only``; a
-        padding position's logits are finite and mean nothing (zeros when ``packed``)
+        padding position's logits are finite and mean nothing (zeros when ``packed``).
+        ``first`` (the packed forward only): per row, the first position whose logits are
+        wanted; returns [B, T - max(first), V], row b's from first[b] on (a row that
+        joins the pass with its prompt wants only its last position's: packed.py).
         """
         B, T = input_ids.shape
         if self.cache is None:
@@ -231,8 +234,10 @@ class KVRows:
             ends = self.marker()
             assert isinstance(ends, torch.Tensor)  # a packed cache's marker is per row
             logits, self.mask = self._packed(self.cache, self.mask, ends, input_ids, valid,
-                                             last_only)
+                                             last_only, first)
             return logits
+        if first is not None:
+            raise ValueError("first: only the packed forward returns logits from a position")
         L = self.length
         seen = self.mask.sum(1, keepdim=True)  # [B, 1] real tokens so far
         position_ids = (seen + valid.long().cumsum(1) - 1).clamp(min=0)  # [B, T]
@@ -463,6 +468,9 @@ class Row:
         # it the emitted tokens matched so far (shadow.py)
         self.shadow: tuple[list[int], int] | None = None
         self.matcher = None  # the grammar state of a row with a response_format (grammar.py)
+        # prompt tokens not in the target's cache yet: a row that joins a running pass
+        # carries them in it, its prompt's last token the last of them (speculative.py)
+        self.unseen: list[int] = []
 
     @property
     def generated(self) -> list[int]:

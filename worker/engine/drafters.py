@@ -89,9 +89,13 @@ class Drafter(Protocol):
     free: bool  # costs nothing next to a target pass: proposes while g = 0 (shadow.py)
     scored: bool  # its proposals carry each token's confidence (Proposal.confidence)
     races: bool  # samples by keyed_race: sampled rows' targets race with the same noise
+    # admits a row before its first token (keeps no cache of its own): a refill may join a
+    # running batch's pass, its prompt beside the rows' drafts (speculative.py: _join)
+    admits_unseen: bool
 
     def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None:
-        """New rows join at the end of the batch, their prompts and first tokens known."""
+        """New rows join at the end of the batch, their prompts and first tokens known
+        (``first_tokens`` empty where they join a pass before it: ``admits_unseen``)."""
 
     def select(self, rows: torch.Tensor) -> None:
         """Keep only these rows, in this order."""
@@ -118,6 +122,7 @@ class _JobBlind:
     """A drafter that learns nothing from the job's finished rows."""
 
     free = scored = races = False  # capabilities (Drafter): none unless a drafter says so
+    admits_unseen = True
 
     def use_job(self, job: Hashable) -> None: ...
     def finish(self, tokens: list[int]) -> None: ...
@@ -200,6 +205,7 @@ class DraftModel(_JobBlind):
 
     name = "draft_model"
     races = True  # samples by keyed_race: the engine's target samples by it too
+    admits_unseen = False  # its cache prefills a row from the prompt and the first token
 
     def __init__(self, model: PreTrainedModel, pad_id: int = 0, vocab_size: int | None = None,
                  share_prefixes: bool = True):

@@ -87,6 +87,10 @@ class Drafting:
             text = self.policy.max_g if self.policy.adapts else g
             prop, forced, self.looked = self.grammar.merge(prop, matchers, inputs.tokens, g,
                                                            self.policy.max_g, text)
+        if any(r.unseen for r in rows):  # a row joining the pass: its prefill, no drafts
+            prop.num_draft = torch.tensor([0 if r.unseen else n for r, n in
+                                           zip(rows, prop.num_draft.tolist())])
+            forced = [[] if r.unseen else at for r, at in zip(rows, forced)]
         remaining = ([r.limit - (len(r.tokens) - r.prompt_len) for r in rows] if draining
                      else None)
         return self.spend(g, prop, forced, packed, remaining)
@@ -128,7 +132,8 @@ class Drafting:
             acc = [0 if t else k for k, t in zip(acc, looked)]
         self.policy.observe(step.g, num, acc, step.t_draft, step.t_verify,
                             step.verify_tokens, carried=sum(step.num_draft),
-                            t_host=max(0.0, step.t_step - step.t_draft - step.t_verify))
+                            t_host=max(0.0, step.t_step - step.t_draft - step.t_verify),
+                            timed=not any(step.joined))
 
 
 class ShadowedDrafting(Drafting):

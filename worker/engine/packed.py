@@ -324,17 +324,20 @@ class PackedForward:
 
     @torch.inference_mode()
     def __call__(self, cache: Columns, mask: torch.Tensor, ends: torch.Tensor,
-                 input_ids: torch.Tensor, valid: torch.Tensor, last_only: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 input_ids: torch.Tensor, valid: torch.Tensor, last_only: bool = False,
+                 first: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Write each row's valid tokens into ``cache`` right after the row's last real
         column, and return their logits and the new mask.
 
         mask: [B, L] bool, the real columns before this pass; ends: [B] the column after
         each row's last real one (KVRows.marker); input_ids, valid: [B, T].
         Returns (logits [B, T, V], zeros where not valid, or [B, 1, V] for the last column
-        when ``last_only``; the mask [B, L'] after the pass, L' the furthest row's end: it
-        shrinks when the rows' longest ones dropped their last columns). Reads the valid
-        places and the rows' ends on the host in one go (a device sync).
+        when ``last_only``, or with ``first`` (per row, the first position whose logits
+        it needs) [B, T - max(first), V], row b's positions from first[b] on; the mask
+        [B, L'] after the pass, L' the furthest row's end: it shrinks when the rows'
+        longest ones dropped their last columns). Only the positions returned go through
+        the head. Reads the valid places and the rows' ends on the host in one go (a
+        device sync).
         """
         B, T = input_ids.shape
         dev, L = input_ids.device, mask.shape[1]
@@ -365,7 +368,30 @@ class PackedForward:
         if last_only:
             last = _spread(x, index, B, T)[:, -1:]  # [B, 1, hidden]
             return self.head(last), new  # [B, 1, V]
+        if first is not None:
+            return self._from(x, rows, first), new  # [B, T - max(first), V]
         return _spread(self.head(x), index, B, T), new  # [B, T, V]
+
+    def _from(self, x: torch.Tensor, rows: list[list[int]], first: list[int]) -> torch.Tensor:
+        """The logits of each row's valid positions from first[b] on, in slots 0, 1, ...
+        of its row: [B, W, V], W = T - max(first), zeros where a slot has no valid
+        position. x: [N, hidden], the packed tokens in row order; ``rows``: per row, its
+        valid flags."""
+        B, T = len(rows), len(rows[0])
+        W = T - max(first)
+        need, slots, k = [], [], 0  # packed index of each needed token, its slot
+        for b, (flags, f) in enumerate(zip(rows, first)):
+            for j, v in enumerate(flags):
+                if v:
+                    if f <= j < f + W:
+                        need.append(k)
+                        slots.append(b * W + j - f)
+                    k += 1
+        dev = x.device
+        logits = self.head(x.index_select(0, torch.tensor(need, device=dev)))  # [n, V]
+        out = logits.new_zeros(B * W, logits.shape[-1])
+        out.index_copy_(0, torch.tensor(slots, device=dev), logits)
+        return out.view(B, W, -1)
 
     @staticmethod
     def _plan(device: torch.device, rows: list[list[int]], old: int,

@@ -697,21 +697,24 @@ class DraftLengthPolicy:
 
     def observe(self, g: int, num_draft: list[int], num_accepted: list[int],
                 t_draft: float, t_verify: float, verify_tokens: int,
-                carried: int | None = None, t_host: float | None = None) -> None:
+                carried: int | None = None, t_host: float | None = None,
+                timed: bool = True) -> None:
         """Record one step at draft length g: per-row proposals and acceptances, the
         drafting time, and the target pass's time over ``verify_tokens`` tokens per row
         (the widest row's); ``carried``: the draft tokens the pass carried in all, for the
         packed pass's two-part price (PassFit); ``t_host``: the step's seconds past its
-        drafting and its pass (CostTable.drafting_step)."""
+        drafting and its pass (CostTable.drafting_step). ``timed`` False: the pass also
+        prefilled rows that joined it (Step.prefilled), its times are no step's cost."""
         self.steps += 1
         self.history.append(g)
         self._batch = len(num_draft)
-        if verify_tokens == 1:
-            self._plain_at[self._batch] = self.steps
-        self.costs.add(self._batch, {verify_tokens: [t_verify]}, [t_draft / g] if g else [],
-                       carried=carried)
-        if t_host is not None:
-            self.costs.add_host(self._batch, verify_tokens > 1, t_host)
+        if timed:
+            if verify_tokens == 1:
+                self._plain_at[self._batch] = self.steps
+            self.costs.add(self._batch, {verify_tokens: [t_verify]},
+                           [t_draft / g] if g else [], carried=carried)
+            if t_host is not None:
+                self.costs.add_host(self._batch, verify_tokens > 1, t_host)
         if g:
             self._drafted_at = self.steps
             self.acceptance.add(num_draft, num_accepted)

@@ -152,6 +152,48 @@ def prefill(model: PreTrainedModel, prompts: list[list[int]], pad_id: int,
     return kv, logits
 
 
+def stored(store: PrefixStore | None,
+           prompts: list[list[int]]) -> list[tuple[Prefix | None, int]]:
+    """Per prompt, the stored prefix that serves it longest and how many of its tokens
+    ((None, 0) without a store or under MIN_PREFIX tokens): what ``seeded`` copies."""
+    return [_base(store, p) if store is not None else (None, 0) for p in prompts]
+
+
+@torch.inference_mode()
+def seeded(model: PreTrainedModel, bases: list[tuple[Prefix | None, int]],
+           store: PrefixStore | None) -> KVRows:
+    """Rows (in order) that join a running batch's pass with their prompts (speculative.py:
+    ``_join``): each row's first columns those of its base (``stored``: a prefix, and how
+    many of its tokens), copied, and nothing computed; the pass computes the rest. The
+    cache has no buffers where no row has a base.
+
+    Only what the store holds serves: prompts that share a prefix the store lacks compute
+    it each (``prefill`` computes it once, in a pass of its own; a few rows joining a pass
+    are worth less than that pass)."""
+    kv = KVRows(model)
+    parts: dict[int, tuple[Prefix, list[int], list[int]]] = {}  # id -> prefix, rows, lengths
+    for i, (prefix, n) in enumerate(bases):
+        if prefix is not None:
+            _, rows, lengths = parts.setdefault(id(prefix), (prefix, [], []))
+            rows.append(i)
+            lengths.append(n)
+    if not parts:
+        return kv
+    for prefix, _, lengths in parts.values():
+        kv.extend(KVRows.from_prefix(model, prefix.layers, lengths))
+    order = [i for _, rows, _ in parts.values() for i in rows]
+    plain = [i for i, (prefix, _) in enumerate(bases) if prefix is None]
+    if plain:
+        kv.add_rows(len(plain))  # rows with no column yet: the pass writes them all
+    order += plain
+    back = sorted(range(len(order)), key=order.__getitem__)  # the row of each prompt
+    if back != list(range(len(order))):
+        kv.select(back)
+    if store is not None:
+        store.served += sum(n for _, n in bases)
+    return kv
+
+
 def _base(store: PrefixStore, prompt: list[int],
           new: Sequence[Prefix] = ()) -> tuple[Prefix | None, int]:
     """The prefix that serves ``prompt`` longest (of the store's, and ``new``: this

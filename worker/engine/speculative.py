@@ -25,7 +25,7 @@ from specq.worker.engine.batch import KVRows, Row, fill_holes, upload
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from specq.worker.engine.drafting import drafting_for
 from specq.worker.engine.grammar import ForcedDrafts, GrammarError, Grammars, Shaping
-from specq.worker.engine.prefix import PrefixStore, prefill
+from specq.worker.engine.prefix import PrefixStore, prefill, seeded, stored
 from specq.worker.engine.profile import Profile
 from specq.worker.engine.rejection import accept_matching, rejection_sample
 from specq.worker.engine.result import Result
@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 ADMIT_SHARE = 4  # refills wait for 1 / ADMIT_SHARE of the batch: one prefill, not a stall a row
 REFILL_HOLD = 2  # a lone refill waits up to max_batch_size / REFILL_HOLD steps for a second
 ONE_TOKEN_TOKENS = 256  # prompt tokens of one-token rows past a batch, per place of the batch
+# rows that join a running pass (_join): its rows x their widest prompt x the cache's columns
+# after it at most (the attention mask's cells, a byte each per query head of a key head);
+# longer prompts are prefilled in a pass of their own
+JOIN_CELLS = 1 << 24
 
 
 def _takes_place(request: Request) -> bool:
@@ -209,6 +213,7 @@ class SpeculativeEngine:
         self._ends = {True: 0, False: 0}  # its rows ended at their limit (True) or before
         self.prefill_seconds = 0.0  # spent prefilling prompts, over the engine's life
         self.admissions = 0  # prefills that admitted rows (each of one or a few passes)
+        self.joins = 0  # rows that joined a running pass instead (_join)
         # shared prefixes' keys and values: they depend on the tokens alone, so they
         # outlive a failed generation
         self.prefixes = PrefixStore() if share_prefixes else None
@@ -264,7 +269,10 @@ class SpeculativeEngine:
             while waiting or self.rows:
                 if waiting and self._room_for(len(waiting)):
                     with phase("admit"):
-                        self._admit(waiting, hand_back, on_admit)
+                        if self._joins():
+                            self._join(waiting, hand_back, on_admit)
+                        else:
+                            self._admit(waiting, hand_back, on_admit)
                     with phase("upkeep"):
                         self._retire(hand_back)  # max_new_tokens = 1, or EOS first
                 if self.rows:
@@ -296,10 +304,15 @@ class SpeculativeEngine:
         less. Speculation staggers the ends of rows that would end together (at batch 4
         one prefill a row cost the chat workload 1.2 s of 30, docs/benchmarks.md); the
         batch then stays at least max - 1 rows full. A larger group's prefill is mostly
-        its tokens' work: it goes at once."""
+        its tokens' work: it goes at once.
+
+        Where refills join the running pass (``_joins``) none of that holds: a place is
+        refilled as soon as it is free."""
         if not self.rows:
             return True
         free = self.max_batch_size - len(self.rows)
+        if self._joins():  # a refill costs its own tokens, not a pass: at once
+            return free > 0
         if free < min(self.admit_group, waiting):
             return False
         if free == 1 and waiting > 1:  # a lone refill
@@ -373,12 +386,60 @@ class SpeculativeEngine:
                 new.append((i, row))
         return new
 
+    def _joins(self) -> bool:
+        """Refills join the next step's pass (``_join``): rows are running, the target's
+        pass costs the tokens it carries (batch.KVRows.packed) and the drafter admits a row
+        before its first token (a draft model prefills its own cache from it)."""
+        return bool(self.rows) and self.kv.packed and self.drafter.admits_unseen
+
+    def _join(self, waiting: deque, hand_back: Callable[[int, Result], None],
+              on_admit: Callable[[list[int | str]], None] | None = None) -> None:
+        """Refill free places with waiting requests that join the next step's pass: each
+        new row carries its prompt (less the columns of its stored prefix, prefix.seeded)
+        beside the other rows' last tokens and drafts, and the pass yields its first token
+        (and judges its drafts, if it has any). A prefill pass of its own reads every
+        weight for a few tokens: at batch 4 on a CPU a lone refill's pass cost about a
+        step, and rows that accept drafts end apart and refill one at a time. Joining, a
+        refill costs its tokens. Prompts too long for one pass's attention mask
+        (JOIN_CELLS) are prefilled as before (``_prefill``)."""
+        new = self._take(waiting, hand_back)
+        if not new:
+            return
+        rows = [r for _, r in new]
+        bases = stored(self.prefixes, [r.tokens for r in rows])
+        widest = max(len(r.tokens) - n for r, (_, n) in zip(rows, bases))
+        if (len(self.rows) + len(rows)) * widest * (self.kv.length + widest) > JOIN_CELLS:
+            self._prefill(new, hand_back, on_admit)
+            return
+        self.joining = [r.request.id for r in rows]
+        if on_admit:
+            on_admit(list(self.joining))
+        kv = seeded(self.target, bases, self.prefixes)
+        if kv.cache is None:  # no prefix served: the pass writes every column
+            self.kv.add_rows(len(rows))
+        else:
+            self.kv.extend(kv)
+        for row, (_, n) in zip(rows, bases):
+            row.unseen = row.tokens[n:]
+        self.drafter.admit([r.tokens for r in rows], [])
+        self.rows += rows
+        self.joining = []
+        self.order += [i for i, _ in new]
+        last = torch.tensor([r.tokens[-1] for r in rows])  # not read: the pass takes unseen
+        self.last = torch.cat([self.last, last.to(self.last.device)])
+        self.joins += len(rows)
+
     def _admit(self, waiting: deque, hand_back: Callable[[int, Result], None],
                on_admit: Callable[[list[int | str]], None] | None = None) -> None:
         """Prefill waiting requests into free rows; the prefill yields each first token."""
         new = self._take(waiting, hand_back)
-        if not new:
-            return
+        if new:
+            self._prefill(new, hand_back, on_admit)
+
+    def _prefill(self, new: list[tuple[int, Row]], hand_back: Callable[[int, Result], None],
+                 on_admit: Callable[[list[int | str]], None] | None = None) -> None:
+        """Prefill new rows (request index, row) in a pass of their own, which yields each
+        first token, and add them to the batch."""
         rows = [r for _, r in new]
         self.joining = [r.request.id for r in rows]
         if on_admit:
@@ -468,19 +529,21 @@ class SpeculativeEngine:
         shaping = self.grammars.shaping([r.matcher for r in self.rows], self.profile)
         inputs = self._inputs(shaping)
         clock = StepClock(self.target.device)
+        joined = [len(r.unseen) for r in self.rows]  # rows joining this pass (_join)
         with phase("propose"):
             draft = self._propose(inputs, shaping)
             clock.mark()
         with phase("verify"):
-            logits, start = self._verify(draft, shaping)  # [B, n + 1, V], its first slot
+            logits, start, seen = self._verify(draft, shaping)  # [B, n + 1, V]
             clock.mark()
         with phase("accept"):
-            accepted, tokens, waste = self._accept(logits, draft, start, inputs)
+            accepted, tokens, waste = self._accept(logits, draft, start, seen, inputs)
         with phase("upkeep"):
             self._commit(accepted, tokens, waste, shaping)
         t_draft, t_verify = clock.phases()
         return Step(draft.g, draft.num_draft, accepted, t_draft, t_verify, draft.verify_tokens,
-                    tokens, clock.elapsed(), forced=draft.forced, t_mask=shaping.seconds())
+                    tokens, clock.elapsed(), forced=draft.forced, t_mask=shaping.seconds(),
+                    joined=joined if any(joined) else [])
 
     def _inputs(self, shaping: Shaping) -> DraftInputs:
         """What the drafter may read of the batch: its tokens and sampling parameters."""
@@ -504,27 +567,59 @@ class SpeculativeEngine:
                      prop.num_draft.tolist(), forced)
 
     def _verify(self, draft: Draft, shaping: Shaping
-                ) -> tuple[torch.Tensor, int | torch.Tensor]:
+                ) -> tuple[torch.Tensor, int | torch.Tensor, int | torch.Tensor]:
         """One target pass over each row's last token and its drafts, every position masked
-        by its row's grammar. -> (logits [B, n + 1, V], where the pass's columns went: the
-        cache's marker before it)"""
+        by its row's grammar; a row that joins the pass (``_join``) carries its prompt's
+        unseen tokens where the others carry their last one. -> (logits [B, n + 1, V]
+        from each row's last token on, where the pass's columns went: the cache's marker
+        before it, and the tokens each row carried before its drafts: 1, or [B])"""
         (B, n), dev = draft.ids.shape, self.target.device
-        ids = torch.cat([self.last[:, None].to(dev), draft.ids], 1)  # [B, n + 1]
-        valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev),
-                           torch.arange(n, device=dev)[None] < draft.num[:, None]], 1)
         start = self.kv.marker()
-        logits = self.kv.forward(ids, valid)  # [B, n + 1, V]
+        seen: int | torch.Tensor
+        if any(r.unseen for r in self.rows):
+            ids, valid, seen = self._joined(draft)
+            logits = self.kv.forward(ids, valid, first=[max(len(r.unseen), 1) - 1
+                                                        for r in self.rows])
+        else:
+            seen = 1
+            ids = torch.cat([self.last[:, None].to(dev), draft.ids], 1)  # [B, n + 1]
+            valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev),
+                               torch.arange(n, device=dev)[None] < draft.num[:, None]], 1)
+            logits = self.kv.forward(ids, valid)  # [B, n + 1, V]
         shaping.mask(logits)  # each verified position under the grammar state it follows
-        return logits, start
+        return logits, start, seen
+
+    def _joined(self, draft: Draft) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A pass's input where rows join it: per row, its unseen prompt tokens (a joining
+        row) or its last token, then its drafts. -> (ids [B, P + n], valid [B, P + n], the
+        tokens each row carries before its drafts [B]), P the most of them"""
+        (B, n), dev = draft.ids.shape, self.target.device
+        seen = [max(len(r.unseen), 1) for r in self.rows]
+        head = torch.zeros(B, max(seen), dtype=torch.long)
+        for b, r in enumerate(self.rows):
+            if r.unseen:
+                head[b, : len(r.unseen)] = torch.tensor(r.unseen)
+        joining = upload(torch.tensor([bool(r.unseen) for r in self.rows]), dev)
+        head = upload(head, dev)
+        head[:, 0] = torch.where(joining, head[:, 0], self.last.to(dev))
+        P = upload(torch.tensor(seen), dev)
+        ids = torch.cat([head, head.new_zeros(B, n)], 1)  # [B, max(seen) + n]
+        if n:
+            ids.scatter_(1, P[:, None] + torch.arange(n, device=dev)[None], draft.ids)
+        cols = torch.arange(ids.shape[1], device=dev)[None]
+        return ids, cols < (P + draft.num)[:, None], P
 
     def _accept(self, logits: torch.Tensor, draft: Draft, start: int | torch.Tensor,
-                inputs: DraftInputs
+                seen: int | torch.Tensor, inputs: DraftInputs
                 ) -> tuple[list[int], list[list[int]], int]:
         """Accept or reject each row's drafts (``_judge``) and keep the accepted in the
         target's cache; then the step's one sync. -> (accepted per row, tokens per row: the
-        accepted drafts then the recovered or bonus token, the cache's waste)"""
+        accepted drafts then the recovered or bonus token, the cache's waste). ``seen``:
+        the tokens each row carried before its drafts (``_verify``)."""
         out, accepted = self._judge(logits, draft, inputs)  # [B, n + 1], [B]
-        self.kv.keep(start, accepted + 1)  # the last token and the accepted drafts stay
+        self.kv.keep(start, accepted + seen)  # the last (or unseen) tokens and the accepted
+        for row in self.rows:
+            row.unseen = []
         self.last = out.gather(1, accepted[:, None])[:, 0]  # [B] recovered or bonus token
         waste = self.kv.waste_on_device().expand(len(self.rows))  # compaction's cue
         host = torch.cat([accepted[:, None], waste[:, None], out], 1).tolist()  # the one sync
@@ -576,13 +671,15 @@ class SpeculativeEngine:
         B = len(self.rows)
         emitted = []
         forced = step.forced or [[] for _ in range(B)]
+        joined = step.joined or [0] * B
         shaped = sum(r.matcher is not None for r in self.rows)
-        for row, toks, n_draft, k, f in zip(self.rows, step.tokens, step.num_draft,
-                                            step.accepted, forced):
+        for row, toks, n_draft, k, f, j in zip(self.rows, step.tokens, step.num_draft,
+                                               step.accepted, forced, joined):
             kept = row.emit(toks)
             emitted.append(toks[:kept])
             c = row.result.counters
-            c.observe_step(n_draft, min(k, kept), step.g)
+            if not j:  # a joining row's pass was its prefill, no step of its own
+                c.observe_step(n_draft, min(k, kept), step.g)
             c.target_passes += 1
             c.draft_time += step.t_draft / B
             c.verify_time += (step.t_step - step.t_draft) / B

@@ -29,3 +29,7 @@ class Step:
     # per row: the positions of the grammar's forced tokens in its proposal (grammar.py)
     forced: list[list[int]] = field(default_factory=list)
     t_mask: float = 0.0  # seconds computing grammar masks (cuts and advances included)
+    # per row: the prompt tokens it carried joining the pass (speculative.py: _join), 0 for
+    # the others. The pass was such a row's prefill (its first token, no drafts), and its
+    # seconds are not a verify pass's: the policy learns no cost from it
+    joined: list[int] = field(default_factory=list)

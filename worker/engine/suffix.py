@@ -285,6 +285,7 @@ class SuffixDrafter:
     free = True  # costs little next to a target pass: may propose while g = 0 (shadow.py)
     scored = True  # its proposals carry per-token confidence (Proposal.confidence)
     races = False
+    admits_unseen = True  # a row's index is built from its tokens when a proposal needs it
 
     def __init__(self, max_tokens: int = MAX_TOKENS) -> None:
         self.max_tokens = max_tokens

@@ -115,11 +115,14 @@ def test_refills_wait_for_a_group_and_share_its_prefill(tiny_models, tiny_tokeni
     """Rows finishing one by one: with admit_group 3 the waiting requests join three at a
     time, in fewer prefills than one per row, the batch never below max - 3 + 1 rows
     while requests wait, and the output is the same (the group alone: no refill waits for
-    a row sure to end, REFILL_HOLD, test below)."""
+    a row sure to end, REFILL_HOLD, test below). Refills prefilled in a pass of their own,
+    as a draft model's or transformers' forward has them (not joining the running pass:
+    test_join.py)."""
     requests = [r.model_copy(update={"max_new_tokens": r.max_new_tokens + 1})  # none ends
                 for r in make_requests(30, seed=9, max_new=24)]  # at its prefill
     sizes: dict[int, list[int]] = {}
     monkeypatch.setattr(speculative, "REFILL_HOLD", 10**9)
+    monkeypatch.setattr(SpeculativeEngine, "_joins", lambda self: False)
 
     def run(group: int) -> SpeculativeEngine:
         sizes[group] = []
@@ -146,6 +149,7 @@ def test_a_refill_waits_for_a_row_sure_to_end_within_a_few_steps(
     staggers rows that would end together): a lone place waits for the row sure to end
     next (REFILL_HOLD), so the refills go two at a time, the batch is never more than one
     row short while requests wait, and the output is the same."""
+    monkeypatch.setattr(SpeculativeEngine, "_joins", lambda self: False)  # as above
     candidates = [r.model_copy(update={"max_new_tokens": 13})
                   for r in make_requests(48, seed=4, max_new=8)]
     long = [r for r in candidates if len(greedy_reference(r)) == 13]  # no EOS in 13 tokens

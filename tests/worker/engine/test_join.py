@@ -1,0 +1,141 @@
+"""Refills that join the running pass (speculative.py: _join): a new row's prompt rides in
+the next step's pass beside the other rows' drafts, and the pass yields its first token."""
+
+import pytest
+import torch
+
+from specq.schema.generation import Request
+from specq.worker.engine import speculative
+from specq.worker.engine.batch import KVRows, left_pad
+from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
+from specq.worker.engine.policy import CostTable
+from specq.worker.engine.speculative import SpeculativeEngine
+from specq.worker.engine.suffix import SuffixDrafter
+
+DRAFTERS = {"none": NoDraft, "lookup": PromptLookup, "suffix": SuffixDrafter}
+
+
+def _long(make_requests, n: int, seed: int) -> list[Request]:
+    """n mixed requests of 2 new tokens at least: none ends at its first token."""
+    return [r.model_copy(update={"max_new_tokens": r.max_new_tokens + 1})
+            for r in make_requests(n, seed=seed, max_new=16)]
+
+
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_refills_join_the_running_pass_and_the_output_is_the_same(
+        drafter, tiny_models, tiny_tokenizer, make_requests, check_greedy):
+    """Only the first rows are prefilled in a pass of their own; every refill joins a step's
+    pass, at once (the batch is full whenever a request waits), the output is greedy
+    decoding's, and a joined row's counters say one prefill pass and its steps."""
+    requests = _long(make_requests, 24, seed=11)
+    sizes: list[int] = []
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, DRAFTERS[drafter](),
+                               max_batch_size=4, draft_length=2,
+                               on_step=lambda step: sizes.append(len(step.accepted)))
+    results = engine.generate(requests)
+    check_greedy(requests, results)
+    assert engine.admissions == 1 and engine.joins == len(requests) - 4
+    full_until = len(sizes) - max(r.max_new_tokens for r in requests)  # waiting ran out
+    assert min(sizes[:full_until]) == 4
+    for res in results:
+        c = res.counters
+        assert sum(c.steps_by_draft_length) == c.target_passes - 1  # all steps but the prefill
+        assert c.accepted + c.target_passes - 1 <= c.new_tokens <= c.accepted + c.target_passes
+
+
+def test_a_draft_model_and_long_prompts_are_prefilled_in_a_pass_of_their_own(
+        tiny_models, tiny_tokenizer, make_requests, check_greedy, monkeypatch):
+    """A draft model prefills its own cache from a row's first token: its refills take a
+    prefill pass. So do prompts too long for one pass's attention mask (JOIN_CELLS)."""
+    requests = _long(make_requests, 12, seed=12)
+    model = SpeculativeEngine(tiny_models["target"], tiny_tokenizer,
+                              DraftModel(tiny_models["near"]), max_batch_size=4)
+    check_greedy(requests, model.generate(requests))
+    assert model.joins == 0 and model.admissions > 1
+    monkeypatch.setattr(speculative, "JOIN_CELLS", 1)
+    lookup = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
+                               max_batch_size=4)
+    check_greedy(requests, lookup.generate(requests))
+    assert lookup.joins == 0 and lookup.admissions > 1
+
+
+def test_a_joining_row_takes_its_stored_prefix(tiny_models, tiny_tokenizer, check_greedy):
+    """Prompts of one template: the first admission stores the shared prefix, and each row
+    that joins later copies its columns and carries only its own tail in the pass."""
+    gen = torch.Generator().manual_seed(3)
+    template = torch.randint(3, 259, (40,), generator=gen).tolist()
+    requests = [Request(id=i, prompt_token_ids=template + [10 + i, 20 + i, 30 + i],
+                        max_new_tokens=4 + i % 5) for i in range(10)]
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
+                               max_batch_size=3)
+    check_greedy(requests, engine.generate(requests))
+    assert engine.joins == 7
+    assert engine.prefixes is not None and engine.prefixes.served >= 10 * 40 - 40
+
+
+def test_seeded_sampling_gives_the_same_text_joined_or_prefilled(
+        tiny_models, tiny_tokenizer, make_requests, monkeypatch):
+    """A row's first token is the target's own draw at its position whichever pass makes
+    it: seeded rows give the same text whether their refills join a pass or not."""
+    requests = [r.model_copy(update={"seed": 100 + i}) for i, r in enumerate(
+        _long(make_requests, 16, seed=13))]
+    requests = [r.model_copy(update={"temperature": 0.9, "top_p": 0.95}) for r in requests]
+
+    def texts(joins: bool) -> list[list[int]]:
+        with monkeypatch.context() as m:
+            if not joins:
+                m.setattr(SpeculativeEngine, "_joins", lambda self: False)
+            engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
+                                       max_batch_size=4, draft_length=2)
+            out = [r.token_ids for r in engine.generate(requests)]
+            assert (engine.joins > 0) is joins
+            return out
+
+    assert texts(True) == texts(False)
+
+
+def test_a_pass_that_prefilled_joining_rows_teaches_no_cost(
+        tiny_models, tiny_tokenizer, make_requests, monkeypatch):
+    """A joined pass's seconds hold a prefill: the policy's cost table learns from every
+    step but those."""
+    added: list[int] = []
+    real = CostTable.add
+
+    def spy(self, batch, *args, **kwargs):
+        added.append(batch)
+        return real(self, batch, *args, **kwargs)
+
+    steps = []
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
+                               max_batch_size=4, on_step=steps.append)
+    monkeypatch.setattr(CostTable, "add", spy)
+    engine.generate(_long(make_requests, 12, seed=14))
+    joined = [s for s in steps if s.joined]
+    assert joined and all(sum(s.joined) > 0 for s in joined)
+    assert len(added) == len(steps) - len(joined)
+
+
+def test_a_pass_returns_each_rows_logits_from_the_position_asked(tiny_models):
+    """``first``: row b's logits from position first[b] on, in slots 0, 1, ...: what the
+    whole pass returns at those positions (the head computed only there)."""
+    target = tiny_models["target"]
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    ids = torch.tensor([[20, 21, 22, 23, 24], [25, 26, 0, 0, 0], [27, 28, 29, 30, 0]])
+    valid = ids > 0
+    caches = []
+    for _ in range(2):
+        kv = KVRows(target)
+        assert kv.packed  # the tiny target is a Llama: the packed forward
+        kv.forward(*left_pad(prompts, 0, target.device))
+        caches.append(kv)
+    whole = caches[0].forward(ids, valid)  # [3, 5, V]
+    first = [3, 1, 2]
+    part = caches[1].forward(ids, valid, first=first)  # [3, 2, V]
+    assert part.shape[:2] == (3, 2)
+    for b, f in enumerate(first):
+        for j in range(2):
+            if valid[b, f + j]:
+                torch.testing.assert_close(part[b, j], whole[b, f + j])
+            else:
+                assert not part[b, j].any()
+    torch.testing.assert_close(caches[0].mask, caches[1].mask)
