@@ -3,7 +3,8 @@ with the engine's prefix sharing on and off, side by side.
 
 `--prompts` prompts are a `--prefix-tokens` token system prompt followed by a short
 question each; the engine runs them at `--batch` rows (refilling as rows finish) and
-counts the seconds it spends prefilling (SpeculativeEngine.prefill_seconds). Rounds
+counts the seconds it spends prefilling (SpeculativeEngine.prefill_seconds; every refill
+prefilled in a pass of its own, none joining a running pass: ``join_refills=False``). Rounds
 interleave sharing on and off, each with a fresh engine (an empty prefix store); the
 figure is each side's median, and the first tokens must agree.
 
@@ -73,8 +74,10 @@ def run_once(pair, prompts: list[list[int]], batch: int, new_tokens: int | list[
              ) -> tuple[SpeculativeEngine, float, list, list[int]]:
     """One run on a fresh engine: (the engine, wall seconds, output ids per prompt, rows of
     each step). A result with an error fails the run."""
+    # refills prefilled in passes of their own: the passes this bench times (a refill that
+    # joins a running pass is decoding's time, SpeculativeEngine._join)
     engine = SpeculativeEngine(pair.target, pair.tokenizer, NoDraft(), max_batch_size=batch,
-                               share_prefixes=share, admit_group=group)
+                               share_prefixes=share, admit_group=group, join_refills=False)
     rows: list[int] = []
     engine.on_step = lambda step: rows.append(len(step.accepted))
     new = new_tokens if isinstance(new_tokens, list) else [new_tokens] * len(prompts)

@@ -155,7 +155,9 @@ class SpeculativeEngine:
     target's distribution (rejection.py). At most ``max_batch_size`` requests run at
     once; a finished row is refilled from the waiting requests at the next step.
     ``on_step``, when set, sees every Step after the engine applied it. With
-    ``share_prefixes`` a prompt prefix shared by rows is prefilled once (prefix.py).
+    ``share_prefixes`` a prompt prefix shared by rows is prefilled once (prefix.py). With
+    ``join_refills`` (the default) a refill joins the running pass where it can (``_join``);
+    without, every refill group is prefilled in a pass of its own.
 
     Seeded sampling does not depend on g. Every token the target emits for a sampled row
     is its own draw at that position, keyed by (seed, position) only (``_sample``), and a
@@ -186,6 +188,7 @@ class SpeculativeEngine:
         share_prefixes: bool = True,
         admit_group: int | None = None,
         grammar_drafts: bool | None = None,
+        join_refills: bool = True,
     ) -> None:
         self.target = target
         self.tokenizer = tokenizer
@@ -199,6 +202,7 @@ class SpeculativeEngine:
         if grammar_drafts:
             self.drafting.grammar = ForcedDrafts.for_drafter(self.drafter, self.grammars)
         self._admit_group = admit_group  # None: a quarter of the batch (ADMIT_SHARE)
+        self.join_refills = join_refills
         self.max_batch_size = max_batch_size  # the property sets admit_group too
         self.on_step = on_step
         self.profile = Profile()  # where generate's time goes (profile.py)
@@ -387,20 +391,22 @@ class SpeculativeEngine:
         return new
 
     def _joins(self) -> bool:
-        """Refills join the next step's pass (``_join``): rows are running, the target's
-        pass costs the tokens it carries (batch.KVRows.packed) and the drafter admits a row
-        before its first token (a draft model prefills its own cache from it)."""
-        return bool(self.rows) and self.kv.packed and self.drafter.admits_unseen
+        """Refills join the next step's pass (``_join``): the engine lets them, rows are
+        running, the target's pass costs the tokens it carries (batch.KVRows.packed) and the
+        drafter admits a row before its first token (a draft model prefills its own cache
+        from it)."""
+        return (self.join_refills and bool(self.rows) and self.kv.packed
+                and self.drafter.admits_unseen)
 
     def _join(self, waiting: deque, hand_back: Callable[[int, Result], None],
               on_admit: Callable[[list[int | str]], None] | None = None) -> None:
         """Refill free places with waiting requests that join the next step's pass: each
         new row carries its prompt (less the columns of its stored prefix, prefix.seeded)
         beside the other rows' last tokens and drafts, and the pass yields its first token
-        (and judges its drafts, if it has any). A prefill pass of its own reads every
-        weight for a few tokens: at batch 4 on a CPU a lone refill's pass cost about a
-        step, and rows that accept drafts end apart and refill one at a time. Joining, a
-        refill costs its tokens. Prompts too long for one pass's attention mask
+        (it drafts from its next step: drafting.Drafting.draft). A prefill pass of its own
+        reads every weight for a few tokens: at batch 4 on a CPU a lone refill's pass cost
+        about a step, and rows that accept drafts end apart and refill one at a time.
+        Joining, a refill costs its tokens. Prompts too long for one pass's attention mask
         (JOIN_CELLS) are prefilled as before (``_prefill``)."""
         new = self._take(waiting, hand_back)
         if not new:

@@ -122,13 +122,12 @@ def test_refills_wait_for_a_group_and_share_its_prefill(tiny_models, tiny_tokeni
                 for r in make_requests(30, seed=9, max_new=24)]  # at its prefill
     sizes: dict[int, list[int]] = {}
     monkeypatch.setattr(speculative, "REFILL_HOLD", 10**9)
-    monkeypatch.setattr(SpeculativeEngine, "_joins", lambda self: False)
 
     def run(group: int) -> SpeculativeEngine:
         sizes[group] = []
         engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
                                    max_batch_size=8, draft_length=2, adaptive=False,
-                                   admit_group=group,
+                                   admit_group=group, join_refills=False,
                                    on_step=lambda step: sizes[group].append(len(step.accepted)))
         check_greedy(requests, engine.generate(requests))
         return engine
@@ -149,7 +148,6 @@ def test_a_refill_waits_for_a_row_sure_to_end_within_a_few_steps(
     staggers rows that would end together): a lone place waits for the row sure to end
     next (REFILL_HOLD), so the refills go two at a time, the batch is never more than one
     row short while requests wait, and the output is the same."""
-    monkeypatch.setattr(SpeculativeEngine, "_joins", lambda self: False)  # as above
     candidates = [r.model_copy(update={"max_new_tokens": 13})
                   for r in make_requests(48, seed=4, max_new=8)]
     long = [r for r in candidates if len(greedy_reference(r)) == 13]  # no EOS in 13 tokens
@@ -161,7 +159,7 @@ def test_a_refill_waits_for_a_row_sure_to_end_within_a_few_steps(
     def run() -> SpeculativeEngine:
         sizes.clear()
         engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, NoDraft(),
-                                   max_batch_size=4, draft_length=0,
+                                   max_batch_size=4, draft_length=0, join_refills=False,
                                    on_step=lambda step: sizes.append(len(step.accepted)))
         out = engine.generate(requests)
         assert not any(r.finish_reason == "stop" for r in out)  # every end is its length

@@ -74,7 +74,7 @@ def test_a_joining_row_takes_its_stored_prefix(tiny_models, tiny_tokenizer, chec
 
 
 def test_seeded_sampling_gives_the_same_text_joined_or_prefilled(
-        tiny_models, tiny_tokenizer, make_requests, monkeypatch):
+        tiny_models, tiny_tokenizer, make_requests):
     """A row's first token is the target's own draw at its position whichever pass makes
     it: seeded rows give the same text whether their refills join a pass or not."""
     requests = [r.model_copy(update={"seed": 100 + i}) for i, r in enumerate(
@@ -82,14 +82,11 @@ def test_seeded_sampling_gives_the_same_text_joined_or_prefilled(
     requests = [r.model_copy(update={"temperature": 0.9, "top_p": 0.95}) for r in requests]
 
     def texts(joins: bool) -> list[list[int]]:
-        with monkeypatch.context() as m:
-            if not joins:
-                m.setattr(SpeculativeEngine, "_joins", lambda self: False)
-            engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
-                                       max_batch_size=4, draft_length=2)
-            out = [r.token_ids for r in engine.generate(requests)]
-            assert (engine.joins > 0) is joins
-            return out
+        engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
+                                   max_batch_size=4, draft_length=2, join_refills=joins)
+        out = [r.token_ids for r in engine.generate(requests)]
+        assert (engine.joins > 0) is joins
+        return out
 
     assert texts(True) == texts(False)
 
