@@ -299,6 +299,25 @@ def split(extents: list[int], old: int, per_call: int | None = None) -> int:
     return best
 
 
+def _picks(rows: list[list[int]], first: list[int], device: torch.device
+           ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Where each row's wanted logits are: its valid positions from first[b] on, in slots
+    0, 1, ... of its row of W = T - max(first). -> (their indices among the packed tokens
+    [n], their slots in the flattened [B * W] output [n], W). ``rows``: per row, its valid
+    flags."""
+    W = len(rows[0]) - max(first)
+    need, slots, k = [], [], 0
+    for b, (flags, f) in enumerate(zip(rows, first)):
+        for j, v in enumerate(flags):
+            if v:
+                if f <= j < f + W:
+                    need.append(k)
+                    slots.append(b * W + j - f)
+                k += 1
+    return (torch.tensor(need, dtype=torch.long, device=device),
+            torch.tensor(slots, dtype=torch.long, device=device), W)
+
+
 def _spread(x: torch.Tensor, index: torch.Tensor, B: int, T: int) -> torch.Tensor:
     """Packed rows [N, ...] back to their padded places [B, T, ...], zeros between."""
     out = x.new_zeros(B * T, *x.shape[1:])
@@ -359,6 +378,9 @@ class PackedForward:
         cos, sin = self.rope(x, positions.reshape(-1)[index][None])  # [1, N, D] each
         cos, sin = cos[0, :, None], sin[0, :, None]  # [N, 1, D]
         allowed = row_mask(new, columns, valid, self.groups)  # [B, 1, groups * T, L']
+        # the positions whose logits are wanted, made before any kernel of the pass is queued
+        # (a copy to the device waits for those)
+        picks = None if first is None else _picks(rows, first, dev)
         plan = self._plan(dev, rows, max(host[:B], default=0), stops)
         for i, (layer, attn, mlp) in enumerate(zip(self.layers, self.attention, self.mlps)):
             x = x + self._attention(attn, layer.input_layernorm(x), cache, i,
@@ -368,30 +390,12 @@ class PackedForward:
         if last_only:
             last = _spread(x, index, B, T)[:, -1:]  # [B, 1, hidden]
             return self.head(last), new  # [B, 1, V]
-        if first is not None:
-            return self._from(x, rows, first), new  # [B, T - max(first), V]
+        if picks is not None:
+            need, slots, W = picks
+            logits = self.head(x.index_select(0, need))  # [n, V]
+            out = logits.new_zeros(B * W, logits.shape[-1])
+            return out.index_copy_(0, slots, logits).view(B, W, -1), new  # [B, W, V]
         return _spread(self.head(x), index, B, T), new  # [B, T, V]
-
-    def _from(self, x: torch.Tensor, rows: list[list[int]], first: list[int]) -> torch.Tensor:
-        """The logits of each row's valid positions from first[b] on, in slots 0, 1, ...
-        of its row: [B, W, V], W = T - max(first), zeros where a slot has no valid
-        position. x: [N, hidden], the packed tokens in row order; ``rows``: per row, its
-        valid flags."""
-        B, T = len(rows), len(rows[0])
-        W = T - max(first)
-        need, slots, k = [], [], 0  # packed index of each needed token, its slot
-        for b, (flags, f) in enumerate(zip(rows, first)):
-            for j, v in enumerate(flags):
-                if v:
-                    if f <= j < f + W:
-                        need.append(k)
-                        slots.append(b * W + j - f)
-                    k += 1
-        dev = x.device
-        logits = self.head(x.index_select(0, torch.tensor(need, device=dev)))  # [n, V]
-        out = logits.new_zeros(B * W, logits.shape[-1])
-        out.index_copy_(0, torch.tensor(slots, device=dev), logits)
-        return out.view(B, W, -1)
 
     @staticmethod
     def _plan(device: torch.device, rows: list[list[int]], old: int,
