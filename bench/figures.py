@@ -24,7 +24,9 @@ measured_speedup.
 They predict the decoding steps. Prefilling the prompts is the same work with and
 without speculation and no drafter shortens it, so the measured speedup they are set
 against is the decoding one (xdec): (seconds - prefill seconds) of specq without
-speculation over the same of this run. The whole-run speedup (xnone) is reported beside.
+speculation over the same of this run (the prefill passes: a refill that joins a step's
+pass, speculative.py: _join, counts as decoding in both). The whole-run speedup (xnone) is
+reported beside.
 """
 
 from __future__ import annotations

@@ -58,8 +58,9 @@ LEGEND = (
     "xnone: over specq without speculation (the median runs'); rounds: with --repeat, "
     "the lowest and highest xnone of one round of runs; acc: accepted/proposed; alpha: "
     "per-token "
-    "acceptance probability; xdec: xnone in decoding time, the prompts' prefill (the same "
-    "work in both) left out; mal: mean acceptance length (bonus included); c: draft step / "
+    "acceptance probability; xdec: xnone in decoding time, the prefill passes (the same "
+    "work in both; a refill that joins a step's pass counts as decoding) left out; "
+    "mal: mean acceptance length (bonus included); c: draft step / "
     "plain decode step; E: tokens a row gains per target pass; ver/tok: target tokens "
     "verified per token emitted (plain: 1), pad/tok: as a padded pass computes them; "
     "thm3.8: Leviathan Thm 3.8 "
@@ -89,7 +90,8 @@ def profile_table(rows: list[dict]) -> str:
 
 PROFILE_LEGEND = (
     "where each run's wall time went, % (worker/engine/profile.py): admit: refills "
-    "(encode, prefill, first token); propose: drafting; verify: the target pass; mask: "
+    "(encode, prefill, first token; a refill that joins a step's pass is prefilled in "
+    "verify); propose: drafting; verify: the target pass; mask: "
     "a grammar's work for shaped rows; accept: "
     "acceptance, cache keep and the step's sync; upkeep: drafter update, compaction, "
     "retiring rows; host: per-row parameters and handing tokens to rows; results: "

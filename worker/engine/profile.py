@@ -6,9 +6,11 @@ seconds outside every other phase are the host's. So the phases add up to the lo
 time by construction. What matters is that each block sits in the phase that did the work:
 
 - admit: a refill: encode the prompts, prefill them (shared prefixes once: prefix.py), the
-  first token, the drafter's and the cache's new rows;
+  first token, the drafter's and the cache's new rows; a refill that joins the next step's
+  pass (speculative.py: _join) only encodes and takes its stored prefix here;
 - propose: the drafting's g and proposal (policy, drafter, shadow scoring), on the device;
-- verify: the target's pass over the last token and the drafts;
+- verify: the target's pass over the last token and the drafts (and the prompts of rows
+  joining it);
 - mask: a grammar's work for shaped rows (grammar.Shaped): cutting the drafts it refuses,
   masking the verified positions (and a refill's first token), advancing the matchers (the
   draft model's own masks are part of propose);
