@@ -152,6 +152,17 @@ def prefill(model: PreTrainedModel, prompts: list[list[int]], pad_id: int,
     return kv, logits
 
 
+def remember(store: PrefixStore, kv: KVRows, rows: list[tuple[int, list[int]]]) -> None:
+    """Store the prompts of rows (row, prompt) that joined a pass with no stored prefix
+    (``seeded``), as ``prefill`` stores its lone prompts: later rows of their template take
+    their columns. A joined row's prompt is its first columns (the packed forward wrote
+    them from column 0), read without a sync. Only the last max_entries are copied (the
+    store would drop the others at once)."""
+    for b, prompt in rows[-store.max_entries:]:
+        if len(prompt) > MIN_PREFIX:
+            store.add(Prefix(tuple(prompt), kv.columns(b, 0, len(prompt))))
+
+
 def stored(store: PrefixStore | None,
            prompts: list[list[int]]) -> list[tuple[Prefix | None, int]]:
     """Per prompt, the stored prefix that serves it longest and how many of its tokens

@@ -25,7 +25,7 @@ from specq.worker.engine.batch import KVRows, Row, fill_holes, upload
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from specq.worker.engine.drafting import drafting_for
 from specq.worker.engine.grammar import ForcedDrafts, GrammarError, Grammars, Shaping
-from specq.worker.engine.prefix import PrefixStore, prefill, seeded, stored
+from specq.worker.engine.prefix import PrefixStore, prefill, remember, seeded, stored
 from specq.worker.engine.profile import Profile
 from specq.worker.engine.rejection import accept_matching, rejection_sample
 from specq.worker.engine.result import Result
@@ -545,6 +545,10 @@ class SpeculativeEngine:
         with phase("accept"):
             accepted, tokens, waste = self._accept(logits, draft, start, seen, inputs)
         with phase("upkeep"):
+            if self.prefixes is not None and any(joined):  # prompts no stored prefix served
+                remember(self.prefixes, self.kv, [(b, r.tokens[: r.prompt_len]) for b, (r, n)
+                                                  in enumerate(zip(self.rows, joined))
+                                                  if n == r.prompt_len])
             self._commit(accepted, tokens, waste, shaping)
         t_draft, t_verify = clock.phases()
         return Step(draft.g, draft.num_draft, accepted, t_draft, t_verify, draft.verify_tokens,

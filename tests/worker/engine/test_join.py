@@ -73,6 +73,22 @@ def test_a_joining_row_takes_its_stored_prefix(tiny_models, tiny_tokenizer, chec
     assert engine.prefixes is not None and engine.prefixes.served >= 10 * 40 - 40
 
 
+def test_a_template_first_seen_by_a_joining_row_serves_the_next_ones(
+        tiny_models, tiny_tokenizer, check_greedy):
+    """The first admission holds only template A; template B's rows all join later. The
+    first B row computes its whole prompt and is stored; the next B rows take its columns."""
+    gen = torch.Generator().manual_seed(4)
+    a, b = (torch.randint(3, 259, (40,), generator=gen).tolist() for _ in range(2))
+    prompts = [a + [5, 6], a + [7, 8]] + [b + [10 + i, 20 + i] for i in range(6)]
+    requests = [Request(id=i, prompt_token_ids=p, max_new_tokens=3 + i % 4)
+                for i, p in enumerate(prompts)]
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, NoDraft(),
+                               max_batch_size=2)
+    check_greedy(requests, engine.generate(requests))
+    assert engine.joins == 6 and engine.prefixes is not None
+    assert engine.prefixes.served >= 5 * 40  # B's template for every B row but the first
+
+
 def test_seeded_sampling_gives_the_same_text_joined_or_prefilled(
         tiny_models, tiny_tokenizer, make_requests):
     """A row's first token is the target's own draw at its position whichever pass makes
