@@ -163,6 +163,13 @@ def remember(store: PrefixStore, kv: KVRows, rows: list[tuple[int, list[int]]]) 
             store.add(Prefix(tuple(prompt), kv.columns(b, 0, len(prompt))))
 
 
+def shared(prompts: list[list[int]], bases: list[tuple[Prefix | None, int]]) -> bool:
+    """Whether the prompts share prefixes past what their bases (``stored``) serve them,
+    worth computing once (``_groups``): a prefill of its own does that, rows that join a
+    pass each compute their whole rest."""
+    return bool(_groups(prompts, [n for _, n in bases]))
+
+
 def stored(store: PrefixStore | None,
            prompts: list[list[int]]) -> list[tuple[Prefix | None, int]]:
     """Per prompt, the stored prefix that serves it longest and how many of its tokens

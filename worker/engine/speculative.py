@@ -25,7 +25,14 @@ from specq.worker.engine.batch import KVRows, Row, fill_holes, upload
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from specq.worker.engine.drafting import drafting_for
 from specq.worker.engine.grammar import ForcedDrafts, GrammarError, Grammars, Shaping
-from specq.worker.engine.prefix import PrefixStore, prefill, remember, seeded, stored
+from specq.worker.engine.prefix import (
+    PrefixStore,
+    prefill,
+    remember,
+    seeded,
+    shared,
+    stored,
+)
 from specq.worker.engine.profile import Profile
 from specq.worker.engine.rejection import accept_matching, rejection_sample
 from specq.worker.engine.result import Result
@@ -406,15 +413,19 @@ class SpeculativeEngine:
         (it drafts from its next step: drafting.Drafting.draft). A prefill pass of its own
         reads every weight for a few tokens: at batch 4 on a CPU a lone refill's pass cost
         about a step, and rows that accept drafts end apart and refill one at a time.
-        Joining, a refill costs its tokens. Prompts too long for one pass's attention mask
-        (JOIN_CELLS) are prefilled as before (``_prefill``)."""
+        Joining, a refill costs its tokens. Refills are prefilled as before (``_prefill``)
+        where their prompts are too long for one pass's attention mask (JOIN_CELLS), or
+        share a prefix the store lacks: a prefill computes it once, joining rows each
+        (the first of a template that joins is stored for the next: prefix.remember)."""
         new = self._take(waiting, hand_back)
         if not new:
             return
         rows = [r for _, r in new]
-        bases = stored(self.prefixes, [r.tokens for r in rows])
-        widest = max(len(r.tokens) - n for r, (_, n) in zip(rows, bases))
-        if (len(self.rows) + len(rows)) * widest * (self.kv.length + widest) > JOIN_CELLS:
+        prompts = [r.tokens for r in rows]
+        bases = stored(self.prefixes, prompts)
+        widest = max(len(p) - n for p, (_, n) in zip(prompts, bases))
+        if ((len(self.rows) + len(rows)) * widest * (self.kv.length + widest) > JOIN_CELLS
+                or (self.prefixes is not None and shared(prompts, bases))):
             self._prefill(new, hand_back, on_admit)
             return
         self.joining = [r.request.id for r in rows]
