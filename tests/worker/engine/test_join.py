@@ -11,6 +11,7 @@ from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.policy import CostTable
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.engine.suffix import SuffixDrafter
+from tests.worker.engine.test_grammar import shaped_requests
 
 DRAFTERS = {"none": NoDraft, "lookup": PromptLookup, "suffix": SuffixDrafter}
 
@@ -105,6 +106,30 @@ def test_seeded_sampling_gives_the_same_text_joined_or_prefilled(
         return out
 
     assert texts(True) == texts(False)
+
+
+@pytest.mark.parametrize("drafter", sorted(DRAFTERS))
+def test_shaped_one_token_and_stopped_rows_give_the_same_output_joined_or_prefilled(
+        drafter, tiny_models, tiny_tokenizer):
+    """Rows under every kind of response_format, rows of one new token (they end on the
+    pass they join), rows with a stop string, greedy and seeded sampled: the same tokens,
+    finish reasons and errors whether refills join a pass or take one of their own."""
+    greedy = shaped_requests(30, seed=3)
+    greedy = [r.model_copy(update={"max_new_tokens": 1}) if i % 7 == 0 else
+              r.model_copy(update={"stop": ["e"]}) if i % 9 == 1 else r
+              for i, r in enumerate(greedy)]
+    sampled = [r.model_copy(update={"temperature": 0.8, "seed": 50 + i})
+               for i, r in enumerate(greedy)]
+
+    def outputs(joins: bool) -> list[tuple]:
+        engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, DRAFTERS[drafter](),
+                                   max_batch_size=3, join_refills=joins)
+        out = [(r.token_ids, r.finish_reason, r.error)
+               for r in engine.generate(greedy + sampled)]
+        assert (engine.joins > 0) is joins
+        return out
+
+    assert outputs(True) == outputs(False)
 
 
 def test_a_pass_that_prefilled_joining_rows_teaches_no_cost(
