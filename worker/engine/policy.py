@@ -704,7 +704,7 @@ class DraftLengthPolicy:
         (the widest row's); ``carried``: the draft tokens the pass carried in all, for the
         packed pass's two-part price (PassFit); ``t_host``: the step's seconds past its
         drafting and its pass (CostTable.drafting_step). ``timed`` False: the pass also
-        prefilled rows that joined it (Step.prefilled), its times are no step's cost."""
+        prefilled rows that joined it (Step.joined), its times are no step's cost."""
         self.steps += 1
         self.history.append(g)
         self._batch = len(num_draft)

@@ -158,9 +158,9 @@ def remember(store: PrefixStore, kv: KVRows, rows: list[tuple[int, list[int]]]) 
     their columns. A joined row's prompt is its first columns (the packed forward wrote
     them from column 0), read without a sync. Only the last max_entries are copied (the
     store would drop the others at once)."""
-    for b, prompt in rows[-store.max_entries:]:
-        if len(prompt) > MIN_PREFIX:
-            store.add(Prefix(tuple(prompt), kv.columns(b, 0, len(prompt))))
+    lone = [(b, prompt) for b, prompt in rows if len(prompt) > MIN_PREFIX]
+    for b, prompt in lone[-store.max_entries:]:
+        store.add(Prefix(tuple(prompt), kv.columns(b, 0, len(prompt))))
 
 
 def shared(prompts: list[list[int]], bases: list[tuple[Prefix | None, int]]) -> bool:
@@ -228,29 +228,11 @@ def _base(store: PrefixStore, prompt: list[int],
 def _rest(model: PreTrainedModel, prompts: list[list[int]],
           bases: list[tuple[Prefix | None, int]], pad_id: int) -> tuple[KVRows, torch.Tensor]:
     """Rows (in order) whose first columns are their base's (a prefix, and how many of its
-    tokens: None, 0 for none), the rest of their prompts computed in one pass.
+    tokens: None, 0 for none: ``seeded``), the rest of their prompts computed in one pass.
     -> (their cache, last logits [n, 1, V])"""
-    dev = model.device
-    parts: dict[int, tuple[Prefix, list[int], list[int]]] = {}  # id -> prefix, rows, lengths
     for i, (prefix, n) in enumerate(bases):
-        if prefix is not None:
-            if tuple(prompts[i][:n]) != prefix.tokens[:n]:
-                raise AssertionError(f"prefix plan: row {i} was given another prompt's prefix")
-            _, rows, lengths = parts.setdefault(id(prefix), (prefix, [], []))
-            rows.append(i)
-            lengths.append(n)
-    order = [i for _, rows, _ in parts.values() for i in rows]
-    plain = [i for i, (prefix, _) in enumerate(bases) if prefix is None]
-    kv = KVRows(model)
-    for prefix, _, lengths in parts.values():
-        kv.extend(KVRows.from_prefix(model, prefix.layers, lengths))
-    if plain and order:
-        kv.add_rows(len(plain))  # rows with no column yet: the pass writes them all
-    order += plain
-    rest = [prompts[i][bases[i][1]:] for i in order]
-    logits = kv.forward(*left_pad(rest, pad_id, dev), last_only=True)  # [n, 1, V]
-    back = sorted(range(len(order)), key=order.__getitem__)  # the row of each prompt
-    if back != list(range(len(order))):
-        kv.select(back)
-        logits = logits[torch.tensor(back, device=logits.device)]
-    return kv, logits
+        if prefix is not None and tuple(prompts[i][:n]) != prefix.tokens[:n]:
+            raise AssertionError(f"prefix plan: row {i} was given another prompt's prefix")
+    kv = seeded(model, bases, None)  # the caller counts what the store served
+    rest = [p[n:] for p, (_, n) in zip(prompts, bases)]
+    return kv, kv.forward(*left_pad(rest, pad_id, model.device), last_only=True)  # [n, 1, V]
