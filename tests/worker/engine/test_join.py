@@ -132,6 +132,35 @@ def test_shaped_one_token_and_stopped_rows_give_the_same_output_joined_or_prefil
     assert outputs(True) == outputs(False)
 
 
+@pytest.mark.parametrize("where", ["seeding", "pass"])
+def test_an_error_while_a_refill_joins_names_its_rows_and_the_next_run_starts_clean(
+        where, tiny_models, tiny_tokenizer, make_requests, check_greedy, monkeypatch):
+    """An error copying a joining row's prefix, or in the pass it joins, ends the
+    generation with the joining requests among the active ones (a worker records them
+    against their attempts), and the engine's next generation is exact."""
+    requests = _long(make_requests, 10, seed=15)
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
+                               max_batch_size=3)
+    with monkeypatch.context() as m:
+        if where == "seeding":
+            def broken(*args, **kwargs):
+                raise RuntimeError("out of memory copying a prefix")
+            m.setattr(speculative, "seeded", broken)
+        else:
+            real = KVRows.forward
+
+            def broken(self, *args, first=None, **kwargs):
+                if first is not None:
+                    raise RuntimeError("the joined pass failed")
+                return real(self, *args, first=first, **kwargs)
+            m.setattr(KVRows, "forward", broken)
+        with pytest.raises(RuntimeError):
+            engine.generate(requests)
+        assert requests[3].id in engine.active_ids()  # the first refill, joining
+    check_greedy(requests, engine.generate(requests))
+    assert engine.joins > 0
+
+
 def test_a_pass_that_prefilled_joining_rows_teaches_no_cost(
         tiny_models, tiny_tokenizer, make_requests, monkeypatch):
     """A joined pass's seconds hold a prefill: the policy's cost table learns from every
