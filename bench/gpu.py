@@ -4,16 +4,17 @@ repository alone (nothing downloaded; the models are built from seeds: gpu_pair.
     specq bench gpu --device cuda --out bench-gpu       # the GPU machine, under 6 minutes
     specq bench gpu --device cpu --size tiny --out DIR  # CI: the same code, seconds
 
-1. lossless: greedy speculative output (a fixed draft length and the adaptive policy) equals
-   target-only greedy output for a mix of prompts (four workloads, and one in four rows
+1. lossless: greedy speculative output (a fixed draft length and the adaptive policy with
+   the draft model; adaptive with the suffix drafter, whose refills join the running pass)
+   equals target-only greedy output for a mix of prompts (four workloads, and one in four rows
    under a JSON schema) at each lossless batch size, in float32 and bfloat16. Free rows are
    compared with transformers' own `generate`; shaped rows with the engine's constrained
    decoding without drafts (transformers has none). A divergence is a near-tie when the
    target's logits for the two tokens are within the dtype's tolerance of each other
    (counted and shown, as on CPU); anything else is a failure, and the command exits 1.
 2. throughput: for each batch size, transformers' `generate`, the engine without
-   speculation, with a fixed g and adaptive: tokens/s, tokens per target pass, peak
-   memory, and (CUDA) host syncs per step.
+   speculation, with a fixed g and adaptive (draft model), adaptive with the suffix drafter:
+   tokens/s, tokens per target pass, peak memory, and (CUDA) host syncs per step.
 3. pass costs: a target pass verifying g + 1 tokens per row against a plain pass (one
    token), in the engine's cache and in transformers' DynamicCache.
 4. the worker's device paths (CUDA only; gpu_device.py): an out-of-memory error on an
@@ -57,9 +58,10 @@ from specq.bench.runner import Target, _hf_generate, run_hf, run_specq
 from specq.bench.workloads import WORKLOADS
 from specq.schema.generation import Request
 from specq.worker.engine.batch import KVRows
-from specq.worker.engine.drafters import DraftModel, NoDraft
+from specq.worker.engine.drafters import Drafter, DraftModel, NoDraft
 from specq.worker.engine.grammar import Grammars
 from specq.worker.engine.speculative import SpeculativeEngine, encode_prompt
+from specq.worker.engine.suffix import SuffixDrafter
 from specq.worker.pairs import Pair
 
 log = logging.getLogger(__name__)
@@ -72,6 +74,7 @@ PARTS = {"lossless": "lossless", "throughput": "throughput", "passes": "passes",
          "device": "device_paths"}  # --parts names -> the report's keys
 SHAPED_EVERY = 4  # one row in four carries a JSON schema
 PASS_ROUNDS = 5
+SUFFIX = "suffix"  # _engine's drafter: the suffix drafter (no model; refills join a pass)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -137,10 +140,17 @@ def verdict(reference: dict[int, list[int]], outputs: dict[int, list[int]],
             "mismatches": len(divs) - ties, "divergences": divs}
 
 
-def _engine(target: PreTrainedModel, tokenizer, draft: PreTrainedModel | None, batch: int,
-            size: Size, adaptive: bool) -> SpeculativeEngine:
-    drafter = NoDraft() if draft is None else DraftModel(
-        draft, pad_id=tokenizer.pad_token_id, vocab_size=target.config.vocab_size)
+def _engine(target: PreTrainedModel, tokenizer, draft: PreTrainedModel | str | None,
+            batch: int, size: Size, adaptive: bool) -> SpeculativeEngine:
+    """An engine with no drafter (None), the draft model, or ``SUFFIX``'s drafter."""
+    drafter: Drafter
+    if draft is None:
+        drafter = NoDraft()
+    elif isinstance(draft, str):
+        drafter = {SUFFIX: SuffixDrafter}[draft]()
+    else:
+        drafter = DraftModel(draft, pad_id=tokenizer.pad_token_id,
+                             vocab_size=target.config.vocab_size)
     eng = SpeculativeEngine(target, tokenizer, drafter, max_batch_size=batch,
                             draft_length=size.g, adaptive=adaptive, max_draft_length=size.max_g)
     # the grammar library reads a tokenizer once per engine (a worker makes one engine),
@@ -158,8 +168,8 @@ _GRAMMARS: dict[int, tuple[object, Grammars]] = {}  # id(tokenizer) -> (it, firs
 
 
 def lossless(target: PreTrainedModel, tokenizer, size: Size) -> dict:
-    """Every lossless batch size x {none, fixed g, adaptive} against the references, in the
-    target's current dtype."""
+    """Every lossless batch size x {none, fixed g, adaptive, suffix} against the references,
+    in the target's current dtype."""
     draft = build_draft(target, size)
     reqs = requests(max(size.lossless_prompts.values()), size.lossless_new)
     probe = _engine(target, tokenizer, None, 1, size, False)
@@ -180,7 +190,7 @@ def lossless(target: PreTrainedModel, tokenizer, size: Size) -> dict:
     for B in size.lossless_batches:
         mine = reqs[: size.lossless_prompts[B]]
         for method, d, adaptive in (("none", None, False), ("fixed", draft, False),
-                                    ("adaptive", draft, True)):
+                                    ("adaptive", draft, True), ("suffix", SUFFIX, True)):
             eng = _engine(target, tokenizer, d, B, size, adaptive)
             results = eng.generate(mine)
             outputs = {r_i: res.token_ids for r_i, res in enumerate(results)
@@ -224,7 +234,10 @@ def throughput(target: PreTrainedModel, tokenizer, size: Size) -> list[dict]:
                    ("fixed", size.g, partial(run_specq, t, mine, B, size.throughput_new,
                                              make_drafter=make, g=size.g, max_g=size.max_g)),
                    ("adaptive", None, partial(run_specq, t, mine, B, size.throughput_new,
-                                              make_drafter=make, g=None, max_g=size.max_g))]
+                                              make_drafter=make, g=None, max_g=size.max_g)),
+                   ("suffix", None, partial(run_specq, t, mine, B, size.throughput_new,
+                                            make_drafter=SuffixDrafter, g=None,
+                                            max_g=size.max_g))]
         for method, g, go in configs:
             reset_peak(target.device)
             run = go()
@@ -232,8 +245,8 @@ def throughput(target: PreTrainedModel, tokenizer, size: Size) -> list[dict]:
             peak = peak_memory(target.device)
             syncs = None
             if method != "hf" and target.device.type == "cuda":  # a run of its own, counted
-                eng = _engine(target, tokenizer, None if method == "none" else draft, B, size,
-                              method == "adaptive")
+                eng = _engine(target, tokenizer, {"none": None, "suffix": SUFFIX}.get(
+                    method, draft), B, size, method in ("adaptive", "suffix"))
                 syncs = syncs_per_step(eng, [Request(id=i, prompt_token_ids=p,
                                                      max_new_tokens=16)
                                              for i, p in enumerate(mine)])
@@ -389,7 +402,8 @@ def markdown(report: dict) -> str:
 
 
 def _method(r: dict) -> str:
-    return f"fixed g={r['g']}" if r["method"] == "fixed" else r["method"]
+    return {"fixed": f"fixed g={r['g']}", "suffix": "adaptive, suffix drafter"}.get(
+        r["method"], r["method"])
 
 
 def _num(x: float | None, fmt: str = ".2f") -> str:
@@ -436,17 +450,20 @@ def bench(args: argparse.Namespace, save: Callable[[dict], None] = lambda r: Non
             log.exception("part %s failed", name)
             report["errors"][name] = f"{type(exc).__name__}: {exc}"[:2000]
         report["part_seconds"][name] = time.perf_counter() - t
-        if name == "lossless" and name in report:
-            report["lossless_passed"] = all(p["passed"] for p in report["lossless"])
+        if name == "lossless" and name in report:  # none proved (an error): not passed
+            report["lossless_passed"] = bool(report["lossless"]) and all(
+                p["passed"] for p in report["lossless"])
         report["seconds"] = time.perf_counter() - t0
         log.warning("%s: %.0f s", name, report["part_seconds"][name])
         save(report)
 
     def proofs() -> list[dict]:
-        out = []
+        out = report.setdefault("lossless", [])  # saved after each dtype: a run cut short
         for name in size.dtypes:  # float32 first: converted in place after
             to_dtype(target, getattr(torch, name))
             out.append(lossless(target, tokenizer, size))
+            report["lossless_passed"] = all(p["passed"] for p in out)
+            save(report)
         return out
 
     part("lossless", proofs)

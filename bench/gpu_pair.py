@@ -89,9 +89,9 @@ SIZES = {
         throughput_new=32, g=4, pass_context=128),
     "full": Size(
         "full", {}, specials=256, draft_layers=4, late_scale=0.15,
-        lossless_batches=(1, 8, 64), lossless_prompts={1: 8, 8: 32, 64: 64}, lossless_new=48,
+        lossless_batches=(1, 8, 64), lossless_prompts={1: 4, 8: 32, 64: 64}, lossless_new=48,
         throughput_batches=(1, 8, 64, 256),
-        throughput_prompts={1: 8, 8: 16, 64: 64, 256: 256}, throughput_new=64,
+        throughput_prompts={1: 4, 8: 16, 64: 64, 256: 256}, throughput_new=64,
         g=4, pass_context=256),
 }
 

@@ -48,7 +48,8 @@ def test_the_tiny_run_proves_and_measures(tmp_path, capsys):
     for part in report["lossless"]:
         runs = part["runs"]
         assert {(r["batch"], r["method"]) for r in runs} == {
-            (b, m) for b in TINY.lossless_batches for m in ("none", "fixed", "adaptive")}
+            (b, m) for b in TINY.lossless_batches
+            for m in ("none", "fixed", "adaptive", "suffix")}
         for r in runs:
             assert r["mismatches"] == 0 and not r["errors"]
             assert r["equal"] + r["near_ties"] == r["requests"] == TINY.lossless_prompts[
@@ -57,10 +58,13 @@ def test_the_tiny_run_proves_and_measures(tmp_path, capsys):
         fixed = [r for r in runs if r["method"] == "fixed"]
         assert all(0 < r["accepted"] <= r["proposed"] for r in fixed)  # the draft is used
         assert all(r["forced_proposed"] > 0 for r in fixed)  # and the grammar's drafts
+        suffix = [r for r in runs if r["method"] == "suffix"]  # the drafter whose refills join
+        assert all(0 < r["accepted"] <= r["proposed"] for r in suffix)
 
     rows = report["throughput"]
     assert {(r["batch"], r["method"]) for r in rows} == {
-        (b, m) for b in TINY.throughput_batches for m in ("hf", "none", "fixed", "adaptive")}
+        (b, m) for b in TINY.throughput_batches
+        for m in ("hf", "none", "fixed", "adaptive", "suffix")}
     for r in rows:
         assert r["tokens_per_s"] > 0 and r["new_tokens"] > 0
         assert r["peak_memory_mib"] is None and r["syncs_per_step"] is None  # CUDA only
@@ -80,6 +84,7 @@ def test_the_tiny_run_proves_and_measures(tmp_path, capsys):
     assert "## Lossless: PASSED" in text
     assert "| float32 | 8 | fixed g=3 |" in text and "| bfloat16 | 1 | adaptive |" in text
     assert "## Throughput (float32)" in text and "| 4 | adaptive |" in text
+    assert "| 4 | adaptive, suffix drafter |" in text
     assert "## A verify pass of 4 tokens per row against a plain pass" in text
     assert "- oom_halving: skipped: CUDA only, and this run is on cpu: " in text
 
@@ -101,7 +106,7 @@ def test_a_broken_engine_fails_the_check(tmp_path, monkeypatch):
     report = json.loads((out / "gpu.json").read_text())
     assert report["lossless_passed"] is False
     bad = [r for p in report["lossless"] for r in p["runs"] if r["mismatches"]]
-    assert bad and {r["method"] for r in bad} <= {"fixed", "adaptive"}
+    assert bad and {r["method"] for r in bad} <= {"fixed", "adaptive", "suffix"}
     assert all(r["mismatches"] == 0 for p in report["lossless"] for r in p["runs"]
                if r["method"] == "none")  # no drafts, nothing wrongly accepted
     text = (out / "gpu.md").read_text()
