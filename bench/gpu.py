@@ -1,7 +1,7 @@
 """`specq bench gpu`: the engine proved and measured on one device, in one call, from the
 repository alone (nothing downloaded; the models are built from seeds: gpu_pair.py).
 
-    specq bench gpu --device cuda --out bench-gpu       # the GPU machine, under 6 minutes
+    specq bench gpu --device cuda --out bench-gpu       # the GPU machine, about 8 minutes
     specq bench gpu --device cpu --size tiny --out DIR  # CI: the same code, seconds
 
 1. lossless: greedy speculative output (a fixed draft length and the adaptive policy with
