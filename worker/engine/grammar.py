@@ -138,6 +138,22 @@ class Grammars:
         """Each row's bitmask at its current state. -> [B, words] int32 on the host"""
         return self.masks(matchers, [[] for _ in matchers], 1)[:, 0]
 
+    def endings(self, matchers: list) -> list[int | None]:
+        """Per row, the one token its grammar still allows where the grammar is complete
+        (the library's matcher stopped: a JSON object closed, a choice made), else None: the
+        end of sequence that constrained decoding emits whatever the logits say. The mask
+        is read only for the stopped rows (a row's one time)."""
+        out: list[int | None] = [None] * len(matchers)
+        done = [b for b, m in enumerate(matchers) if m is not None and m.is_stopped()]
+        if not done:
+            return out
+        ok = allowed(self.mask_now([matchers[b] for b in done]), self.vocab_size)
+        for b, row in zip(done, ok):
+            ids = row.nonzero().flatten().tolist()
+            if len(ids) == 1:
+                out[b] = ids[0]
+        return out
+
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         """-inf off the grammar, in place (a bitmask row of all ones leaves its logits be).
         logits: [B, T, V]; bitmask: [B, T, words] int32 on the host -> logits"""

@@ -689,17 +689,33 @@ class SpeculativeEngine:
 
     def _apply(self, step: Step) -> None:
         """Hand a step's tokens to the rows and count it: the rows' counters, the drafting
-        (its policy learns from the step: drafting.py), and ``on_step``."""
+        (its policy learns from the step: drafting.py), and ``on_step``.
+
+        A row whose grammar the step's tokens completed (``Grammars.endings``: a JSON
+        object closed by the target's own last token) takes the end of sequence now, the
+        one token its grammar allows: constrained decoding would emit it whatever the
+        logits, and a pass of its own would compute nothing it needs (no token follows
+        it). It is counted as a forced draft the step accepted (new_tokens = accepted +
+        one token a pass holds). A joining row's pass was its prefill, not a step: it
+        ends the usual way."""
         B = len(self.rows)
         emitted = []
         forced = step.forced or [[] for _ in range(B)]
         joined = step.joined or [0] * B
         shaped = sum(r.matcher is not None for r in self.rows)
-        for row, toks, n_draft, k, f, j in zip(self.rows, step.tokens, step.num_draft,
-                                               step.accepted, forced, joined):
+        ends = self.grammars.endings([
+            r.matcher if not j and not r.ended and r.eos_ids.isdisjoint(toks) else None
+            for r, j, toks in zip(self.rows, joined, step.tokens)]) if shaped else [None] * B
+        for row, toks, n_draft, k, f, j, end in zip(self.rows, step.tokens, step.num_draft,
+                                                    step.accepted, forced, joined, ends):
             kept = row.emit(toks)
             emitted.append(toks[:kept])
             c = row.result.counters
+            if end in row.eos_ids and kept == len(toks) and not row.ended:
+                row.emit([end])  # counted as a forced draft the step accepted
+                n_draft, k, kept = n_draft + 1, k + 1, kept + 1
+                c.forced_proposed += 1
+                c.forced_accepted += 1
             if not j:  # a joining row's pass was its prefill, no step of its own
                 c.observe_step(n_draft, min(k, kept), step.g)
             c.target_passes += 1

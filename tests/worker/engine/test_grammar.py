@@ -180,6 +180,32 @@ def test_without_grammar_drafts_the_output_is_the_same(tiny_models, tiny_tokeniz
     assert not any(f for s in steps for f in s.forced)
 
 
+def test_a_grammar_the_target_completes_ends_its_row_without_a_pass(
+        tiny_models, tiny_tokenizer, check_shaped):
+    """Constrained decoding without drafts: a row whose grammar the target's own token
+    completes (an object closed, a choice made, a pattern filled) takes its end of sequence
+    in that step, counted as a forced draft accepted; no pass computes a token only the end
+    of sequence could be. The output is the reference's all the same."""
+    requests = shaped_requests(15, seed=3)
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, NoDraft(),
+                               max_batch_size=5, grammar_drafts=False)
+    results = engine.generate(requests)
+    assert check_shaped(requests, results) <= 1
+    ended = 0
+    for req, res in zip(requests, results):
+        c = res.counters
+        assert c.accepted + c.target_passes == c.new_tokens == len(res.token_ids)
+        assert sum(c.steps_by_drafts_verified) == c.target_passes - 1
+        assert sum(n * k for n, k in enumerate(c.steps_by_drafts_verified)) == c.proposed
+        if req.response_format is not None and res.finish_reason == "stop":
+            assert res.token_ids[-1] in engine.eos_ids
+            assert (c.proposed, c.accepted, c.forced_proposed, c.forced_accepted) == (1,) * 4
+            ended += 1
+        else:  # a free row, or one its limit cut: every token a pass's
+            assert c.proposed == c.forced_proposed == 0
+    assert ended >= 4
+
+
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "noisy"])
 def test_forced_tokens_and_the_drafter_s_take_turns_in_one_proposal(
         drafter, tiny_models, tiny_tokenizer, check_shaped):
