@@ -146,9 +146,10 @@ def _engine(target: PreTrainedModel, tokenizer, draft: PreTrainedModel | str | N
     drafter: Drafter
     if draft is None:
         drafter = NoDraft()
-    elif isinstance(draft, str):
-        drafter = {SUFFIX: SuffixDrafter}[draft]()
+    elif draft == SUFFIX:
+        drafter = SuffixDrafter()
     else:
+        assert not isinstance(draft, str), draft
         drafter = DraftModel(draft, pad_id=tokenizer.pad_token_id,
                              vocab_size=target.config.vocab_size)
     eng = SpeculativeEngine(target, tokenizer, drafter, max_batch_size=batch,

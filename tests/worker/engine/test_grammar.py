@@ -20,6 +20,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from specq.schema.generation import Request
 from specq.schema.grammar import JsonSchemaFormat, JsonSchemaSpec, grammar
 from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
+from specq.worker.engine.grammar import Grammars
 from specq.worker.engine.sampling import logits_to_probs
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.engine.suffix import SuffixDrafter
@@ -204,6 +205,28 @@ def test_a_grammar_the_target_completes_ends_its_row_without_a_pass(
         else:  # a free row, or one its limit cut: every token a pass's
             assert c.proposed == c.forced_proposed == 0
     assert ended >= 4
+
+
+def test_a_grammar_end_that_raises_fails_the_generation_and_the_next_is_exact(
+        tiny_models, tiny_tokenizer, check_shaped, monkeypatch):
+    """The end-of-sequence check raising (the library, mid-step) ends the generation with
+    its error, no row half-handed its step's tokens; the engine's next generation is the
+    reference's."""
+    requests = shaped_requests(10, seed=4)
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
+                               max_batch_size=4, grammar_drafts=True)
+    real = Grammars.endings
+
+    def failing(self, matchers):
+        if any(m is not None and m.is_stopped() for m in matchers):
+            raise RuntimeError("grammar library failed")
+        return real(self, matchers)
+
+    monkeypatch.setattr(Grammars, "endings", failing)
+    with pytest.raises(RuntimeError, match="grammar library failed"):
+        engine.generate(requests)
+    monkeypatch.setattr(Grammars, "endings", real)
+    assert check_shaped(requests, engine.generate(requests)) <= 1
 
 
 @pytest.mark.parametrize("drafter", ["prompt_lookup", "noisy"])
