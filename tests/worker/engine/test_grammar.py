@@ -212,9 +212,11 @@ def test_a_grammar_end_that_raises_fails_the_generation_and_the_next_is_exact(
     """The end-of-sequence check raising (the library, mid-step) ends the generation with
     its error, no row half-handed its step's tokens; the engine's next generation is the
     reference's."""
-    requests = shaped_requests(10, seed=4)
-    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, PromptLookup(),
-                               max_batch_size=4, grammar_drafts=True)
+    # the rows and engine of the test above: no drafts, every token the target's, so the
+    # rows whose grammar completes reach the check (at least 4 of them)
+    requests = shaped_requests(15, seed=3)
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, NoDraft(),
+                               max_batch_size=5, grammar_drafts=False)
     real = Grammars.endings
 
     def failing(self, matchers):
