@@ -123,7 +123,8 @@ class PassFit:
 
     Passes in which every row carries as many tokens cannot tell a token from a column, B
     tokens coming with each column: the fit prices nothing (None) until FIT_READY ragged
-    passes came (calibration's count with their weight)."""
+    passes came (calibration's count with their weight). CostTable keeps a fit only where
+    calibration timed its passes (CostTable.pass_fit says why)."""
 
     # the normal equations' terms: plain (the steps'), plain (calibration's), per_pass,
     # per_token, per_column
@@ -164,6 +165,11 @@ class PassFit:
         assert self._fit is not None
         plain, per_pass, per_token, per_column = self._fit
         return plain + per_pass * (carried > 0) + per_token * carried + per_column * (width - 1)
+
+    @property
+    def calibrated(self) -> bool:
+        """Calibration's passes are in it (CostTable keeps no fit of the steps' alone)."""
+        return self.prior_xtx[1][1] > 0
 
     def solve(self) -> tuple[float, float, float, float] | None:
         """(plain, per_pass, per_token, per_column) seconds, or None (too few ragged passes,
@@ -259,8 +265,10 @@ class CostTable:
             for t in times:  # a full pass may show the mean was taken on a busier machine
                 self.verify.setdefault(batch, {}).setdefault(
                     n, _Decayed(COST_DECAY, STALL_CLIP)).add(t, fresh=drafts == batch * (n - 1))
-                self.passes.setdefault(batch, PassFit(batch)).add(drafts, n, t,
-                                                                  calibrated=calibrated)
+                fit = (self.passes.setdefault(batch, PassFit(batch)) if calibrated
+                       else self.passes.get(batch))  # steps refine calibration's fits only
+                if fit is not None:
+                    fit.add(drafts, n, t, calibrated=calibrated)
         for t in t_draft:
             self.draft.setdefault(batch, _Decayed(COST_DECAY, STALL_CLIP)).add(t)
 
@@ -286,11 +294,16 @@ class CostTable:
 
     def pass_fit(self, batch: int) -> tuple[float, float, float, float] | None:
         """A packed pass at this batch size (PassFit.solve: plain, per_pass, per_token,
-        per_column), or None. A batch size without a fit of its own borrows the nearest
-        one's within BORROW_RATIO (rows end and the batch shrinks mid-job): its plain pass
-        is this batch size's own, a drafting pass's step and a token cost as much, and a
-        column of the widest row costs in proportion to the rows (every row's mask and
-        attention is as wide)."""
+        per_column), or None. Only a batch size calibration timed ragged passes at has a
+        fit of its own (the steps refine it); another borrows the nearest one's within
+        BORROW_RATIO (rows end and the batch shrinks mid-job): its plain pass is this batch
+        size's own, a drafting pass's step and a token cost as much, and a column of the
+        widest row costs in proportion to the rows (every row's mask and attention is as
+        wide). A fit of the steps' passes alone, at the few rows of a job's tail, was noise
+        that fed itself: priced too dear, drafts were refused, and no drafting pass came to
+        mend it; kept in the calibration cache, it grew from run to run (the demo's batch 2
+        put a pass's first draft at 17 ms, then 18, 93 and 112 beside a 55-70 ms plain
+        pass, five runs in a row, and verified 23 drafts there, then 4, 0, 0, 0)."""
         fit = self.passes.get(batch)
         own = None if fit is None else fit.solve()
         if own is not None:
@@ -328,8 +341,10 @@ class CostTable:
         for b, widths in state["verify"].items():
             table.verify[int(b)] = {int(n): decayed(*wt) for n, wt in widths.items()}
         table.draft = {int(b): decayed(*wt) for b, wt in state["draft"].items()}
-        table.passes = {int(b): PassFit.from_state(int(b), p, max_weight)
-                        for b, p in state.get("passes", {}).items()}
+        fits = (PassFit.from_state(int(b), p, max_weight)
+                for b, p in state.get("passes", {}).items())
+        table.passes = {f.batch: f for f in fits if f.calibrated}  # (a table kept before
+        # fits were calibration's only may hold the steps' own: see pass_fit)
         return table
 
     def ready(self, batch: int) -> bool:
