@@ -64,6 +64,11 @@ class Drafting:
         self.drafter, self.policy = drafter, policy
         self.grammar: ForcedDrafts | None = None  # the grammar drafter, when it is on
         self.looked: list[bool] = []  # per row of the latest step: led by a text lookup
+        # per row of the latest step: the drafter's tokens a grammar's chain kept, where
+        # fewer than proposed (ForcedDrafts.kept); empty: every row kept its own
+        self.kept: list[int | None] = []
+        # per row of the latest step: where a guessed closing quote stands (ForcedDrafts)
+        self.quotes: list[int | None] = []
 
     def draft(self, inputs: DraftInputs, rows: list[Row], packed: bool = False,
               draining: bool = False) -> tuple[int, Proposal, list[list[int]]]:
@@ -80,13 +85,14 @@ class Drafting:
             inputs.grammar.rewind()  # what is forced is read at the rows' own states
         prop, matchers = full.cut(g), [r.matcher for r in rows]
         forced: list[list[int]] = [[] for _ in rows]
-        self.looked = [False] * len(rows)
+        self.looked, self.kept, self.quotes = [False] * len(rows), [], []
         if self.grammar is not None and any(m is not None for m in matchers):
             # a text lookup's tokens are priced one by one where the policy adapts (its
             # budget: policy.allot), else they keep to the fixed g like the drafter's own
             text = self.policy.max_g if self.policy.adapts else g
             prop, forced, self.looked = self.grammar.merge(prop, matchers, inputs.tokens, g,
                                                            self.policy.max_g, text)
+            self.kept, self.quotes = self.grammar.kept, self.grammar.quotes
         if any(r.unseen for r in rows):  # a row joining the pass: its prefill, no drafts
             prop.num_draft = torch.tensor([0 if r.unseen else n for r, n in
                                            zip(rows, prop.num_draft.tolist())])
@@ -102,7 +108,7 @@ class Drafting:
         the budget kept none of the drafter's tokens: nothing of its was judged."""
         num = prop.num_draft.tolist()
         kept = self.policy.allot(num, forced, self.confidence(prop, len(num)), packed,
-                                 self.looked, remaining)
+                                 self.looked, remaining, self.quotes or None)
         if kept == num:
             return g, prop, forced
         prop.num_draft = torch.tensor(kept, dtype=torch.long)
@@ -124,6 +130,10 @@ class Drafting:
         """What the step did (after the rows took its tokens: ``emitted`` per row). A text
         lookup's tokens teach its own acceptance, not the drafter's."""
         num, acc = own(step)
+        quotes = [(k > q) for q, n, k in zip(self.quotes, step.num_draft, step.accepted)
+                  if q is not None and q < n and k >= q]  # guessed quotes the target judged
+        if quotes:
+            self.policy.observe_quotes(quotes)
         looked = self.looked or [False] * len(num)  # set by this step's draft
         if any(looked):
             self.policy.observe_lookup([n for n, t in zip(num, looked) if t],
@@ -174,7 +184,10 @@ class Scored(Drafting):
         if self._full is None:
             return super().confidence(prop, batch)
         looked = self.looked or [False] * batch
-        return [[] if lead else c for c, lead in zip(self._full.confidences, looked)]
+        confs = [[] if lead else c for c, lead in zip(self._full.confidences, looked)]
+        # a grammar's chain may cut the scorer's tokens (a value's end, then its quote)
+        kept = self.kept or [None] * batch
+        return [c if k is None else c[:k] for c, k in zip(confs, kept)]
 
     def observe(self, step: Step, rows: list[Row], emitted: list[list[int]]) -> None:
         super().observe(step, rows, emitted)

@@ -49,6 +49,9 @@ MAX_FORCED = 16  # forced tokens drafted at most per row and step
 # The text lookup (ForcedDrafts.text): the longest end of a row's text, TEXT_MIN to TEXT_MAX
 # bytes, found earlier in its last TEXT_CONTEXT tokens; TEXT_AHEAD bytes after it proposed
 TEXT_MIN, TEXT_MAX, TEXT_AHEAD, TEXT_CONTEXT = 3, 24, 48, 1024
+# bytes at which a value copied from the text likely ends: the lookup stops there and
+# proposes the string's closing quote, then what the grammar forces after it
+VALUE_ENDS = frozenset(b',.;:!?()[]{}"\n')
 # threads computing a step's masks: a row's is too small to pay for a pool's hand-offs
 MASK_THREADS = 1  # figures: docs/benchmarks.md#2026-12-01-grammar-mask-threads
 
@@ -348,6 +351,14 @@ class ForcedDrafts:
     grammars: Grammars
     follow: Drafter = field(default_factory=PromptLookup)
     following: Stopwatch = field(default_factory=Stopwatch, init=False)  # its proposing
+    # per row of the latest merge: how many of the drafter's own tokens lead its chain,
+    # where other tokens took the place of the rest (a value's end: ``chain``); None
+    # where the chain kept them all or only cut them short (the grammar refused one)
+    kept: list[int | None] = field(default_factory=list, init=False)
+    # where the latest chain guessed a closing quote (None: it did not); per row of the
+    # latest merge, the same (the policy prices and learns such guesses apart)
+    quote_at: int | None = field(default=None, init=False)
+    quotes: list[int | None] = field(default_factory=list, init=False)
     name = "grammar"
 
     @classmethod
@@ -385,22 +396,64 @@ class ForcedDrafts:
         at, n = found
         return lltok.tokenize_bytes(text[at + n: at + n + TEXT_AHEAD])[:budget]
 
+    def value(self, tokens: list[int]) -> tuple[list[int], bool]:
+        """Tokens proposed in a string, cut before the first that holds a byte where a
+        value copied from the text likely ends (VALUE_ENDS: a comma, a full stop, a
+        bracket, a quote, a line's end), and whether one came: ``chain`` then proposes the
+        closing quote. (A sentence's full stop copied in before the quote was tried: the
+        model went on past it as often: docs/benchmarks.md.)"""
+        lltok = self.grammars.library_tokenizer()
+        for i, t in enumerate(tokens):
+            if not VALUE_ENDS.isdisjoint(lltok.decode_bytes([t])):
+                return tokens[:i], True
+        return tokens, False
+
+    def closing(self, matcher) -> list[int]:
+        """The token that closes the string the matcher is in, as the model writes it with
+        what the grammar forces after the quote (``",`` where a comma must follow), or none
+        where the grammar allows no quote now. The matcher is left as it was."""
+        lltok = self.grammars.library_tokenizer()
+        quote = lltok.tokenize_bytes(b'"')
+        if len(quote) != 1 or matcher.validate_tokens(quote) != 1:
+            return []
+        matcher.consume_tokens(quote)
+        after = matcher.compute_ff_bytes()
+        matcher.rollback(1)
+        first = lltok.tokenize_bytes(b'"' + after)[:1]
+        return first if matcher.validate_tokens(first) == 1 else quote
+
     def chain(self, matcher, context: list[int], own: list[int], budget: int,
-              text_budget: int = 0) -> tuple[list[int], list[int]]:
+              text_budget: int = 0, sampled: bool = False) -> tuple[list[int], list[int]]:
         """One row's proposal: what the grammar forces now, else the drafter's own tokens
         (none: the row's text lookup's, ``text``, ``text_budget`` at most); then, in turn,
         what the grammar forces after them and the follower's continuation (``budget``
         follower tokens in all, own ones included), till neither adds a token. A value
         copied from the prompt (``"Ada Lovelace",``) is followed by the next key, quoted
-        and with its colon, in the same proposal. The matcher goes through the tokens to
-        read what is forced after them, and is rolled back.
+        and with its colon, in the same proposal: in a string, the tokens proposed are cut
+        where the value likely ends (``value``) and the closing quote proposed there (a
+        guess, judged like the tokens before it), then what the grammar forces after it
+        (``"Madrid. She`` -> ``"Madrid", "job": "``); not a draft model's ``sampled``
+        tokens (a cut that follows the token drawn would make the proposal at the cut
+        neither its q nor a point mass, and rejection sampling needs one). The matcher goes
+        through the tokens to read what is forced after them, and is rolled back.
         -> (tokens, positions of the forced ones)"""
         seq = self.forced(matcher)
         at = list(range(len(seq)))
-        if not seq and not own:
-            with self.grammars.masking.paused(), self.following:  # drafting, not masking
-                own = self.text(context, text_budget)
-            budget = max(budget, len(own))
+        self.quote_at = None
+        ends = False  # the proposal was cut where a value likely ends: its quote follows
+        if not seq and (own or text_budget > 0):
+            if not own:
+                with self.grammars.masking.paused(), self.following:  # drafting
+                    own = self.text(context, text_budget)
+                budget, sampled = max(budget, len(own)), False
+            cut, ends = self.value(own) if own and not sampled else (own, False)
+            close = self.closing(matcher) if ends else []  # in a string that may end now
+            if close:
+                own = cut or close  # (none: the value ends where the row's text is now)
+                ends = bool(cut)
+                self.quote_at = None if cut else 0
+            else:
+                ends = False
         cap = budget + MAX_FORCED
         if not seq:
             seq, budget = list(own), budget - len(own)
@@ -418,6 +471,12 @@ class ForcedDrafts:
                     at += range(len(seq), len(seq) + len(more))
                     seq += more
                     continue
+                if ends:  # after the copied value, its closing quote
+                    ends, close = False, self.closing(matcher)
+                    if close:
+                        self.quote_at = len(seq)
+                        seq += close
+                        continue
                 if budget <= 0 or not at or at[-1] != len(seq) - 1:
                     break  # the follower continues what the grammar forced, nothing else
                 ext = DraftInputs([context + seq], *(torch.zeros(1),) * 4, greedy=True)
@@ -432,6 +491,8 @@ class ForcedDrafts:
         finally:
             if fed:
                 matcher.rollback(fed)
+        if self.quote_at is not None and self.quote_at >= len(seq):
+            self.quote_at = None  # (the grammar refused it)
         return seq, [p for p in at if p < len(seq)]
 
     def merge(self, prop: Proposal, matchers: list, tokens: list[list[int]], g: int,
@@ -448,6 +509,7 @@ class ForcedDrafts:
         forced: list[list[int]] = []
         lead: list[int] = []
         looked = [False] * len(owns)
+        self.quotes = [None] * len(owns)
         with self.grammars.masking:  # the grammar's own work (the follower's is paused)
             for b, (m, own) in enumerate(zip(matchers, owns)):
                 if m is None:
@@ -455,11 +517,15 @@ class ForcedDrafts:
                     forced.append([])
                     lead.append(len(own))
                     continue
-                seq, at = self.chain(m, tokens[b], own, min(g, max_g), text)
+                seq, at = self.chain(m, tokens[b], own, min(g, max_g), text,
+                                     sampled=prop.probs is not None)
+                self.quotes[b] = self.quote_at
                 rows.append(seq)
                 forced.append(at)
                 looked[b] = bool(seq) and not own and not (at and at[0] == 0)
-                lead.append(0 if at and at[0] == 0 else min(len(own), len(seq)))
+                lead.append(0 if at and at[0] == 0 else _common(own, seq))
+        self.kept = [c if (c := _common(own, seq)) < len(own) and len(seq) > c else None
+                     for own, seq in zip(owns, rows)]  # (a refusal only shortens: None)
         if rows == owns and not any(forced):
             return prop, forced, looked
         width = max(len(r) for r in rows)
@@ -476,3 +542,8 @@ class ForcedDrafts:
         num = torch.tensor([len(r) for r in rows], dtype=torch.long)
         # the chained tokens' confidences are not the scoring drafter's: none is given
         return Proposal(ids, num, probs, None), forced, looked
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """The length of the longest common prefix of a and b."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -527,6 +527,7 @@ class DraftLengthPolicy:
         """Drop acceptance, steps and history (they describe the data seen); keep costs."""
         self.acceptance = Acceptance(self.prior_alpha)
         self.lookup = Acceptance(PRIOR_ALPHA)  # a text lookup's tokens (grammar.py: text)
+        self.quoted = Acceptance(PRIOR_ALPHA)  # closing quotes guessed (grammar.py: chain)
         self.calibration = Calibration()
         self.steps = 0
         self.history: deque[int] = deque(maxlen=HISTORY)  # g of each step
@@ -619,7 +620,8 @@ class DraftLengthPolicy:
     def allot(self, num_draft: list[int], forced: list[list[int]],
               confidence: list[list[float]], packed: bool,
               looked: list[bool] | None = None,
-              remaining: list[int] | None = None) -> list[int]:
+              remaining: list[int] | None = None,
+              quotes: list[int | None] | None = None) -> list[int]:
         """Per row, how many of its ``num_draft`` proposed tokens this step verifies: the
         budget of the verify pass (budget.py), spent on the tokens likeliest to survive
         (``survivals``). A measuring step (``choose``) and a batch size without costs keep
@@ -628,7 +630,8 @@ class DraftLengthPolicy:
         ``packed``: the verify pass costs the tokens it carries (batch.py); ``looked``: per
         row, a text lookup's tokens lead it (grammar.ForcedDrafts.text); ``remaining``: per
         row, the tokens it may still emit, given once no request waits for a place (the
-        batch drains: budget.drain)."""
+        batch drains: budget.drain); ``quotes``: per row, where a guessed closing quote
+        stands in it (grammar.ForcedDrafts.chain), or None."""
         widest = max(num_draft, default=0)
         if self.measuring or not widest:
             return list(num_draft)
@@ -644,7 +647,7 @@ class DraftLengthPolicy:
         else:
             cost = budget.verify_cost([t for t in seconds if t is not None], len(num_draft),
                                       packed, step)
-        survivals = self.survivals(num_draft, forced, confidence, looked)
+        survivals = self.survivals(num_draft, forced, confidence, looked, quotes)
         if remaining is not None and len(num_draft) > 1:
             split = self._split(len(num_draft), fit[0] if fit else seconds[0])
             if split is not None:
@@ -663,20 +666,24 @@ class DraftLengthPolicy:
         return fixed + (host.mean if host else 0.0), per_row
 
     def survivals(self, num_draft: list[int], forced: list[list[int]],
-                  confidence: list[list[float]], looked: list[bool] | None = None
-                  ) -> list[list[float]]:
+                  confidence: list[list[float]], looked: list[bool] | None = None,
+                  quotes: list[int | None] | None = None) -> list[list[float]]:
         """Per row, each proposed token's predicted survival: the chain product of its
         acceptance and that of the tokens before it. A forced token's is 1 (the grammar
         allows nothing else), a scored token's its calibrated confidence (the scorer's own
-        tokens lead a row, before the first forced one), a text lookup's the acceptance its
-        tokens have shown (``looked`` rows: ``lookup``), any other's alpha."""
+        tokens lead a row, before the first forced one), a guessed closing quote's
+        (``quotes``) the acceptance such guesses have shown (``quoted``), a text lookup's
+        the acceptance its tokens have shown (``looked`` rows: ``lookup``), any other's
+        alpha."""
         out = []
         looked = looked or [False] * len(num_draft)
-        for n, at, conf, text in zip(num_draft, forced, confidence, looked):
+        quotes = quotes or [None] * len(num_draft)
+        for n, at, conf, text, quote in zip(num_draft, forced, confidence, looked, quotes):
             own = min(at[0] if at else n, len(conf))
             fixed, other = set(at), self.lookup.alpha if text else self.alpha
-            out.append(budget.chain([1.0 if j in fixed else self.calibration(conf[j])
-                                     if j < own else other for j in range(n)]))
+            out.append(budget.chain([1.0 if j in fixed else self.quoted.alpha if j == quote
+                                     else self.calibration(conf[j]) if j < own else other
+                                     for j in range(n)]))
         return out
 
     def width(self, confidence: list[list[float]]) -> int:
@@ -745,6 +752,10 @@ class DraftLengthPolicy:
         the grammar's forced ones left out)."""
         self.lookup.add(num_draft, num_accepted)
 
+    def observe_quotes(self, judged: list[bool]) -> None:
+        """Verdicts on guessed closing quotes: per quote the target judged, accepted or not."""
+        self.quoted.add([1] * len(judged), [int(ok) for ok in judged])
+
     def observe_acceptance(self, num_draft: list[int], num_accepted: list[int]) -> None:
         """Record proposals judged while g = 0: a free drafter's, scored (shadow.py)."""
         self.acceptance.add(num_draft, num_accepted)
@@ -754,6 +765,7 @@ class DraftLengthPolicy:
         return {
             "alpha": self.alpha,
             "lookup_alpha": self.lookup.alpha,
+            "quote_alpha": self.quoted.alpha,
             "propose_rate": self.propose_rate,
             "calibration": self.calibration.snapshot(),
             "t_draft": {b: d.mean for b, d in sorted(self.costs.draft.items())},
@@ -829,5 +841,6 @@ class Pinned(DraftLengthPolicy):
     def allot(self, num_draft: list[int], forced: list[list[int]],
               confidence: list[list[float]], packed: bool,
               looked: list[bool] | None = None,
-              remaining: list[int] | None = None) -> list[int]:
+              remaining: list[int] | None = None,
+              quotes: list[int | None] | None = None) -> list[int]:
         return list(num_draft)

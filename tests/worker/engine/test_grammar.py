@@ -337,6 +337,91 @@ def test_a_value_the_prompt_holds_is_looked_up_by_its_bytes(tiny_models, tiny_to
     assert looked_up  # proposed and judged (a tiny random model takes what it takes)
 
 
+def test_a_value_copied_into_a_string_ends_at_its_punctuation_then_its_quote(
+        tiny_models, tiny_tokenizer, check_shaped):
+    """In a JSON string, the tokens proposed (the text lookup's or a point-mass drafter's)
+    are cut before the first that holds a comma, a full stop, a bracket or a line's end
+    (where a value copied from the text most often ends) and the closing quote follows,
+    with what the grammar forces after it: a field's value, its quote and the next key in
+    one pass, not two. A draft model's sampled tokens are never cut (the proposal at the
+    cut would be neither its q nor a point mass). A scorer's confidences stop where its
+    tokens do: the quote is not its to learn from. Greedy output stays the reference's."""
+    from specq.worker.engine.drafters import Proposal
+    from specq.worker.engine.drafting import Scored
+    from specq.worker.engine.grammar import ForcedDrafts, Grammars
+    from specq.worker.engine.policy import Widths
+
+    grammars = Grammars(tiny_tokenizer, tiny_models["target"].config.vocab_size)
+    drafts = ForcedDrafts(grammars)
+    encode = lambda text: tiny_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    decode = lambda ids: tiny_tokenizer.decode(ids)  # noqa: E731
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "object", "additionalProperties": False, "required": ["city", "job"],
+        "properties": {"city": {"type": "string"}, "job": {"type": "string"}}}}}
+
+    def matcher(written: str):
+        m = grammars.matcher(Request(prompt_token_ids=[3], response_format=fmt)
+                             .response_format)
+        assert m.consume_tokens(encode(written))
+        return m
+
+    text = "Ann lives in Leeds, and cooks.\n"
+    m = matcher('{"city": "Lee')
+    context = encode(text + '{"city": "Lee')
+    seq, at = drafts.chain(m, context, [], 0, 12)  # the text lookup's
+    value = len(encode("ds"))  # (the tiny tokenizer's pieces of it)
+    assert decode(seq).startswith('ds"') and seq[:value] == encode("ds")
+    key = len(encode('ds", "job": "'))  # (the tiny tokenizer writes the quote alone)
+    assert decode(seq[:key]).replace(" ", "") == 'ds","job":"'
+    assert at == list(range(value + 1, key))  # after the quote, forced: the next key
+    assert not m.is_stopped() and m.validate_tokens(seq) == len(seq)  # rolled back
+    own = encode("ds. She")
+    assert drafts.chain(m, context, own, 8)[0][:key] == seq[:key]  # a point-mass drafter's
+    assert drafts.chain(m, context, own, 8, sampled=True)[0] == own  # a draft model's: whole
+    assert drafts.chain(m, context, encode("ds"), 8)[0] == encode("ds")  # no end: no quote
+    outside = matcher('{"city": "Leeds", ')  # between fields: no string, no cut
+    assert drafts.value(encode("a, b")) == (encode("a"), True)
+    assert drafts.chain(outside, context, [], 0, 12)[1][:1] == [0]  # the key is forced
+    # merged: the scorer keeps its confidences for its own tokens before the cut only
+    width = len(own)
+    full = Proposal(torch.tensor([own]), torch.tensor([width]), None,
+                    torch.tensor([[0.9] * width]))
+    merged, _, _ = drafts.merge(full, [m], [context], width, 8, 0)
+    assert merged.token_ids[0, : int(merged.num_draft[0])].tolist()[:key] == seq[:key]
+    assert drafts.kept == [value] and drafts.quotes == [value]
+    scored = Scored(SuffixDrafter(), Widths(max_g=8))
+    scored._full, scored.looked, scored.kept = full, [False], drafts.kept
+    assert scored.confidence(full, 1) == [pytest.approx([0.9] * value)]
+    drafts.merge(full, [None], [context], width, 8, 0)
+    assert drafts.kept == [None] and drafts.quotes == [None]  # an unshaped row keeps its own
+    # the budget prices a guessed quote by what such guesses have shown, and learns it
+    policy = Widths(max_g=8)
+    before = policy.survivals([3], [[2]], [[]], quotes=[1])[0]
+    assert before == pytest.approx([policy.alpha, policy.alpha * policy.quoted.alpha] * 1
+                                   + [policy.alpha * policy.quoted.alpha])
+    policy.observe_quotes([False] * 30)
+    assert policy.survivals([3], [[2]], [[]], quotes=[1])[0][1] < 0.1 * before[1]
+    # whole generations: values to copy, each followed by punctuation; greedy as the
+    # reference, and the quote proposed after the value
+    prompts = [f"Cities {i}: Leeds, York. Jobs: cook, baker.\n" for i in range(4)]
+    requests = [Request(id=i, prompt_token_ids=encode(p), max_new_tokens=30,
+                        response_format=fmt) for i, p in enumerate(prompts)]
+    quoted = []
+    real = ForcedDrafts.closing
+
+    def closing(self, matcher):
+        out = real(self, matcher)
+        quoted.append(bool(out))
+        return out
+
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, SuffixDrafter(),
+                               max_batch_size=4, draft_length=4, adaptive=False,
+                               grammar_drafts=True)
+    engine.drafting.grammar.closing = closing.__get__(engine.drafting.grammar)
+    assert check_shaped(requests, engine.generate(requests)) == 0
+    assert any(quoted)
+
+
 def test_a_row_a_text_lookup_leads_keeps_no_confidence_of_the_scorer():
     """Where the step's g cut a scored row to none of the scorer's tokens and a text lookup
     filled it, the scorer's confidences neither price the row's tokens nor learn from their
