@@ -346,7 +346,7 @@ def job_ended(session: Session, *, job_id: int, batch_only: bool = False) -> lis
             "request_counts": {"total": sum(counts.values()),
                                "completed": counts.get("completed", 0),
                                "failed": counts.get("failed", 0)},
-            "output_file_id": files.get("output"),
+            "output_file_id": files.get("output") if counts.get("completed") else None,
             "error_file_id": files.get("error") if has_errors else None,
             "metadata": batch.metadata_,
             "specq": {"job_id": job_id, "cancelled": counts.get("cancelled", 0)}}))

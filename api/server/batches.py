@@ -124,6 +124,7 @@ def status_of(batch: Batch, job_status: str | None, now: datetime) -> str:
     return "in_progress"
 
 
+ENDED = frozenset({"completed", "failed", "expired", "cancelled"})  # a batch's last states
 FIGURES = ("acceptance_rate", "mean_acceptance_length", "tokens_per_second",
            "engine_tokens_per_second", "estimated_speedup")
 
@@ -142,11 +143,15 @@ def batch_object(read: store.BatchRead, note: str | None = None) -> dict[str, An
                            "completed": 0, "failed": 0})
     errors = ({"object": "list", "data": batch.errors} if batch.errors else None)
     has_errors = row is not None and (row["failed"] or row["cancelled"])
+    # an ended batch none of whose requests completed has no output file, as OpenAI's
+    # (null output_file_id beside the error file); one still running names its file, whose
+    # partial download is specq's own
+    has_output = row is not None and (row["completed"] or status not in ENDED)
     out: dict[str, Any] = {
         "id": batch.openai_id, "object": "batch", "endpoint": batch.endpoint,
         "model": batch.model, "errors": errors, "input_file_id": batch.input_file_id,
         "completion_window": batch.completion_window, "status": status,
-        "output_file_id": read.output_id if row else None,
+        "output_file_id": read.output_id if has_output else None,
         "error_file_id": read.error_id if has_errors else None,
         "created_at": unix(batch.created_at), "in_progress_at": unix(batch.in_progress_at),
         "expires_at": unix(batch.expires_at),

@@ -5,7 +5,7 @@ read in one statement whose counts are its job's chunk sums, exact, for its tena
 from __future__ import annotations
 
 import pytest
-from sqlalchemy import update
+from sqlalchemy import select, update
 
 from specq.api.server import auth
 from specq.api.server.batches import batch_object, reads
@@ -13,7 +13,7 @@ from specq.api.server.errors import ApiError
 from specq.db import batches as store
 from specq.db import chunks, tenants
 from specq.db import repository as repo
-from specq.db.models import Chunk, JobStatus, Tenant, utcnow
+from specq.db.models import Batch, Chunk, Job, JobStatus, Tenant, utcnow
 from tests.db.test_plans import captured, plans, rows_read
 
 
@@ -109,6 +109,30 @@ def test_a_batch_is_read_in_one_statement_with_exact_counts(db_client, statement
         assert store.read_batches(s, tenant_id=mine, openai_id="batch_\x00") == []
         listed = store.read_batches(s, tenant_id=mine, batch_ids=[read.batch.id])
     assert [r.batch.openai_id for r in listed] == [batch_id]
+
+
+def test_a_batch_that_ended_with_nothing_completed_names_no_output_file(db_client):
+    """As OpenAI's: an all-failed (or all-cancelled) batch's output_file_id is null, its
+    error file named; while it runs its output file is named (specq's partial download)."""
+    mine, batch_id = _batch(db_client, "all-failed", 20, {0: (0, 10, 0), 10: (0, 0, 0)})
+
+    def read() -> dict:
+        with reads(db_client.sessions)() as s:
+            (got,) = store.read_batches(s, tenant_id=mine, openai_id=batch_id)
+        return batch_object(got)
+
+    running = read()
+    assert running["status"] == "in_progress"
+    assert running["output_file_id"] == "file-all-failed-output"
+    with db_client.sessions.begin() as s:
+        job_id = s.scalar(select(Batch.job_id).where(Batch.openai_id == batch_id))
+        s.execute(update(Chunk).where(Chunk.job_id == job_id, Chunk.start == 10)
+                  .values(failed=10))
+        s.execute(update(Job).where(Job.id == job_id).values(
+            status=JobStatus.completed.value, finished_at=utcnow()))
+    done = read()
+    assert done["status"] == "completed" and done["request_counts"]["completed"] == 0
+    assert done["output_file_id"] is None and done["error_file_id"] == "file-all-failed-error"
 
 
 def test_a_batch_read_sums_only_its_own_jobs_chunks(pg_url):
