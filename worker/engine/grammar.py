@@ -414,13 +414,21 @@ class ForcedDrafts:
         where the grammar allows no quote now. The matcher is left as it was."""
         lltok = self.grammars.library_tokenizer()
         quote = lltok.tokenize_bytes(b'"')
-        if len(quote) != 1 or matcher.validate_tokens(quote) != 1:
+        if not self._may_close(matcher, quote):
             return []
         matcher.consume_tokens(quote)
-        after = matcher.compute_ff_bytes()
-        matcher.rollback(1)
+        try:
+            after = matcher.compute_ff_bytes()
+        finally:
+            matcher.rollback(1)
         first = lltok.tokenize_bytes(b'"' + after)[:1]
         return first if matcher.validate_tokens(first) == 1 else quote
+
+    def _may_close(self, matcher, quote: list[int] | None = None) -> bool:
+        """The matcher is in a string that may end now: its grammar allows a quote."""
+        if quote is None:
+            quote = self.grammars.library_tokenizer().tokenize_bytes(b'"')
+        return len(quote) == 1 and matcher.validate_tokens(quote) == 1
 
     def chain(self, matcher, context: list[int], own: list[int], budget: int,
               text_budget: int = 0, sampled: bool = False) -> tuple[list[int], list[int]]:
@@ -446,14 +454,12 @@ class ForcedDrafts:
                 with self.grammars.masking.paused(), self.following:  # drafting
                     own = self.text(context, text_budget)
                 budget, sampled = max(budget, len(own)), False
-            cut, ends = self.value(own) if own and not sampled else (own, False)
-            close = self.closing(matcher) if ends else []  # in a string that may end now
-            if close:
-                own = cut or close  # (none: the value ends where the row's text is now)
-                ends = bool(cut)
-                self.quote_at = None if cut else 0
-            else:
-                ends = False
+            if own and not sampled and self._may_close(matcher):  # in a string
+                cut, ends = self.value(own)
+                if ends and not cut:  # the value ends where the row's text is now
+                    own, ends, self.quote_at = self.closing(matcher), False, 0
+                elif ends:
+                    own = cut
         cap = budget + MAX_FORCED
         if not seq:
             seq, budget = list(own), budget - len(own)
@@ -509,7 +515,7 @@ class ForcedDrafts:
         forced: list[list[int]] = []
         lead: list[int] = []
         looked = [False] * len(owns)
-        self.quotes = [None] * len(owns)
+        self.quotes, self.kept = [None] * len(owns), [None] * len(owns)
         with self.grammars.masking:  # the grammar's own work (the follower's is paused)
             for b, (m, own) in enumerate(zip(matchers, owns)):
                 if m is None:
@@ -523,9 +529,10 @@ class ForcedDrafts:
                 rows.append(seq)
                 forced.append(at)
                 looked[b] = bool(seq) and not own and not (at and at[0] == 0)
-                lead.append(0 if at and at[0] == 0 else _common(own, seq))
-        self.kept = [c if (c := _common(own, seq)) < len(own) and len(seq) > c else None
-                     for own, seq in zip(owns, rows)]  # (a refusal only shortens: None)
+                common = _common(own, seq)
+                lead.append(0 if at and at[0] == 0 else common)
+                # (a refusal only shortens the row: None)
+                self.kept[b] = common if common < len(own) and common < len(seq) else None
         if rows == owns and not any(forced):
             return prop, forced, looked
         width = max(len(r) for r in rows)
