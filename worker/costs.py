@@ -73,7 +73,7 @@ class CostCache:
             table = CostTable.from_state(saved["costs"], max_weight=REPEATS)
         except FileNotFoundError:
             return False
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
             log.warning("calibration cache %s not read (%s): calibrating", self.path, exc)
             return False
         self.engine.policy.costs = table

@@ -78,6 +78,11 @@ def test_a_corrupt_or_foreign_file_is_measured_again(pair, engine, tmp_path):
     assert not cache.load()
     cache.path.write_text(json.dumps({"key": {**cache.key, "host": "x"}, "costs": {}}))
     assert not cache.load()
+    short = {"xtx": [[1.0]], "xty": [1.0], "prior_xtx": [[1.0]], "prior_xty": [1.0],
+             "ragged": 9.0}  # a pass fit cut short: its terms missing
+    cache.path.write_text(json.dumps({"key": cache.key, "costs": {
+        "verify": {}, "draft": {}, "passes": {"4": short}}}))
+    assert not cache.load()
 
 
 def test_refined_costs_are_written_back(pair, engine, tmp_path):
