@@ -46,7 +46,9 @@ settings.register_profile("long", max_examples=3000, deadline=None,
 PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci")
 
 WORDS = ("the", "data", "model", "answer", "json", "list", "rewrite", "formal", "summary",
-         "of", "a", "user", "review", "ticket", "name", "city", "and", "short", "quiz", "key")
+         "of", "a", "user", "review", "ticket", "name", "city", "and", "short", "quiz", "key",
+         # punctuation, where a value copied into a JSON string is cut and its quote guessed
+         "Leeds,", "cook.", "(a)")
 DRAFTERS = ("none", "lookup", "suffix", "near", "noisy")
 ITEM = {"type": "object", "additionalProperties": False, "required": ["name", "n"],
         "properties": {"name": {"type": "string", "maxLength": 5},
