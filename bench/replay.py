@@ -3,11 +3,12 @@
 `python -m specq.bench.replay --pair smollm2-135m --workload json --batch-size 16`: the
 target's greedy outputs are what every lossless run emits, so a run can be stepped again
 without the target. Rows step as the engine steps them (refilled in order as they end, the
-job index fed with each row that ended), the suffix drafter proposes up to --max-g tokens a
-row from the row's tokens so far, a row accepts the longest prefix of the drafts it keeps
-that its greedy output goes on with, then one token more, and each pass is priced as the
-packed pass costs: plain + per token carried + per column of the widest row, less what
-the rows that ended took (``Price``).
+job index fed with each row that ended, the running rows admitted and selected as the
+engine's), the suffix drafter proposes up to --max-g tokens a row from the row's tokens so
+far, a row accepts the longest prefix of the drafts it keeps that its greedy output goes
+on with, then one token more, and each pass is priced as the packed pass costs: plain +
+per token carried + per column of the widest row, less what the rows that ended took
+(``Price``).
 The same proposals under each way of keeping drafts:
 
 - oracle: each row keeps exactly the drafts that survive: the drafter's ceiling;
@@ -113,19 +114,21 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
     calibration = policy.calibration
     waiting = list(range(len(prompts)))
     rows: list[list[int]] = []  # per row: [request index, tokens of its output emitted]
+    seqs: list[list[int]] = []  # per row: its tokens, grown in place as the engine's
     out = Replayed(keep, 0, 0.0, 0, 0)
     while waiting or rows:
         while waiting and len(rows) < batch:  # the prefill yields the first token
             i = waiting.pop(0)
             if len(outputs[i]) > 1:
                 rows.append([i, 1])
+                seqs.append(prompts[i] + outputs[i][:1])
+                drafter.admit([prompts[i]], outputs[i][:1])
             else:
                 drafter.finish(prompts[i] + outputs[i])
         if not rows:
             continue
         B = len(rows)
         zeros = torch.zeros(B, dtype=torch.long)
-        seqs = [prompts[i] + outputs[i][:n] for i, n in rows]
         rest = [outputs[i][n:] for i, n in rows]
         asked = max_g if keep in (ORACLE, BUDGET, RATE) else int(keep)
         if asked:
@@ -163,11 +166,15 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
         out.seconds += price.seconds(kept)
         out.carried += sum(kept)
         out.accepted += sum(accepted)
-        for row, a in zip(rows, accepted):
+        for row, seq, a in zip(rows, seqs, accepted):
+            seq += outputs[row[0]][row[1] : row[1] + a + 1]
             row[1] += a + 1
         for i in [i for i, n in rows if n >= len(outputs[i])]:
             drafter.finish(prompts[i] + outputs[i])
-        rows = [[i, n] for i, n in rows if n < len(outputs[i])]
+        staying = [b for b, (i, n) in enumerate(rows) if n < len(outputs[i])]
+        if len(staying) < len(rows):
+            drafter.select(torch.tensor(staying, dtype=torch.long))
+            rows, seqs = [rows[b] for b in staying], [seqs[b] for b in staying]
     return out
 
 

@@ -18,10 +18,14 @@ falls below MIN_PATH_PROB. The per-token probabilities go with the proposal
 (``Proposal.confidence``): the adaptive policy learns what they are worth and cuts each
 step's drafts where more would not pay (policy.py: Calibration).
 
-Each row also has prompt lookup's draft (its own tokens: the longest match of up to 3
-tokens), followed and scored the same way over the row's own occurrences; the higher score
-wins, prompt lookup on a tie. A row with nothing in the job index drafts what prompt
-lookup would.
+The batch's running rows are indexed for each other the same way (``Siblings``: their
+outputs so far, caught up at every proposal): rows that rewrite one passage or fill one
+template run side by side, and at batch 16 half of a job's rows, at 64 all of them, start
+before any row has finished. Each row also has prompt lookup's draft (its own tokens: the
+longest match of up to 3 tokens), followed and scored the same way over the row's own
+occurrences. The highest score wins: the job index's over prompt lookup's, the running
+rows' over both, the earlier on a tie. A row with nothing in either index drafts what
+prompt lookup would.
 
 The job index outlives a generation (a worker runs a job chunk by chunk) and is keyed by
 job; rows that end normally add to it, rows that fail or are dropped add nothing. Memory
@@ -71,21 +75,20 @@ class Draft(NamedTuple):
 NO_DRAFT = Draft([], [])
 
 
-def follow(tokens: list[int], base: int, ends: list[int], g: int,
-           min_prob: float = 0.0) -> Draft:
-    """The most frequent continuation of up to g tokens after the occurrences ``ends``.
+def follow(occurrences: list[tuple[list[int], int]], g: int, min_prob: float = 0.0) -> Draft:
+    """The most frequent continuation of up to g tokens after the ``occurrences``.
 
-    tokens[i - base] is the token at absolute position i; ends are the positions where
-    the matched tokens end, newest first (ties go to the newest). Token j's probability
-    is (agree_j + 1) / (seen_j + 2) over the occurrences still followed.
+    Each occurrence is (tokens, i): the matched tokens end at tokens[i]; newest first (ties
+    go to the newest). A list's end and END end its continuation. Token j's probability is
+    (agree_j + 1) / (seen_j + 2) over the occurrences still followed.
     """
     draft, probs = Draft([], [])
-    path, limit = 1.0, len(tokens) + base
+    path = 1.0
     for step in range(g):
-        if len(ends) == 1:  # one occurrence left (the common case): its own continuation,
-            # each token at (1 + 1) / (1 + 2), read off in one slice
-            start = ends[0] + 1 - base
-            for t in tokens[start : start + g - step]:
+        if len(occurrences) == 1:  # one occurrence left (the common case): its own
+            # continuation, each token at (1 + 1) / (1 + 2), read off in one slice
+            tokens, i = occurrences[0]
+            for t in tokens[i + 1 : i + 1 + g - step]:
                 if t == END or path * LONE < min_prob:
                     break
                 path *= LONE
@@ -93,20 +96,21 @@ def follow(tokens: list[int], base: int, ends: list[int], g: int,
                 probs.append(LONE)
             break
         counts: dict[int, int] = {}
-        for e in ends:
-            t = tokens[e + 1 - base] if e + 1 < limit else END
+        for tokens, i in occurrences:
+            t = tokens[i + 1] if i + 1 < len(tokens) else END
             if t != END:
                 counts[t] = counts.get(t, 0) + 1
         if not counts:
             break
         best = max(counts, key=counts.__getitem__)  # the first seen of the most frequent
-        p = (counts[best] + 1) / (len(ends) + 2)
+        p = (counts[best] + 1) / (len(occurrences) + 2)
         if path * p < min_prob:
             break
         path *= p
         draft.append(best)
         probs.append(p)
-        ends = [e + 1 for e in ends if e + 1 < limit and tokens[e + 1 - base] == best]
+        occurrences = [(tokens, i + 1) for tokens, i in occurrences
+                       if i + 1 < len(tokens) and tokens[i + 1] == best]
     return Draft(draft, probs)
 
 
@@ -141,7 +145,7 @@ def lookup(seq: list[int], g: int, index: RowIndex | None = None) -> Draft:
             break
     for n in LOOKUP_NGRAMS:
         if n <= top and (ends := [e for e, m in hits if m >= n]):
-            return follow(seq, 0, ends[:MAX_CANDIDATES], g)
+            return follow([(seq, e) for e in ends[:MAX_CANDIDATES]], g)
     return NO_DRAFT
 
 
@@ -266,11 +270,131 @@ class JobIndex:
             ends = self.table.get(tuple(seq[-n:]))
             if not ends:
                 break  # a longer match cannot occur where a shorter one does not
-            draft = follow(self.tokens, self.base, ends[: -MAX_CANDIDATES - 1 : -1], g,
+            tokens, base = self.tokens, self.base
+            draft = follow([(tokens, e - base) for e in ends[: -MAX_CANDIDATES - 1 : -1]], g,
                            MIN_PATH_PROB)
             if draft.tokens and draft.score >= best_score:  # a tie goes to the longer match
                 best, best_score = draft, draft.score
         return best
+
+
+class _Running:
+    """One running row of the batch as Siblings indexes it: its output starts at
+    ``start``; ``n``: its tokens indexed so far; ``seq``: the list it is bound to."""
+
+    __slots__ = ("start", "n", "seq", "live")
+
+    def __init__(self, start: int, live: bool = True) -> None:
+        self.start = start
+        self.n = start
+        self.seq: list[int] | None = None
+        self.live = live
+
+
+class Siblings:
+    """The outputs of the batch's running rows, indexed for each other as the job index
+    holds its finished rows: rows that rewrite one passage, fill one template or answer
+    with one skeleton run side by side, and a row a few tokens ahead drafts for the rows
+    behind it (half a job's rows at batch 16, all of them at 64, have no finished row yet).
+
+    n-gram (n in NGRAMS, within a row's output) -> (row, where it ends), oldest first.
+    Each row is caught up with its own list at every proposal (``catch_up``, bound to the
+    first list as RowIndex is), so an occurrence's continuation is read off the row as it
+    stands. A row that leaves is marked gone and its occurrences skipped until they are
+    half of those held; then the table is built again from the rows still running. At
+    most ``max_tokens`` output tokens are held."""
+
+    def __init__(self, max_tokens: int = MAX_TOKENS) -> None:
+        self.max_tokens = max_tokens
+        self.rows: list[_Running] = []  # per batch row, in order
+        self.table: dict[tuple[int, ...], list[tuple[_Running, int]]] = {}
+        self.held = 0  # output tokens indexed, gone rows' included
+        self.gone = 0  # of them, gone rows'
+
+    def admit(self, prompts: list[list[int]]) -> None:
+        self.rows += [_Running(len(p)) for p in prompts]
+
+    def select(self, rows: list[int]) -> None:
+        # a row never admitted (a caller out of step) is never indexed
+        kept = [self.rows[b] if b < len(self.rows) else _Running(0, live=False) for b in rows]
+        staying = {id(r) for r in kept}
+        for r in self.rows:
+            if id(r) not in staying:
+                self._leave(r)
+        self.rows = kept
+        self._tidy()
+
+    def reset(self) -> None:
+        self.rows, self.table, self.held, self.gone = [], {}, 0, 0
+
+    def catch_up(self, seqs: list[list[int]]) -> list[_Running | None]:
+        """Index each row's tokens past those indexed; per row, its _Running, None where
+        the list is not the row's own (another batch, a grammar's one-row continuation)."""
+        if len(seqs) != len(self.rows):
+            return [None] * len(seqs)
+        own: list[_Running | None] = []
+        for b, (r, seq) in enumerate(zip(self.rows, seqs)):
+            if r.live and r.seq is None:
+                r.seq = seq
+            if not r.live or seq is not r.seq:
+                own.append(None)
+                continue
+            if r.n > len(seq):  # shortened: its occurrences go, and it is indexed afresh
+                self._leave(r)
+                r = self.rows[b] = _Running(r.start)
+                r.seq = seq
+            self._index(r)
+            own.append(r)
+        self._tidy()
+        return own
+
+    def propose(self, seq: list[int], g: int, own: _Running | None) -> Draft:
+        """The best-scored draft over the match lengths in NGRAMS, followed in the other
+        running rows (not ``own``) where they go on past the match."""
+        best, best_score = NO_DRAFT, 0.0
+        for n in NGRAMS:
+            if len(seq) < n:
+                break
+            found: list[tuple[list[int], int]] = []
+            for r, e in reversed(self.table.get(tuple(seq[-n:]), ())):
+                if r.live and r is not own and r.seq is not None and e + 1 < len(r.seq):
+                    found.append((r.seq, e))
+                    if len(found) == MAX_CANDIDATES:
+                        break
+            if not found:
+                break  # a longer match ends where a shorter one does: none there either
+            draft = follow(found, g, MIN_PATH_PROB)
+            if draft.tokens and draft.score >= best_score:  # a tie goes to the longer match
+                best, best_score = draft, draft.score
+        return best
+
+    def _index(self, r: _Running) -> None:
+        assert r.seq is not None
+        seq, table = r.seq, self.table
+        end = min(len(seq), r.n + max(0, self.max_tokens - (self.held - self.gone)))
+        for j in range(r.n, end):
+            for n in NGRAMS:
+                if j - n + 1 < r.start:
+                    break
+                table.setdefault(tuple(seq[j - n + 1 : j + 1]), []).append((r, j))
+        self.held += end - r.n
+        r.n = end
+
+    def _leave(self, r: _Running) -> None:
+        if r.live:
+            r.live = False
+            self.gone += r.n - r.start
+
+    def _tidy(self) -> None:
+        """Build the table again once gone rows hold half of it."""
+        if self.gone * 2 <= self.held:
+            return
+        live = [r for r in self.rows if r.live]
+        self.table, self.held, self.gone = {}, 0, 0
+        for r in live:
+            r.n = r.start
+            if r.seq is not None:
+                self._index(r)
 
 
 class SuffixDrafter:
@@ -293,6 +417,7 @@ class SuffixDrafter:
         self.job: Hashable = None
         self.use_job(None)
         self.rows: list[RowIndex] = []  # per batch row, in order
+        self.running = Siblings(max_tokens)  # the batch's running rows, for each other
 
     @property
     def index(self) -> JobIndex:
@@ -329,23 +454,30 @@ class SuffixDrafter:
     def propose(self, batch: DraftInputs, g: int) -> Proposal:
         drafts = []
         rows = self.rows if len(self.rows) == len(batch.tokens) else [None] * len(batch.tokens)
-        for seq, row in zip(batch.tokens, rows):
+        running = self.running.catch_up(batch.tokens)
+        for seq, row, me in zip(batch.tokens, rows, running):
             index = row.catch_up(seq) if row is not None and len(seq) >= INDEXED_FROM else None
             own, job = lookup(seq, g, index), self.index.propose(seq, g)
-            drafts.append(job if job.score > own.score else own)
+            best = job if job.score > own.score else own
+            sibling = self.running.propose(seq, g, me)
+            drafts.append(sibling if sibling.score > best.score else best)
         return Proposal(padded([d.tokens for d in drafts], g, torch.long),
                         torch.tensor([len(d.tokens) for d in drafts], dtype=torch.long),
                         None, padded([d.probs for d in drafts], g, torch.float32))
 
     def admit(self, prompts: list[list[int]], first_tokens: list[int]) -> None:
         self.rows += [RowIndex() for _ in prompts]
+        self.running.admit(prompts)
 
     def select(self, rows: torch.Tensor) -> None:
+        kept = rows.tolist()
         # a row it never admitted (a caller out of step) starts an index afresh
-        self.rows = [self.rows[b] if b < len(self.rows) else RowIndex() for b in rows.tolist()]
+        self.rows = [self.rows[b] if b < len(self.rows) else RowIndex() for b in kept]
+        self.running.select(kept)
 
     def update(self, accepted: list[int], tokens: list[list[int]]) -> None: ...
     def compact(self) -> None: ...
 
     def reset(self) -> None:
         self.rows = []
+        self.running.reset()

@@ -18,6 +18,7 @@ from specq.worker.engine.suffix import (
     MAX_CANDIDATES,
     JobIndex,
     RowIndex,
+    Siblings,
     SuffixDrafter,
     follow,
     lookup,
@@ -127,7 +128,7 @@ def _every_token_lookup(seq: list[int], g: int) -> tuple[list[int], list[float]]
             continue
         ends = [i for i in hits if i >= n - 1 and seq[i - n + 1 : i + 1] == seq[-n:]]
         if ends:
-            return follow(seq, 0, ends[:MAX_CANDIDATES], g)
+            return follow([(seq, e) for e in ends[:MAX_CANDIDATES]], g)
     return [], []
 
 
@@ -149,9 +150,11 @@ def test_the_rows_indexes_follow_the_batch_and_never_change_a_proposal():
     """Rows past INDEXED_FROM tokens keep a RowIndex in the batch's order (admit, select);
     every proposal equals a stateless drafter's as the rows grow by steps of any length,
     leave and join, and where a caller is out of step (another batch, another list in a
-    row's place: scanned) nothing but the scan's drafts come out."""
+    row's place: scanned) nothing but the scan's drafts come out. (The running rows'
+    drafts for each other are held off here: the stateless drafter has no rows.)"""
     gen = random.Random(4)
     kept, plain = SuffixDrafter(), SuffixDrafter()
+    kept.running = Siblings(max_tokens=0)
     done = [gen.randrange(20) for _ in range(600)]
     for d in (kept, plain):
         d.finish(done)
@@ -225,7 +228,7 @@ def test_follow_reads_a_lone_occurrence_as_counting_would():
                                  min(len(tokens), gen.randrange(1, 6))), reverse=True)
         g, min_prob = gen.randrange(0, 9), gen.choice([0.0, 0.1, 0.3])
         want = _follow_counting_every_token(tokens, base, ends, g, min_prob)
-        assert tuple(follow(tokens, base, ends, g, min_prob)) == want
+        assert tuple(follow([(tokens, e - base) for e in ends], g, min_prob)) == want
 
 
 def test_the_drafter_takes_the_better_scored_draft_per_row():
@@ -374,6 +377,7 @@ def test_the_engine_keeps_each_rows_index_in_step(bs, monkeypatch, tiny_models, 
     monkeypatch.setattr(suffix, "INDEXED_FROM", 1)
     drafter, twin = SuffixDrafter(), SuffixDrafter()
     twin.jobs = drafter.jobs  # the same job index; no rows of its own: it scans
+    drafter.running = Siblings(max_tokens=0)  # the running rows' drafts: the test below
     real, in_step = drafter.propose, []
 
     def checked(batch: DraftInputs, g: int):
@@ -395,3 +399,119 @@ def test_the_engine_keeps_each_rows_index_in_step(bs, monkeypatch, tiny_models, 
         results = engine.generate(requests, job="rows")
         assert check_greedy(requests, results) <= 1
     assert in_step and all(in_step) and _accepted(results) > 0
+
+
+def _live_table(sib: Siblings) -> dict[tuple[int, ...], list[tuple[int, int]]]:
+    """The table's live occurrences as (batch row, position), sorted: what any order of
+    indexing the same rows must hold."""
+    where = {id(r): b for b, r in enumerate(sib.rows)}
+    out: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for key, occ in sib.table.items():
+        live = sorted((where[id(r)], e) for r, e in occ if r.live)
+        if live:
+            out[key] = live
+    return out
+
+
+def test_running_rows_indexed_step_by_step_hold_what_a_fresh_index_holds():
+    """Rows that grow by steps of any length, leave, join, and one cut short: the
+    incremental table's live occurrences equal those of a table built afresh on the rows
+    as they stand, only outputs indexed (never a prompt's n-grams), gone rows' occurrences
+    dropped when they are half the table."""
+    gen = random.Random(6)
+    sib = Siblings()
+
+    def text(n: int) -> list[int]:
+        return [gen.randrange(gen.choice([3, 20])) for _ in range(n)]
+
+    prompts = [text(gen.randrange(1, 30)) for _ in range(4)]
+    rows = [p + text(1) for p in prompts]
+    sib.admit(prompts)
+    for step in range(80):
+        sib.catch_up(rows)
+        fresh = Siblings()
+        fresh.admit(prompts)
+        fresh.catch_up(rows)
+        assert _live_table(sib) == _live_table(fresh)
+        assert sib.held - sib.gone == sum(len(r) - len(p) for r, p in zip(rows, prompts))
+        assert sib.gone * 2 <= sib.held or step == 0
+        for r in rows:
+            r += text(gen.randrange(1, 6))
+        if step % 9 == 4:  # two rows leave, the rest reordered; two join
+            order = list(range(len(rows)))[2:][::-1]
+            sib.select(order)
+            rows, prompts = [rows[b] for b in order], [prompts[b] for b in order]
+            new = [text(gen.randrange(1, 30)) for _ in range(2)]
+            sib.admit(new)
+            prompts += new
+            rows += [p + text(1) for p in new]
+        if step % 13 == 7:  # a row cut short in place (a stop string's tail taken back)
+            del rows[0][len(prompts[0]) + 1 :]
+
+
+def test_a_row_drafts_what_a_running_row_ahead_of_it_wrote_never_its_own():
+    """Two rows fill one template side by side: the one behind drafts the rest of the
+    skeleton from the one ahead; a row alone in the batch gets nothing from itself, and a
+    row that left is followed no more."""
+    d = SuffixDrafter()
+    prompts = [[90, 91], [92, 93]]
+    d.admit(prompts, [1, 1])
+    ahead = prompts[0] + [1, 2, 3, 4, 5, 6]
+    behind = prompts[1] + [1, 2]
+    prop = d.propose(DraftInputs([ahead, behind], *(torch.zeros(2),) * 4, greedy=True), 3)
+    assert prop.num_draft.tolist() == [0, 3]
+    assert prop.token_ids[1].tolist() == [3, 4, 5]
+    assert prop.confidences[1] == pytest.approx([2 / 3] * 3)  # one occurrence
+    d.select(torch.tensor([1]))  # the row ahead left (failed: nothing in the job index)
+    behind += [3]
+    prop = d.propose(DraftInputs([behind], *(torch.zeros(1),) * 4, greedy=True), 3)
+    assert prop.num_draft.tolist() == [0]
+
+
+def test_running_rows_index_at_most_max_tokens_of_output():
+    sib = Siblings(max_tokens=10)
+    rows = [[7] + list(range(8)), [8] + list(range(8))]
+    sib.admit([[7], [8]])
+    sib.catch_up(rows)
+    assert sib.held == 10 and [r.n for r in sib.rows] == [9, 3]
+    sib.select([1])  # the first leaves: its 8 go, the second is indexed on
+    sib.catch_up(rows[1:])
+    assert sib.held - sib.gone == 8 and sib.rows[0].n == 9
+
+
+@pytest.mark.parametrize("bs", [2, 4])
+def test_the_engine_keeps_the_running_rows_index_in_step(bs, monkeypatch, tiny_models,
+                                                         tiny_tokenizer, make_requests,
+                                                         check_greedy):
+    """Through refills, rows that end apart and a second generation, every running row is
+    bound to that row's own list, its output start is its prompt's length, the table holds
+    what a table built afresh on the rows holds, rows draft from each other, and greedy
+    output stays the target's."""
+    drafter = SuffixDrafter()
+    real, checks, drafted = drafter.propose, [], []
+    prompts: set[tuple[int, ...]] = set()
+
+    def checked(batch: DraftInputs, g: int):
+        got = real(batch, g)
+        sib = drafter.running
+        if len(sib.rows) == len(batch.tokens):
+            assert all(tuple(seq[: r.start]) in prompts for r, seq in zip(sib.rows, batch.tokens))
+            fresh = Siblings()
+            fresh.admit([seq[: r.start] for r, seq in zip(sib.rows, batch.tokens)])
+            fresh.catch_up(batch.tokens)
+            checks.append(all(r.seq is seq for r, seq in zip(sib.rows, batch.tokens))
+                          and _live_table(sib) == _live_table(fresh))
+            drafted.append(sum(sib.propose(seq, g, r).tokens != []
+                               for r, seq in zip(sib.rows, batch.tokens)))
+        return got
+
+    monkeypatch.setattr(drafter, "propose", checked)
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, drafter,
+                               max_batch_size=bs, draft_length=4, adaptive=False)
+    for job in range(2):
+        requests = _requests(6, offset=job, max_new=16 + 4 * job) + make_requests(3, seed=job)
+        prompts.clear()
+        prompts.update(tuple(r.prompt_token_ids or ()) for r in requests)
+        results = engine.generate(requests, job=f"siblings {job}")
+        assert check_greedy(requests, results) <= 1
+    assert checks and all(checks) and sum(drafted) > 0
