@@ -11,12 +11,14 @@ sequence each): for each n in NGRAMS, the n tokens ending at a position -> the p
 they end at, oldest first. The occurrences of the row's last n tokens (the newest
 MAX_CANDIDATES) are followed token by token: the next draft token is the continuation
 most of them share (the newest on a tie), and only those that share it go on. Each token's
-probability is that share, smoothed by the rule of succession, (agree + 1) / (seen + 2),
-so one lone occurrence is not taken for a certainty; the draft's score is the sum of the
-running products, its expected number of accepted tokens. A draft stops where the product
-falls below MIN_PATH_PROB. The per-token probabilities go with the proposal
-(``Proposal.confidence``): the adaptive policy learns what they are worth and cuts each
-step's drafts where more would not pay (policy.py: Calibration).
+probability is that share, smoothed toward a prior worth two occurrences that grows with
+the match's length, (agree + 2 PRIOR[n]) / (seen + 2): one lone occurrence is not taken
+for a certainty, and one after a match of 8 tokens is trusted more than one after a
+single token. The draft's score is the sum of the running products, its expected number
+of accepted tokens; a draft stops where the product falls below MIN_PATH_PROB. The
+per-token probabilities go with the proposal (``Proposal.confidence``): the adaptive
+policy learns what they are worth and cuts each step's drafts where more would not pay
+(policy.py: Calibration).
 
 The batch's running rows are indexed for each other the same way (``Siblings``: their
 outputs so far, caught up at every proposal): rows that rewrite one passage or fill one
@@ -53,7 +55,12 @@ MIN_PATH_PROB = 0.1  # a job-index draft stops where its running probability fal
 MAX_TOKENS = 1 << 17  # tokens indexed over all jobs (a few hundred bytes each at most)
 INDEXED_FROM = 512  # a row this long keeps a RowIndex: a scan of its tokens costs more
 END = -1  # closes each indexed sequence: no continuation runs past it
-LONE = (1 + 1) / (1 + 2)  # a token's probability followed from one occurrence alone
+# The prior of a continuation's probability after a match of n tokens, worth two
+# occurrences: a longer match is likelier to go on as before. Replayed over the four
+# workloads at batch 16, the first draft token after a 1-token match was accepted at
+# 0.03-0.33, after 2 tokens at 0.2-1.0, after 4 or 8 at 0.4-1.0, where one lone
+# occurrence gave each the same 2/3 (docs/benchmarks.md, History, 2026-12-06 third session)
+PRIOR = {1: 0.25, 2: 0.55, 3: 0.7, 4: 0.8, 8: 0.9}
 
 
 class Draft(NamedTuple):
@@ -75,25 +82,26 @@ class Draft(NamedTuple):
 NO_DRAFT = Draft([], [])
 
 
-def follow(occurrences: list[tuple[list[int], int]], g: int, min_prob: float = 0.0) -> Draft:
+def follow(occurrences: list[tuple[list[int], int]], g: int, min_prob: float = 0.0,
+           prior: float = 0.5) -> Draft:
     """The most frequent continuation of up to g tokens after the ``occurrences``.
 
     Each occurrence is (tokens, i): the matched tokens end at tokens[i]; newest first (ties
     go to the newest). A list's end and END end its continuation. Token j's probability is
-    (agree_j + 1) / (seen_j + 2) over the occurrences still followed.
+    (agree_j + 2 prior) / (seen_j + 2) over the occurrences still followed.
     """
     draft, probs = Draft([], [])
-    path = 1.0
+    path, lone = 1.0, (1 + 2 * prior) / 3
     for step in range(g):
         if len(occurrences) == 1:  # one occurrence left (the common case): its own
             # continuation, each token at (1 + 1) / (1 + 2), read off in one slice
             tokens, i = occurrences[0]
             for t in tokens[i + 1 : i + 1 + g - step]:
-                if t == END or path * LONE < min_prob:
+                if t == END or path * lone < min_prob:
                     break
-                path *= LONE
+                path *= lone
                 draft.append(t)
-                probs.append(LONE)
+                probs.append(lone)
             break
         counts: dict[int, int] = {}
         for tokens, i in occurrences:
@@ -103,7 +111,7 @@ def follow(occurrences: list[tuple[list[int], int]], g: int, min_prob: float = 0
         if not counts:
             break
         best = max(counts, key=counts.__getitem__)  # the first seen of the most frequent
-        p = (counts[best] + 1) / (len(occurrences) + 2)
+        p = (counts[best] + 2 * prior) / (len(occurrences) + 2)
         if path * p < min_prob:
             break
         path *= p
@@ -145,7 +153,7 @@ def lookup(seq: list[int], g: int, index: RowIndex | None = None) -> Draft:
             break
     for n in LOOKUP_NGRAMS:
         if n <= top and (ends := [e for e, m in hits if m >= n]):
-            return follow([(seq, e) for e in ends[:MAX_CANDIDATES]], g)
+            return follow([(seq, e) for e in ends[:MAX_CANDIDATES]], g, prior=PRIOR[n])
     return NO_DRAFT
 
 
@@ -272,7 +280,7 @@ class JobIndex:
                 break  # a longer match cannot occur where a shorter one does not
             tokens, base = self.tokens, self.base
             draft = follow([(tokens, e - base) for e in ends[: -MAX_CANDIDATES - 1 : -1]], g,
-                           MIN_PATH_PROB)
+                           MIN_PATH_PROB, PRIOR[n])
             if draft.tokens and draft.score >= best_score:  # a tie goes to the longer match
                 best, best_score = draft, draft.score
         return best
@@ -363,7 +371,7 @@ class Siblings:
                         break
             if not found:
                 break  # a longer match ends where a shorter one does: none there either
-            draft = follow(found, g, MIN_PATH_PROB)
+            draft = follow(found, g, MIN_PATH_PROB, PRIOR[n])
             if draft.tokens and draft.score >= best_score:  # a tie goes to the longer match
                 best, best_score = draft, draft.score
         return best

@@ -16,6 +16,8 @@ from specq.worker.engine.suffix import (
     END,
     LOOKUP_NGRAMS,
     MAX_CANDIDATES,
+    NGRAMS,
+    PRIOR,
     JobIndex,
     RowIndex,
     Siblings,
@@ -48,11 +50,13 @@ def test_frequency_weighted_continuation():
     index = JobIndex()
     for seq in ([1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 4, 5]):
         index.add(seq)
-    # (2, 3) ends 3 times, always followed by 4 (3 of 3: 4/5), then 5 twice of 3 (3/5)
+    # (2, 3) ends 3 times, always followed by 4 (3 of 3), then 5 twice of 3; each share
+    # smoothed by two occurrences at the prior of a match of 2 tokens
     draft = index.propose([9, 2, 3], 4)
     assert draft.tokens == [4, 5]  # then END: nothing follows
-    assert draft.probs == pytest.approx([0.8, 0.6])
-    assert draft.score == pytest.approx(0.8 + 0.8 * 0.6)
+    first, second = (3 + 2 * PRIOR[2]) / 5, (2 + 2 * PRIOR[2]) / 5
+    assert draft.probs == pytest.approx([first, second])
+    assert draft.score == pytest.approx(first + first * second)
     assert index.propose([9, 9, 7], 4) == ([], [])  # no match anywhere
     _consistent(index)
 
@@ -128,7 +132,7 @@ def _every_token_lookup(seq: list[int], g: int) -> tuple[list[int], list[float]]
             continue
         ends = [i for i in hits if i >= n - 1 and seq[i - n + 1 : i + 1] == seq[-n:]]
         if ends:
-            return follow([(seq, e) for e in ends[:MAX_CANDIDATES]], g)
+            return follow([(seq, e) for e in ends[:MAX_CANDIDATES]], g, prior=PRIOR[n])
     return [], []
 
 
@@ -242,9 +246,27 @@ def test_the_drafter_takes_the_better_scored_draft_per_row():
     assert prop.token_ids[0, :2].tolist() == [5, 6]
     assert prop.token_ids[1].tolist() == [9, 7, 8]
     assert prop.probs is None  # point masses
-    # each token's smoothed share: row 0 follows 5 occurrences (6/7 each), row 1 its one
+    # each token's smoothed share after a match of 2 tokens: row 0 follows 5 occurrences,
+    # row 1 its one
     row0, row1 = prop.confidences
-    assert row0 == pytest.approx([6 / 7] * 2) and row1 == pytest.approx([2 / 3] * 3)
+    assert row0 == pytest.approx([(5 + 2 * PRIOR[2]) / 7] * 2)
+    assert row1 == pytest.approx([(1 + 2 * PRIOR[2]) / 3] * 3)
+
+
+def test_a_longer_match_is_followed_with_more_confidence():
+    """One earlier occurrence each: after a match of 3 tokens the continuation is trusted
+    more than after a match of 1 (PRIOR grows with the match's length), in the row's own
+    lookup as in the job index."""
+    assert list(PRIOR.values()) == sorted(PRIOR.values()) and set(NGRAMS) <= set(PRIOR)
+    long, short = lookup([5, 6, 7, 9, 5, 6, 7], 1), lookup([1, 2, 3, 7, 9, 4, 5, 6, 7], 1)
+    assert long.tokens == short.tokens == [9]
+    assert long.probs == pytest.approx([(1 + 2 * PRIOR[3]) / 3])
+    assert short.probs == pytest.approx([(1 + 2 * PRIOR[1]) / 3])
+    index = JobIndex()
+    index.add([1, 2, 3, 4, 5, 6, 7, 8, 9])
+    assert index.propose([0, 1, 2, 3, 4, 5, 6, 7], 1).probs == pytest.approx(
+        [(1 + 2 * PRIOR[4]) / 3])  # 8 tokens do not match; 4 do
+    assert index.propose([0, 0, 0, 7], 1).probs == pytest.approx([(1 + 2 * PRIOR[1]) / 3])
 
 
 def test_eviction_keeps_the_table_exact():
@@ -461,7 +483,8 @@ def test_a_row_drafts_what_a_running_row_ahead_of_it_wrote_never_its_own():
     prop = d.propose(DraftInputs([ahead, behind], *(torch.zeros(2),) * 4, greedy=True), 3)
     assert prop.num_draft.tolist() == [0, 3]
     assert prop.token_ids[1].tolist() == [3, 4, 5]
-    assert prop.confidences[1] == pytest.approx([2 / 3] * 3)  # one occurrence
+    # one occurrence after a match of 2 tokens (1, 2)
+    assert prop.confidences[1] == pytest.approx([(1 + 2 * PRIOR[2]) / 3] * 3)
     d.select(torch.tensor([1]))  # the row ahead left (failed: nothing in the job index)
     behind += [3]
     prop = d.propose(DraftInputs([behind], *(torch.zeros(1),) * 4, greedy=True), 3)
