@@ -51,6 +51,9 @@ log = logging.getLogger(__name__)
 NGRAMS = (1, 2, 4, 8)  # match lengths tried in the job index; the best-scored draft wins
 LOOKUP_NGRAMS = (3, 2, 1)  # prompt lookup's match lengths over the row's own tokens
 MAX_CANDIDATES = 32  # newest occurrences of a match followed: bounds a proposal's cost
+# occurrences of a match looked at in the running rows, the row's own and gone rows' among
+# them: a row that repeats one token for thousands of steps is not scanned whole each step
+MAX_SCANNED = 4 * MAX_CANDIDATES
 MIN_PATH_PROB = 0.1  # a job-index draft stops where its running probability falls below
 MAX_TOKENS = 1 << 17  # tokens indexed over all jobs (a few hundred bytes each at most)
 INDEXED_FROM = 512  # a row this long keeps a RowIndex: a scan of its tokens costs more
@@ -364,7 +367,8 @@ class Siblings:
             if len(seq) < n:
                 break
             found: list[tuple[list[int], int]] = []
-            for r, e in reversed(self.table.get(tuple(seq[-n:]), ())):
+            occurrences = self.table.get(tuple(seq[-n:]), [])
+            for r, e in occurrences[: -MAX_SCANNED - 1 : -1]:  # the newest first
                 if r.live and r is not own and r.seq is not None and e + 1 < len(r.seq):
                     found.append((r.seq, e))
                     if len(found) == MAX_CANDIDATES:

@@ -16,6 +16,7 @@ from specq.worker.engine.suffix import (
     END,
     LOOKUP_NGRAMS,
     MAX_CANDIDATES,
+    MAX_SCANNED,
     NGRAMS,
     PRIOR,
     JobIndex,
@@ -538,3 +539,19 @@ def test_the_engine_keeps_the_running_rows_index_in_step(bs, monkeypatch, tiny_m
         results = engine.generate(requests, job=f"siblings {job}")
         assert check_greedy(requests, results) <= 1
     assert checks and all(checks) and sum(drafted) > 0
+
+
+def test_a_row_repeating_itself_is_not_scanned_whole_at_every_proposal():
+    """The running rows' occurrences of a match are looked at newest first, MAX_SCANNED of
+    them: a row that repeated one token more often than that hides an older sibling's
+    occurrence from itself (a draft forgone: its own lookup has the repeat anyway), and the
+    scan stays bounded however long the row repeats."""
+    def sibling_draft(repeats: int) -> list[int]:
+        d = SuffixDrafter()
+        d.admit([[90], [91]], [5, 5])
+        sibling, looping = [90, 5, 6], [91] + [5] * repeats  # the sibling indexed first
+        d.propose(DraftInputs([sibling, looping], *(torch.zeros(2),) * 4, greedy=True), 2)
+        return d.running.propose(looping, 2, d.running.rows[1]).tokens
+
+    assert sibling_draft(10) == [6]  # its own 5s skipped, the sibling's 5 -> 6 found
+    assert sibling_draft(MAX_SCANNED + 10) == []  # the newest MAX_SCANNED are its own
