@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -97,7 +97,7 @@ def follow(occurrences: list[tuple[list[int], int]], g: int, min_prob: float = 0
     path, lone = 1.0, (1 + 2 * prior) / 3
     for step in range(g):
         if len(occurrences) == 1:  # one occurrence left (the common case): its own
-            # continuation, each token at (1 + 1) / (1 + 2), read off in one slice
+            # continuation, each token at (1 + 2 prior) / (1 + 2), read off in one slice
             tokens, i = occurrences[0]
             for t in tokens[i + 1 : i + 1 + g - step]:
                 if t == END or path * lone < min_prob:
@@ -123,6 +123,25 @@ def follow(occurrences: list[tuple[list[int], int]], g: int, min_prob: float = 0
         occurrences = [(tokens, i + 1) for tokens, i in occurrences
                        if i + 1 < len(tokens) and tokens[i + 1] == best]
     return Draft(draft, probs)
+
+
+def best_over_ngrams(seq: list[int], g: int,
+                     occurring: Callable[[tuple[int, ...]], list[tuple[list[int], int]]]
+                     ) -> Draft:
+    """The best-scored draft over the match lengths in NGRAMS, each followed from
+    ``occurring(last n tokens)``; a tie goes to the longer match. A longer match ends
+    where a shorter one does, so none is looked for past a length with no occurrence."""
+    best, best_score = NO_DRAFT, 0.0
+    for n in NGRAMS:
+        if len(seq) < n:
+            break
+        occurrences = occurring(tuple(seq[-n:]))
+        if not occurrences:
+            break
+        draft = follow(occurrences, g, MIN_PATH_PROB, PRIOR[n])
+        if draft.tokens and draft.score >= best_score:
+            best, best_score = draft, draft.score
+    return best
 
 
 def lookup(seq: list[int], g: int, index: RowIndex | None = None) -> Draft:
@@ -274,19 +293,11 @@ class JobIndex:
 
     def propose(self, seq: list[int], g: int) -> Draft:
         """The best-scored draft over the match lengths in NGRAMS."""
-        best, best_score = NO_DRAFT, 0.0
-        for n in NGRAMS:
-            if len(seq) < n:
-                break
-            ends = self.table.get(tuple(seq[-n:]))
-            if not ends:
-                break  # a longer match cannot occur where a shorter one does not
-            tokens, base = self.tokens, self.base
-            draft = follow([(tokens, e - base) for e in ends[: -MAX_CANDIDATES - 1 : -1]], g,
-                           MIN_PATH_PROB, PRIOR[n])
-            if draft.tokens and draft.score >= best_score:  # a tie goes to the longer match
-                best, best_score = draft, draft.score
-        return best
+        def occurring(gram: tuple[int, ...]) -> list[tuple[list[int], int]]:
+            ends = self.table.get(gram, [])
+            return [(self.tokens, e - self.base) for e in ends[: -MAX_CANDIDATES - 1 : -1]]
+
+        return best_over_ngrams(seq, g, occurring)
 
 
 class _Running:
@@ -362,23 +373,16 @@ class Siblings:
     def propose(self, seq: list[int], g: int, own: _Running | None) -> Draft:
         """The best-scored draft over the match lengths in NGRAMS, followed in the other
         running rows (not ``own``) where they go on past the match."""
-        best, best_score = NO_DRAFT, 0.0
-        for n in NGRAMS:
-            if len(seq) < n:
-                break
+        def occurring(gram: tuple[int, ...]) -> list[tuple[list[int], int]]:
             found: list[tuple[list[int], int]] = []
-            occurrences = self.table.get(tuple(seq[-n:]), [])
-            for r, e in occurrences[: -MAX_SCANNED - 1 : -1]:  # the newest first
+            for r, e in self.table.get(gram, [])[: -MAX_SCANNED - 1 : -1]:  # newest first
                 if r.live and r is not own and r.seq is not None and e + 1 < len(r.seq):
                     found.append((r.seq, e))
                     if len(found) == MAX_CANDIDATES:
                         break
-            if not found:
-                break  # a longer match ends where a shorter one does: none there either
-            draft = follow(found, g, MIN_PATH_PROB, PRIOR[n])
-            if draft.tokens and draft.score >= best_score:  # a tie goes to the longer match
-                best, best_score = draft, draft.score
-        return best
+            return found
+
+        return best_over_ngrams(seq, g, occurring)
 
     def _index(self, r: _Running) -> None:
         assert r.seq is not None
@@ -410,11 +414,11 @@ class Siblings:
 
 
 class SuffixDrafter:
-    """Per row, the better-scored of the job index's draft and prompt lookup's (a point
-    mass, no model). Its per-row state is a RowIndex for each long row, in the batch's
-    order (``admit``, ``select``, ``reset``), a speed-up only: a proposal for rows not in
-    step with them (another batch, a grammar's one-row continuation, a list that is not
-    the row's own) scans instead.
+    """Per row, the best-scored of prompt lookup's draft, the job index's and the running
+    rows' (a point mass, no model). Its per-row state, in the batch's order (``admit``,
+    ``select``, ``reset``): a RowIndex for each long row, a speed-up only (a proposal for
+    rows not in step with them, another batch, a grammar's one-row continuation or a list
+    that is not the row's own, scans instead), and each row's place in ``running``.
     ``reset`` forgets the rows, nothing of the job index."""
 
     name = "suffix"
