@@ -124,15 +124,17 @@ class PassFit:
     Passes in which every row carries as many tokens cannot tell a token from a column, B
     tokens coming with each column: the fit prices nothing (None) until FIT_READY ragged
     passes came (calibration's count with their weight). CostTable keeps a fit only where
-    calibration timed its passes (CostTable.pass_fit says why)."""
+    calibration timed its passes, or near there with them (CostTable.pass_fit says why)."""
 
     # the normal equations' terms: plain (the steps'), plain (calibration's), per_pass,
     # per_token, per_column
     TERMS = 5
 
-    def __init__(self, batch: int) -> None:
+    def __init__(self, batch: int, origin: int | None = None) -> None:
         n = self.TERMS
         self.batch = batch
+        self.origin = batch if origin is None else origin  # the batch size calibration
+        # timed the passes at (a fit moved from there keeps it: CostTable._moved_here)
         self.xtx = [[0.0] * n for _ in range(n)]  # the steps' passes, decayed
         self.xty = [0.0] * n
         self.prior_xtx = [[0.0] * n for _ in range(n)]  # calibration's, kept
@@ -179,13 +181,38 @@ class PassFit:
 
     def state(self) -> dict[str, Any]:
         return {"xtx": self.xtx, "xty": self.xty, "prior_xtx": self.prior_xtx,
-                "prior_xty": self.prior_xty, "ragged": self.ragged}
+                "prior_xty": self.prior_xty, "ragged": self.ragged, "origin": self.origin}
+
+    def moved(self, batch: int, shift: float) -> PassFit:
+        """This fit's passes as a fit at another batch size, to be refined by its own steps:
+        every pass ``shift`` seconds dearer (the plain passes' difference) and each column
+        of the widest row priced in proportion to the rows (``CostTable.pass_fit``'s
+        borrowed price, which the moved fit gives before a pass of its own is added)."""
+        fit = PassFit(batch, self.origin)
+        ratio = batch / self.batch
+        for xtx, xty, plain, out_xtx, out_xty in (
+                (self.xtx, self.xty, 0, fit.xtx, fit.xty),
+                (self.prior_xtx, self.prior_xty, 1, fit.prior_xtx, fit.prior_xty)):
+            # the column feature divided by the ratio prices a column ratio times as dear;
+            # each pass's seconds plus the shift: xty gains shift x sum(x) = shift x xtx[.][plain]
+            scale = [1.0 / ratio if i == 4 else 1.0 for i in range(self.TERMS)]
+            for i in range(self.TERMS):
+                out_xty[i] = (xty[i] + shift * xtx[i][plain]) * scale[i]
+                for k in range(self.TERMS):
+                    out_xtx[i][k] = xtx[i][k] * scale[i] * scale[k]
+        fit.ragged = self.ragged
+        # and a plain pass of the steps' at this batch size: without one the steps' plain
+        # term, free, took the dearer drafting passes' excess whole, and the fit priced
+        # the plain pass at 96 ms beside its measured 74-82 (a plain pass looked dear,
+        # drafts cheap)
+        fit.add(0, 1, self.predict(0, 1) + shift)
+        return fit
 
     @classmethod
     def from_state(cls, batch: int, state: dict[str, Any], max_weight: float) -> PassFit:
         """A fit from state(), the steps' passes weighted down to ``max_weight`` passes'
         worth (a start that this run's passes soon outweigh), calibration's kept."""
-        fit = cls(batch)
+        fit = cls(batch, int(state.get("origin", batch)))
         total = float(state["xtx"][0][0])  # the steps' passes' decayed weight
         scale = min(1.0, max_weight / total) if total > 0 else 1.0
         fit.xtx = [[float(v) * scale for v in row] for row in state["xtx"]]
@@ -266,7 +293,7 @@ class CostTable:
                 self.verify.setdefault(batch, {}).setdefault(
                     n, _Decayed(COST_DECAY, STALL_CLIP)).add(t, fresh=drafts == batch * (n - 1))
                 fit = (self.passes.setdefault(batch, PassFit(batch)) if calibrated
-                       else self.passes.get(batch))  # steps refine calibration's fits only
+                       else self.passes.get(batch) or self._moved_here(batch))
                 if fit is not None:
                     fit.add(drafts, n, t, calibrated=calibrated)
         for t in t_draft:
@@ -294,12 +321,13 @@ class CostTable:
 
     def pass_fit(self, batch: int) -> tuple[float, float, float, float] | None:
         """A packed pass at this batch size (PassFit.solve: plain, per_pass, per_token,
-        per_column), or None. Only a batch size calibration timed ragged passes at has a
-        fit of its own (the steps refine it); another borrows the nearest one's within
+        per_column), or None. A batch size calibration timed ragged passes at has a fit of
+        its own (the steps refine it); another borrows the nearest one's within
         BORROW_RATIO (rows end and the batch shrinks mid-job): its plain pass is this batch
         size's own, a drafting pass's step and a token cost as much, and a column of the
         widest row costs in proportion to the rows (every row's mask and attention is as
-        wide). A fit of the steps' passes alone, at the few rows of a job's tail, was noise
+        wide), till its first step moves that fit here for its steps to refine
+        (``_moved_here``). A fit of the steps' passes alone, at a job's tail, was noise
         that fed itself: priced too dear, drafts were refused, and no drafting pass came to
         mend it; kept in the calibration cache, it grew from run to run (the demo's batch 2
         put a pass's first draft at 17 ms, then 18, 93 and 112 beside a 55-70 ms plain
@@ -308,8 +336,7 @@ class CostTable:
         own = None if fit is None else fit.solve()
         if own is not None:
             return own
-        fits = {b: f for b, p in self.passes.items() if (f := p.solve()) is not None
-                and abs(math.log(b / batch)) <= math.log(BORROW_RATIO)}
+        fits = {b: f for b, (_, f) in self._near(batch).items()}
         own_plain = self.verify.get(batch, {}).get(1)
         plain = own_plain.mean if own_plain is not None else self.verify_seconds(1, batch)
         if not fits or plain is None:
@@ -317,6 +344,30 @@ class CostTable:
         b = min(fits, key=lambda b: abs(math.log(b / batch)))
         _, per_pass, per_token, per_column = fits[b]
         return plain, per_pass, per_token, per_column * batch / b
+
+    def _moved_here(self, batch: int) -> PassFit | None:
+        """A fit of this batch size's own, made from the one it borrows (``pass_fit``) for
+        its steps to refine, or None where it borrows none. Calibration times ragged passes
+        at a few batch sizes only (1, 16, 256 and the largest), and a job's rows end one by
+        one: a batch of 24 rows priced a draft token at batch 16's 1.3 ms, not its own 2-3
+        ms, kept what did not pay, and ran at 0.88x no speculation (docs/benchmarks.md, "a
+        borrowed price learns"). A fit moved from a moved one carries what the steps
+        taught it down a job's tail."""
+        plain = self.verify_seconds(1, batch)
+        fits = self._near(batch)
+        if not fits or plain is None:
+            return None
+        b = min(fits, key=lambda b: abs(math.log(b / batch)))
+        source, (source_plain, *_) = fits[b]
+        self.passes[batch] = moved = source.moved(batch, plain - source_plain)
+        return moved
+
+    def _near(self, batch: int) -> dict[int, tuple[PassFit, tuple[float, float, float, float]]]:
+        """The fits a batch size may borrow, with their prices: those from a batch size
+        calibration timed within BORROW_RATIO of it (a fit moved down a job's tail does
+        not carry a price farther than its origin's)."""
+        return {b: (p, f) for b, p in self.passes.items() if (f := p.solve()) is not None
+                and abs(math.log(p.origin / batch)) <= math.log(BORROW_RATIO)}
 
     def state(self) -> dict[str, Any]:
         """The table as JSON (a calibration cache keeps it between processes): per batch

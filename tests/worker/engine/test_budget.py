@@ -255,6 +255,51 @@ def test_a_batch_size_without_a_fit_borrows_a_near_ones_slopes():
     assert policy.costs.pass_fit(4) is None
 
 
+def _calibrated_at_16(policy: DraftLengthPolicy) -> None:
+    for carried, width in [(1, 2), (3, 2), (2, 3), (4, 5), (1, 5), (6, 3)] * 2:
+        policy.costs.add_shape(16, carried, width, 0.1 + 0.002 * carried + 0.004 * (width - 1),
+                               weight=1.0)
+    policy.observe(0, [0] * 16, [0] * 16, 0.0, 0.1, 1, carried=0)
+
+
+def test_a_borrowed_fit_learns_its_own_batch_sizes_price():
+    """A job of 24 rows on a worker calibrated at 16 and 64 rows priced a draft token at
+    16 rows' price for good: its steps taught nothing. Its first step moves the fit it
+    borrows to its own batch size, at the borrowed price; its steps then refine that one,
+    and the calibrated fit stays as calibration and its own steps made it."""
+    policy = DraftLengthPolicy(default=4)
+    _calibrated_at_16(policy)
+    at_16 = policy.costs.pass_fit(16)
+    policy.observe(0, [0] * 24, [0] * 24, 0.0, 0.15, 1, carried=0)
+    assert 24 in policy.costs.passes
+    assert policy.costs.pass_fit(24) == pytest.approx((0.15, 0.0, 0.002, 0.006), abs=1e-6)
+
+    def seconds(carried, width):  # 24 rows: a token twice as dear, a column as at 16
+        return 0.15 + 0.004 * carried + 0.004 * (width - 1)
+
+    for _ in range(10):
+        for carried, width in [(1, 2), (5, 2), (12, 3), (20, 5), (3, 5), (24, 2)]:
+            policy.observe(4, [0] * 24, [0] * 24, 0.0, seconds(carried, width), width,
+                           carried=carried)
+        policy.observe(0, [0] * 24, [0] * 24, 0.0, 0.15, 1, carried=0)
+    assert policy.costs.pass_fit(24) == pytest.approx((0.15, 0.0, 0.004, 0.004), rel=0.1,
+                                                      abs=1e-3)
+    assert policy.costs.pass_fit(16) == pytest.approx(at_16, rel=1e-9)
+    # a batch size that only a moved fit is near, not a calibrated one, borrows nothing
+    policy.observe(0, [0] * 48, [0] * 48, 0.0, 0.3, 1, carried=0)
+    assert policy.costs.pass_fit(48) is None and 48 not in policy.costs.passes
+
+
+def test_a_moved_fit_is_kept_with_its_origin():
+    policy = DraftLengthPolicy(default=4)
+    _calibrated_at_16(policy)
+    policy.observe(0, [0] * 24, [0] * 24, 0.0, 0.15, 1, carried=0)
+    table = CostTable.from_state(json.loads(json.dumps(policy.costs.state())), max_weight=50.0)
+    assert table.pass_fit(24) == pytest.approx(policy.costs.pass_fit(24), rel=1e-6)
+    table.add(48, {1: [0.3]})
+    assert table.pass_fit(48) is None
+
+
 def test_the_steps_alone_make_no_fit_and_a_kept_one_of_theirs_is_dropped():
     """At a batch size calibration did not time (a job's tail of a few rows) a fit of the
     steps' noisy passes priced a pass's first draft at 17 ms, then 18, 93 and 112 beside a
