@@ -370,8 +370,10 @@ def test_rows_of_a_failed_generation_add_nothing(tiny_models, tiny_tokenizer):
     by_id = {r.id: r for r in requests}
     assert drafter.jobs["j"].size == sum(
         len(by_id[x.id].prompt_token_ids) + len(x.token_ids) + 1 for x in finished)
+    assert drafter.running.rows and drafter.running.table  # the rows running at the fault
     engine.reset()  # as the worker does after a fault: rows go, the job's index stays
     assert drafter.jobs["j"].size > 0
+    assert (drafter.running.rows, drafter.running.table, drafter.running.held) == ([], {}, 0)
 
 
 @pytest.mark.parametrize("bs", [1, 3])
