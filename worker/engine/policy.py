@@ -189,13 +189,12 @@ class PassFit:
         of the widest row priced in proportion to the rows (``CostTable.pass_fit``'s
         borrowed price, which the moved fit gives before a pass of its own is added)."""
         fit = PassFit(batch, self.origin)
-        ratio = batch / self.batch
+        # the column feature divided by the rows' ratio prices a column that many times as
+        # dear; each pass's seconds plus the shift: xty gains shift x sum(x), xtx[.][plain]
+        scale = [self.batch / batch if i == 4 else 1.0 for i in range(self.TERMS)]
         for xtx, xty, plain, out_xtx, out_xty in (
                 (self.xtx, self.xty, 0, fit.xtx, fit.xty),
                 (self.prior_xtx, self.prior_xty, 1, fit.prior_xtx, fit.prior_xty)):
-            # the column feature divided by the ratio prices a column ratio times as dear;
-            # each pass's seconds plus the shift: xty gains shift x sum(x) = shift x xtx[.][plain]
-            scale = [1.0 / ratio if i == 4 else 1.0 for i in range(self.TERMS)]
             for i in range(self.TERMS):
                 out_xty[i] = (xty[i] + shift * xtx[i][plain]) * scale[i]
                 for k in range(self.TERMS):
@@ -336,13 +335,12 @@ class CostTable:
         own = None if fit is None else fit.solve()
         if own is not None:
             return own
-        fits = {b: f for b, (_, f) in self._near(batch).items()}
+        near = self._nearest(batch)
         own_plain = self.verify.get(batch, {}).get(1)
         plain = own_plain.mean if own_plain is not None else self.verify_seconds(1, batch)
-        if not fits or plain is None:
+        if near is None or plain is None:
             return None
-        b = min(fits, key=lambda b: abs(math.log(b / batch)))
-        _, per_pass, per_token, per_column = fits[b]
+        b, _, (_, per_pass, per_token, per_column) = near
         return plain, per_pass, per_token, per_column * batch / b
 
     def _moved_here(self, batch: int) -> PassFit | None:
@@ -353,21 +351,22 @@ class CostTable:
         ms, kept what did not pay, and ran at 0.88x no speculation (docs/benchmarks.md, "a
         borrowed price learns"). A fit moved from a moved one carries what the steps
         taught it down a job's tail."""
-        plain = self.verify_seconds(1, batch)
-        fits = self._near(batch)
-        if not fits or plain is None:
+        near = self._nearest(batch)
+        plain = None if near is None else self.verify_seconds(1, batch)
+        if near is None or plain is None:
             return None
-        b = min(fits, key=lambda b: abs(math.log(b / batch)))
-        source, (source_plain, *_) = fits[b]
+        _, source, (source_plain, *_) = near
         self.passes[batch] = moved = source.moved(batch, plain - source_plain)
         return moved
 
-    def _near(self, batch: int) -> dict[int, tuple[PassFit, tuple[float, float, float, float]]]:
-        """The fits a batch size may borrow, with their prices: those from a batch size
-        calibration timed within BORROW_RATIO of it (a fit moved down a job's tail does
-        not carry a price farther than its origin's)."""
-        return {b: (p, f) for b, p in self.passes.items() if (f := p.solve()) is not None
-                and abs(math.log(p.origin / batch)) <= math.log(BORROW_RATIO)}
+    def _nearest(self, batch: int
+                 ) -> tuple[int, PassFit, tuple[float, float, float, float]] | None:
+        """The fit a batch size borrows, (its batch size, it, its price), or None: the
+        nearest of those from a batch size calibration timed within BORROW_RATIO of it (a
+        fit moved down a job's tail carries a price no farther than its origin's)."""
+        near = [(b, p, f) for b, p in self.passes.items() if (f := p.solve()) is not None
+                and abs(math.log(p.origin / batch)) <= math.log(BORROW_RATIO)]
+        return min(near, key=lambda n: abs(math.log(n[0] / batch)), default=None)
 
     def state(self) -> dict[str, Any]:
         """The table as JSON (a calibration cache keeps it between processes): per batch
