@@ -38,6 +38,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specq.schema.generation import new_token_limit
 from specq.worker.engine import packed as packing
+from specq.worker.engine.logits import Logits
 
 MIN_COLUMNS = 64  # a fresh buffer's columns; it doubles from there
 # Compact once the holes (masked columns every pass still attends over) reach a share of the
@@ -225,6 +226,12 @@ class KVRows:
         wanted; returns [B, T - max(first), V], row b's from first[b] on (a row that
         joins the pass with its prompt wants only its last position's: packed.py).
         """
+        return self.logits(input_ids, valid, last_only=last_only, first=first).padded()
+
+    def logits(self, input_ids: torch.Tensor, valid: torch.Tensor,
+               last_only: bool = False, first: list[int] | None = None) -> Logits:
+        """``forward``, its logits as the pass computed them: the packed forward's only at
+        the valid positions (logits.py), transformers' over the whole block."""
         B, T = input_ids.shape
         if self.cache is None:
             self.cache = BufferCache()
@@ -255,7 +262,7 @@ class KVRows:
             **kwargs,
         )
         self.mask = mask
-        return out.logits[:, -1:] if last_only else out.logits
+        return Logits.block(out.logits[:, -1:] if last_only else out.logits)
 
     def marker(self) -> int | torch.Tensor:
         """Where the next forward's columns go: the cache's end (transformers' forward:

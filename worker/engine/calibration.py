@@ -148,7 +148,7 @@ def _verify_times(engine: Engine, B: int, prompt: list[int], widths: list[int],
     for _ in range(repeats):
         for key, mask in passes.items():
             start, t = kv.marker(), _clock(dev)
-            kv.forward(ids[:, : mask.shape[1]], mask)
+            kv.logits(ids[:, : mask.shape[1]], mask)  # as a step verifies
             times[key].append(_clock(dev) - t)
             kv.keep(start, torch.zeros(B, dtype=torch.long, device=dev))
     return ({n: times[n] for n in widths},

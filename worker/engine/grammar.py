@@ -41,6 +41,7 @@ from specq.schema.generation import RequestError
 from specq.schema.grammar import ResponseFormat, grammar, one_line
 from specq.worker.engine.batch import Row
 from specq.worker.engine.drafters import Drafter, DraftInputs, PromptLookup, Proposal
+from specq.worker.engine.logits import Logits
 from specq.worker.engine.profile import Profile, Stopwatch
 
 log = logging.getLogger(__name__)
@@ -159,7 +160,7 @@ class Grammars:
 
     def apply(self, logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
         """-inf off the grammar, in place (a bitmask row of all ones leaves its logits be).
-        logits: [B, T, V]; bitmask: [B, T, words] int32 on the host -> logits"""
+        logits: [..., V]; bitmask: [..., words] int32 on the host -> logits"""
         with self.masking:
             ok = allowed(bitmask, logits.shape[-1]).to(logits.device, non_blocking=True)
             logits.masked_fill_(~ok, float("-inf"))
@@ -269,7 +270,7 @@ class Shaping:
     def before_verify(self, prop: Proposal, forced: list[list[int]]) -> list[list[int]]:
         return forced
 
-    def mask(self, logits: torch.Tensor) -> None: ...
+    def mask(self, logits: Logits) -> None: ...
 
     def after_accept(self, rows: list[Row], tokens: list[list[int]]) -> None: ...
 
@@ -308,17 +309,18 @@ class Shaped(Shaping):
             self.drafts = [d[:k] for d, k in zip(drafts, kept)]
         return [[p for p in at if p < k] for at, k in zip(forced, kept)]
 
-    def mask(self, logits: torch.Tensor) -> None:
-        """Mask logits [B, width, V] in place: row b's position j under its grammar state
-        after its first j verified drafts. Rows whose grammar allows nothing are left
-        unmasked; they fail once the step is done (``after_accept``)."""
+    def mask(self, logits: Logits) -> None:
+        """Mask the logits of a [B, width] block in place, where the pass computed them:
+        row b's position j under its grammar state after its first j verified drafts. Rows
+        whose grammar allows nothing are left unmasked; they fail once the step is done
+        (``after_accept``)."""
         with self._working():
-            bitmask = self.grammars.masks(self.matchers, self.drafts, logits.shape[1])
+            bitmask = self.grammars.masks(self.matchers, self.drafts, logits.width)
             self.dead = dead_ends(self.matchers, bitmask)  # bitmask: [B, width, words]
             # a position that allows nothing: past a draft's EOS (the row ends before it),
             # or a dead end (the row fails after the step); all allowed keeps logits finite
             bitmask[~bitmask.any(-1)] = -1
-            self.grammars.apply(logits, bitmask)
+            self.grammars.apply(logits.values, logits.carried(bitmask))  # [N, V], [N, words]
 
     def after_accept(self, rows: list[Row], tokens: list[list[int]]) -> None:
         """Feed each shaped row's matcher the tokens it emitted; a row whose grammar had

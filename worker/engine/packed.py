@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel
 
+from specq.worker.engine.logits import Logits
+
 log = logging.getLogger(__name__)
 
 ENV = "SPECQ_PACKED_FORWARD"  # "0", "false", "off" or "no": transformers' forward always
@@ -299,11 +301,10 @@ def split(extents: list[int], old: int, per_call: int | None = None) -> int:
     return best
 
 
-def _picks(rows: list[list[int]], first: list[int], device: torch.device
-           ) -> tuple[torch.Tensor, torch.Tensor, int]:
+def _picks(rows: list[list[int]], first: list[int]) -> tuple[list[int], list[int], int]:
     """Where each row's wanted logits are: its valid positions from first[b] on, in slots
     0, 1, ... of its row of W = T - max(first). -> (their indices among the packed tokens
-    [n], their slots in the flattened [B * W] output [n], W). ``rows``: per row, its valid
+    [n], their slots in the flattened [B * W] block [n], W). ``rows``: per row, its valid
     flags."""
     W = len(rows[0]) - max(first)
     need, slots, k = [], [], 0
@@ -314,8 +315,7 @@ def _picks(rows: list[list[int]], first: list[int], device: torch.device
                     need.append(k)
                     slots.append(b * W + j - f)
                 k += 1
-    return (torch.tensor(need, dtype=torch.long, device=device),
-            torch.tensor(slots, dtype=torch.long, device=device), W)
+    return need, slots, W
 
 
 def _spread(x: torch.Tensor, index: torch.Tensor, B: int, T: int) -> torch.Tensor:
@@ -344,15 +344,16 @@ class PackedForward:
     @torch.inference_mode()
     def __call__(self, cache: Columns, mask: torch.Tensor, ends: torch.Tensor,
                  input_ids: torch.Tensor, valid: torch.Tensor, last_only: bool = False,
-                 first: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 first: list[int] | None = None) -> tuple[Logits, torch.Tensor]:
         """Write each row's valid tokens into ``cache`` right after the row's last real
         column, and return their logits and the new mask.
 
         mask: [B, L] bool, the real columns before this pass; ends: [B] the column after
         each row's last real one (KVRows.marker); input_ids, valid: [B, T].
-        Returns (logits [B, T, V], zeros where not valid, or [B, 1, V] for the last column
-        when ``last_only``, or with ``first`` (per row, the first position whose logits
-        it needs) [B, T - max(first), V], row b's positions from first[b] on; the mask
+        Returns (the valid positions' logits in a [B, T] block (logits.py), or the last
+        column's [B, 1] when ``last_only``, or with ``first`` (per row, the first position
+        whose logits it needs) a [B, T - max(first)] block, row b's positions from first[b]
+        on; the mask
         [B, L'] after the pass, L' the furthest row's end: it shrinks when the rows'
         longest ones dropped their last columns). Only the positions returned go through
         the head. Reads the valid places and the rows' ends on the host in one go (a
@@ -365,8 +366,8 @@ class PackedForward:
         rows = [host[B + b * T : B + (b + 1) * T] for b in range(B)]  # valid, per row
         stops = [e + sum(r) for e, r in zip(host[:B], rows)]  # each row's end after the pass
         width = max(stops, default=0)
-        index = torch.tensor([b * T + j for b, r in enumerate(rows) for j, v in enumerate(r)
-                              if v], dtype=torch.long, device=dev)  # [N] flat valid places
+        flat = [b * T + j for b, r in enumerate(rows) for j, v in enumerate(r) if v]
+        index = torch.tensor(flat, dtype=torch.long, device=dev)  # [N] flat valid places
         columns = ends[:, None] + counts - 1  # [B, T] where each valid token goes
         place = (index // T, columns.reshape(-1)[index])  # [N] row and column of each
         new = mask.new_zeros(B, width)
@@ -380,7 +381,11 @@ class PackedForward:
         allowed = row_mask(new, columns, valid, self.groups)  # [B, 1, groups * T, L']
         # the positions whose logits are wanted, made before any kernel of the pass is queued
         # (a copy to the device waits for those)
-        picks = None if first is None else _picks(rows, first, dev)
+        picks = None if first is None else _picks(rows, first)
+        wanted = None if picks is None else torch.tensor(picks[0], dtype=torch.long,
+                                                          device=dev)  # [n]
+        slots = index if picks is None else torch.tensor(picks[1], dtype=torch.long,
+                                                          device=dev)  # [n]
         plan = self._plan(dev, rows, max(host[:B], default=0), stops)
         for i, (layer, attn, mlp) in enumerate(zip(self.layers, self.attention, self.mlps)):
             x = x + self._attention(attn, layer.input_layernorm(x), cache, i,
@@ -389,13 +394,14 @@ class PackedForward:
         x = self.norm(x)  # [N, hidden]
         if last_only:
             last = _spread(x, index, B, T)[:, -1:]  # [B, 1, hidden]
-            return self.head(last), new  # [B, 1, V]
+            return Logits.block(self.head(last)), new  # [B, 1, V]
         if picks is not None:
-            need, slots, W = picks
-            logits = self.head(x.index_select(0, need))  # [n, V]
-            out = logits.new_zeros(B * W, logits.shape[-1])
-            return out.index_copy_(0, slots, logits).view(B, W, -1), new  # [B, W, V]
-        return _spread(self.head(x), index, B, T), new  # [B, T, V]
+            x, (_, places, T) = x.index_select(0, wanted), picks  # [n, hidden]
+        else:
+            places = flat
+        if len(places) == B * T:  # every place of the block carried, in order
+            return Logits(self.head(x), (B, T)), new  # [B * T, V]
+        return Logits(self.head(x), (B, T), slots, places), new  # [N, V]
 
     @staticmethod
     def _plan(device: torch.device, rows: list[list[int]], old: int,

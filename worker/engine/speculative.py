@@ -25,6 +25,7 @@ from specq.worker.engine.batch import KVRows, Row, fill_holes, upload
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from specq.worker.engine.drafting import drafting_for
 from specq.worker.engine.grammar import ForcedDrafts, GrammarError, Grammars, Shaping
+from specq.worker.engine.logits import Logits
 from specq.worker.engine.prefix import (
     PrefixStore,
     prefill,
@@ -468,7 +469,9 @@ class SpeculativeEngine:
         self.admissions += 1
         seeds, *params = self._params(rows)
         shaping = self.grammars.shaping([r.matcher for r in rows], self.profile)
-        shaping.mask(logits)  # each row's first token under its grammar
+        block = Logits.block(logits)
+        shaping.mask(block)  # each row's first token under its grammar
+        logits = block.padded()  # [n, 1, V]
         pos = upload(torch.tensor([[len(p)] for p in prompts]), logits.device)
         first = self._sample(logits_to_probs(logits, *params), upload(seeds, logits.device),
                              pos)[:, 0]
@@ -552,7 +555,7 @@ class SpeculativeEngine:
             draft = self._propose(inputs, shaping)
             clock.mark()
         with phase("verify"):
-            logits, start, seen = self._verify(draft, shaping)  # [B, n + 1, V]
+            logits, start, seen = self._verify(draft, shaping)  # a [B, n + 1] block
             clock.mark()
         with phase("accept"):
             accepted, tokens, waste = self._accept(logits, draft, start, seen, inputs)
@@ -589,25 +592,26 @@ class SpeculativeEngine:
                      prop.num_draft.tolist(), forced)
 
     def _verify(self, draft: Draft, shaping: Shaping
-                ) -> tuple[torch.Tensor, int | torch.Tensor, int | torch.Tensor]:
+                ) -> tuple[Logits, int | torch.Tensor, int | torch.Tensor]:
         """One target pass over each row's last token and its drafts, every position masked
         by its row's grammar; a row that joins the pass (``_join``) carries its prompt's
-        unseen tokens where the others carry their last one. -> (logits [B, n + 1, V]
-        from each row's last token on, where the pass's columns went: the cache's marker
-        before it, and the tokens each row carried before its drafts: 1, or [B])"""
+        unseen tokens where the others carry their last one. -> (logits of a [B, n + 1]
+        block from each row's last token on (logits.py); where the pass's columns went,
+        the cache's marker before it; the tokens each row carried before its drafts: 1,
+        or [B])"""
         (B, n), dev = draft.ids.shape, self.target.device
         start = self.kv.marker()
         seen: int | torch.Tensor
         if any(r.unseen for r in self.rows):
             ids, valid, seen = self._joined(draft)
-            logits = self.kv.forward(ids, valid, first=[max(len(r.unseen), 1) - 1
-                                                        for r in self.rows])
+            logits = self.kv.logits(ids, valid, first=[max(len(r.unseen), 1) - 1
+                                                       for r in self.rows])
         else:
             seen = 1
             ids = torch.cat([self.last[:, None].to(dev), draft.ids], 1)  # [B, n + 1]
             valid = torch.cat([torch.ones(B, 1, dtype=torch.bool, device=dev),
                                torch.arange(n, device=dev)[None] < draft.num[:, None]], 1)
-            logits = self.kv.forward(ids, valid)  # [B, n + 1, V]
+            logits = self.kv.logits(ids, valid)  # a [B, n + 1] block
         shaping.mask(logits)  # each verified position under the grammar state it follows
         return logits, start, seen
 
@@ -631,7 +635,7 @@ class SpeculativeEngine:
         cols = torch.arange(ids.shape[1], device=dev)[None]
         return ids, cols < (P + draft.num)[:, None], P
 
-    def _accept(self, logits: torch.Tensor, draft: Draft, start: int | torch.Tensor,
+    def _accept(self, logits: Logits, draft: Draft, start: int | torch.Tensor,
                 seen: int | torch.Tensor, inputs: DraftInputs
                 ) -> tuple[list[int], list[list[int]], int]:
         """Accept or reject each row's drafts (``_judge``) and keep the accepted in the
@@ -658,25 +662,39 @@ class SpeculativeEngine:
         self.kv.compact(waste=waste)
         self.drafter.compact()
 
-    def _judge(self, logits: torch.Tensor, draft: Draft, inputs: DraftInputs
+    def _judge(self, logits: Logits, draft: Draft, inputs: DraftInputs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's verdict on each row's drafts (rejection.py): (out [B, n + 1],
-        accepted [B]). logits: [B, n + 1, V]"""
+        accepted [B]). logits: a [B, n + 1] block. The target's own tokens are found where
+        the pass computed them; only Algorithm 1 reads the padded block."""
         if inputs.greedy:
-            return accept_matching(draft.ids, draft.num, logits.argmax(-1))
-        dev = logits.device
-        target_probs = logits_to_probs(logits, inputs.temperature, inputs.top_k,
-                                       inputs.top_p)  # [B, n + 1, V]
-        pos = upload(torch.tensor([len(r.tokens) for r in self.rows]), dev)[:, None]
-        pos = pos + torch.arange(logits.shape[1], device=dev)  # [B, n + 1] each slot's position
-        seeds = upload(inputs.seeds, dev)
+            return accept_matching(draft.ids, draft.num, logits.argmax())
         seeded = any(r.request.seed is not None and r.request.temperature > 0
                      for r in self.rows)
         if draft.probs is not None and not seeded:  # Algorithm 1: the best acceptance
+            block = logits.padded()  # [B, n + 1, V]
+            dev = block.device
+            target_probs = logits_to_probs(block, inputs.temperature, inputs.top_k,
+                                           inputs.top_p)  # [B, n + 1, V]
+            pos = upload(torch.tensor([len(r.tokens) for r in self.rows]), dev)[:, None]
+            pos = pos + torch.arange(block.shape[1], device=dev)  # [B, n + 1] their positions
+            seeds = upload(inputs.seeds, dev)
             return rejection_sample(draft.ids, draft.num, draft.probs, target_probs,
                                     keyed_uniform(seeds, pos[:, :-1], ACCEPT),
                                     keyed_uniform(seeds, pos, SAMPLE))
-        return accept_matching(draft.ids, draft.num, self._sample(target_probs, seeds, pos))
+        return accept_matching(draft.ids, draft.num, logits.spread(self._draws(logits, inputs)))
+
+    def _draws(self, logits: Logits, inputs: DraftInputs) -> torch.Tensor:
+        """The target's own token at each position the pass carried [N], drawn from its
+        row's filtered distribution with the row's seed at the token's position: what the
+        row alone would draw there."""
+        rows, cols = logits.positions()  # [N] each
+        at, dev = torch.tensor(rows), logits.values.device
+        target_probs = logits_to_probs(logits.values[:, None], inputs.temperature[at],
+                                       inputs.top_k[at], inputs.top_p[at])  # [N, 1, V]
+        pos = torch.tensor([len(self.rows[b].tokens) + j for b, j in zip(rows, cols)])
+        return self._sample(target_probs, upload(inputs.seeds[at], dev),
+                            upload(pos, dev)[:, None])[:, 0]  # [N]
 
     def _sample(self, probs: torch.Tensor, seeds: torch.Tensor,
                 pos: torch.Tensor) -> torch.Tensor:

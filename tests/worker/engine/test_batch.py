@@ -61,14 +61,14 @@ def test_a_draft_model_costs_nothing_while_the_engine_does_not_draft(tiny_models
 
     draft = DraftModel(tiny_models["noisy"])
     calls = []
-    forward = KVRows.forward  # every pass of either model, packed or padded, goes here
+    forward = KVRows.logits  # every pass of either model, packed or padded, goes here
 
     def watched(kv, *args, **kwargs):
         if kv.model is draft.model:
             calls.append(1)
         return forward(kv, *args, **kwargs)
 
-    monkeypatch.setattr(KVRows, "forward", watched)
+    monkeypatch.setattr(KVRows, "logits", watched)
     engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, draft,
                                max_batch_size=3, draft_length=0, adaptive=False)  # g = 0
     engine.generate(make_requests(8, seed=11, max_new=10))

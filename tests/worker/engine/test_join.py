@@ -147,13 +147,13 @@ def test_an_error_while_a_refill_joins_names_its_rows_and_the_next_run_starts_cl
                 raise RuntimeError("out of memory copying a prefix")
             m.setattr(speculative, "seeded", broken)
         else:
-            real = KVRows.forward
+            real = KVRows.logits
 
             def broken(self, *args, first=None, **kwargs):
                 if first is not None:
                     raise RuntimeError("the joined pass failed")
                 return real(self, *args, first=first, **kwargs)
-            m.setattr(KVRows, "forward", broken)
+            m.setattr(KVRows, "logits", broken)
         with pytest.raises(RuntimeError):
             engine.generate(requests)
         assert requests[3].id in engine.active_ids()  # the first refill, joining

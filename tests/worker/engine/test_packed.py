@@ -102,9 +102,11 @@ def test_packed_logits_equal_transformers_forward(family, per_call, monkeypatch)
         for step in range(12):
             ids, valid = _verify_step(gen, len(seqs), 5)
             starts = fast.marker(), ref.marker()
-            a, b = fast.forward(ids, valid), ref.forward(ids, valid)
-            assert torch.allclose(a[valid], b[valid], atol=ATOL), step
+            got, b = fast.logits(ids, valid), ref.forward(ids, valid)  # [N, V], [B, T, V]
+            assert torch.allclose(got.values, b[valid], atol=ATOL), step  # only the valid
+            a = got.padded()
             assert torch.isfinite(a).all() and (a[~valid] == 0).all()  # never used
+            assert torch.equal(got.argmax(), torch.where(valid, a.argmax(-1), 0))
             kept = (torch.rand(len(seqs), generator=gen) * valid.sum(1)).long() + 1  # [B]
             for kv, start in zip((fast, ref), starts):
                 kv.keep(start, kept)

@@ -273,13 +273,13 @@ def test_calibration_runs_a_bounded_number_of_forward_passes(kind, tiny_models, 
     drafter = DraftModel(draft) if kind == "draft model" else PromptLookup()
     engine = SpeculativeEngine(target, tiny_tokenizer, drafter, max_batch_size=300)
     calls = {"target": 0, "draft": 0}
-    forward = KVRows.forward
+    forward = KVRows.logits
 
     def counted(kv, *args, **kwargs):  # every pass of either model goes through its KVRows
         calls["target" if kv.model is target else "draft"] += 1
         return forward(kv, *args, **kwargs)
 
-    monkeypatch.setattr(KVRows, "forward", counted)
+    monkeypatch.setattr(KVRows, "logits", counted)
     engine.calibrate()
     assert calibration.batch_sizes(300) == [1, 16, 256, 300]
     assert calibration.batch_sizes(16) == [1, 16] and calibration.batch_sizes(1) == [1]
@@ -310,13 +310,13 @@ def test_a_warm_calibration_runs_its_passes_for_a_pinned_g_and_records_nothing(
     engine = SpeculativeEngine(target, tiny_tokenizer, drafter, max_batch_size=16,
                                draft_length=g, adaptive=False)
     calls = {"target": 0, "draft": 0}
-    forward = KVRows.forward
+    forward = KVRows.logits
 
     def counted(kv, *args, **kwargs):
         calls["target" if kv.model is target else "draft"] += 1
         return forward(kv, *args, **kwargs)
 
-    monkeypatch.setattr(KVRows, "forward", counted)
+    monkeypatch.setattr(KVRows, "logits", counted)
     assert engine.calibrate(warm=True) == [1, 16]
     widths = len({1, 2, g + 1})
     assert calls["target"] == calibration.forwards(2, widths, ragged_sizes=1)

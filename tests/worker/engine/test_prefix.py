@@ -195,20 +195,20 @@ def test_random_templates_prefill_in_two_passes_and_match_a_plain_prefill(tiny_m
     monkeypatch.setenv(packing.ENV, packed)
     model = tiny_models["target"]
     passes: list[int] = []
-    forward = batch.KVRows.forward
+    forward = batch.KVRows.logits
 
-    def counted(self, input_ids, valid, last_only=False):
+    def counted(self, input_ids, valid, *args, **kwargs):
         passes.append(int(valid.sum()))
-        return forward(self, input_ids, valid, last_only)
+        return forward(self, input_ids, valid, *args, **kwargs)
 
     gen = torch.Generator().manual_seed(11)
     for case in range(12):
         store = PrefixStore(max_entries=int(torch.randint(1, 9, (1,), generator=gen)))
         for _ in range(3):  # the same store: empty, then holding the last rounds' prefixes
             prompts = _tree_prompts(gen)
-            monkeypatch.setattr(batch.KVRows, "forward", forward)
+            monkeypatch.setattr(batch.KVRows, "logits", forward)
             _, want = prefill(model, prompts, 0, None)
-            monkeypatch.setattr(batch.KVRows, "forward", counted)
+            monkeypatch.setattr(batch.KVRows, "logits", counted)
             passes.clear()
             before = store.served
             _, got = prefill(model, prompts, 0, store)
