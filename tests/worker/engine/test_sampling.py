@@ -1,8 +1,10 @@
 """Temperature / top-k / top-p and the position-keyed uniforms."""
 
+import pytest
 import torch
 from scipy.stats import chisquare
 
+from specq.worker.engine import sampling
 from specq.worker.engine.sampling import (
     SAMPLE,
     keyed_race,
@@ -83,3 +85,48 @@ def test_two_distributions_raced_with_one_noise_agree_as_the_bound_says():
     assert (1 - tv) / (1 + tv) - 0.01 < agree <= 1 - tv + 0.01, (agree, tv)
     counts = torch.bincount(q, minlength=6).double()
     assert chisquare(counts.numpy(), (Q.double() * N).numpy()).pvalue > 1e-3
+
+
+def _nucleus(logits: torch.Tensor, k: int, p: float) -> int:
+    """How many tokens top-k then top-p keep, by a sort of the whole row in float64 (the
+    reference); -1 where the cut is a near-tie (the mass before it within 1e-6 of p)."""
+    ranked = logits.double().sort(descending=True).values
+    if k:
+        ranked = ranked[:k]
+    probs = ranked.softmax(-1)
+    before = probs.cumsum(-1) - probs
+    if p >= 1.0:
+        return len(ranked)
+    if len(before) > 1 and (before[1:] - p).abs().min() < 1e-6:  # the first always stays
+        return -1
+    return max(1, int((before < p).sum()))
+
+
+@pytest.mark.parametrize("candidates", [(8, 64), ()])
+def test_top_k_and_top_p_find_the_cut_a_full_sort_finds(candidates, monkeypatch):
+    """The cut is looked for among a row's likeliest first (sampling.CANDIDATES, small
+    here so every stage runs; none: one sort, as on a GPU): rows whose nucleus is short,
+    long, past every stage, top-k beyond the first stage, both, neither; the kept tokens
+    are a float64 sort's, the probabilities their renormalised ones, and a row's alone
+    equal to the batch's."""
+    monkeypatch.setattr(sampling, "CANDIDATES", candidates)
+    V, gen = 300, torch.Generator().manual_seed(5)
+    sharp = torch.randn(40, V, generator=gen) * torch.linspace(0.2, 6.0, 40)[:, None]
+    top_k = torch.tensor([0, 3, 50, 200, 0, 7, 299, 0] * 5)
+    top_p = torch.tensor([0.9, 1.0, 0.99, 0.5, 0.999, 0.0, 0.95, 0.7] * 5)
+    t = torch.ones(40)
+    probs = logits_to_probs(sharp[:, None], t, top_k, top_p)[:, 0]  # [40, V]
+    near = 0
+    for m in range(40):
+        want = _nucleus(sharp[m], int(top_k[m]), float(top_p[m]))
+        if want < 0:
+            near += 1
+            continue
+        kept = probs[m] > 0
+        assert int(kept.sum()) == want, m
+        ref = sharp[m].masked_fill(~kept, float("-inf")).softmax(-1)
+        assert torch.allclose(probs[m], ref, atol=1e-6), m
+        alone = logits_to_probs(sharp[m : m + 1, None], t[:1], top_k[m : m + 1],
+                                top_p[m : m + 1])[0, 0]
+        assert torch.equal(alone, probs[m]), m
+    assert near <= 2
