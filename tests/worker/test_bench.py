@@ -316,3 +316,15 @@ def test_verify_bench_runs_packed_and_padded_side_by_side(capsys):
     out = capsys.readouterr().out
     assert "| 4 | 1 | 8 / 20 |" in out  # one row of four carries 4 drafts: 8 of 20 tokens
     assert "| 2/2, 2/2 |" in out  # packed and padded engines both equal transformers' greedy
+
+
+def test_sampling_bench_runs_both_ways_with_the_same_texts(capsys):
+    """Side by side on the tiny pair (its vocabulary is under the candidates, so both ways
+    sort it whole), seeded texts identical (never a speed asserted)."""
+    from specq.bench import sampling_bench
+
+    argv = ["--pair", "tiny", "--prompts", "5", "--batch", "2", "--max-new-tokens", "6",
+            "--rounds", "1", "--top-k", "20"]
+    assert sampling_bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("texts identical 5/5") == 2 and "one sort" in out

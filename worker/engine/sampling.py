@@ -16,7 +16,7 @@ M32 = 0xFFFFFFFF
 ACCEPT, SAMPLE, RACE = 2, 3, 4
 # top-k and top-p look for their cut among a row's likeliest tokens, these many first
 # (``_lowest_kept``), then the whole vocabulary
-CANDIDATES = (1024,)
+CANDIDATES: tuple[int, ...] = (1024,)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
