@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from specq.worker.engine.batch import KVRows
+from specq.worker.engine.logits import Logits
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.engine.step import Step
 
@@ -102,7 +103,7 @@ def install(plan: FaultPlan) -> Callable[[], None]:
     """Patch the engine: a step the plan picks fails in its target pass. Returns the
     function that takes the patch off again."""
     armed: dict[int, str] = {}  # id(target model) -> fault kind for its next pass
-    step, forward = SpeculativeEngine.step, KVRows.forward
+    step, logits = SpeculativeEngine.step, KVRows.logits  # every pass of a model goes there
 
     def faulty_step(self: SpeculativeEngine) -> Step:
         kind = plan.next_fault(self)
@@ -113,19 +114,19 @@ def install(plan: FaultPlan) -> Callable[[], None]:
         finally:
             armed.pop(id(self.target), None)
 
-    def faulty_forward(self: KVRows, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def faulty_logits(self: KVRows, *args: Any, **kwargs: Any) -> Logits:
         kind = armed.pop(id(self.model), None)
         if kind == "kill":
             os.kill(os.getpid(), signal.SIGKILL)  # as a segfault would: no cleanup at all
         if kind:
             raise make_fault(kind)
-        return forward(self, *args, **kwargs)
+        return logits(self, *args, **kwargs)
 
     SpeculativeEngine.step = faulty_step  # type: ignore[method-assign]
-    KVRows.forward = faulty_forward  # type: ignore[method-assign]
+    KVRows.logits = faulty_logits  # type: ignore[method-assign]
 
     def undo() -> None:
-        SpeculativeEngine.step, KVRows.forward = step, forward  # type: ignore[method-assign]
+        SpeculativeEngine.step, KVRows.logits = step, logits  # type: ignore[method-assign]
 
     return undo
 
