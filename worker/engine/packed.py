@@ -353,9 +353,8 @@ class PackedForward:
         Returns (the valid positions' logits in a [B, T] block (logits.py), or the last
         column's [B, 1] when ``last_only``, or with ``first`` (per row, the first position
         whose logits it needs) a [B, T - max(first)] block, row b's positions from first[b]
-        on; the mask
-        [B, L'] after the pass, L' the furthest row's end: it shrinks when the rows'
-        longest ones dropped their last columns). Only the positions returned go through
+        on; the mask [B, L'] after the pass, L' the furthest row's end: it shrinks when the
+        rows' longest ones dropped their last columns). Only the positions returned go through
         the head. Reads the valid places and the rows' ends on the host in one go (a
         device sync).
         """
@@ -382,10 +381,8 @@ class PackedForward:
         # the positions whose logits are wanted, made before any kernel of the pass is queued
         # (a copy to the device waits for those)
         picks = None if first is None else _picks(rows, first)
-        wanted = None if picks is None else torch.tensor(picks[0], dtype=torch.long,
-                                                          device=dev)  # [n]
-        slots = index if picks is None else torch.tensor(picks[1], dtype=torch.long,
-                                                          device=dev)  # [n]
+        if picks is not None:  # [n] each: among the packed tokens, and in the block
+            wanted, slots = (torch.tensor(v, dtype=torch.long, device=dev) for v in picks[:2])
         plan = self._plan(dev, rows, max(host[:B], default=0), stops)
         for i, (layer, attn, mlp) in enumerate(zip(self.layers, self.attention, self.mlps)):
             x = x + self._attention(attn, layer.input_layernorm(x), cache, i,
@@ -395,13 +392,18 @@ class PackedForward:
         if last_only:
             last = _spread(x, index, B, T)[:, -1:]  # [B, 1, hidden]
             return Logits.block(self.head(last)), new  # [B, 1, V]
-        if picks is not None:
-            x, (_, places, T) = x.index_select(0, wanted), picks  # [n, hidden]
-        else:
-            places = flat
-        if len(places) == B * T:  # every place of the block carried, in order
-            return Logits(self.head(x), (B, T)), new  # [B * T, V]
-        return Logits(self.head(x), (B, T), slots, places), new  # [N, V]
+        if picks is None:
+            return self._logits(x, (B, T), index, flat), new
+        return self._logits(x.index_select(0, wanted), (B, picks[2]), slots, picks[1]), new
+
+    def _logits(self, x: torch.Tensor, shape: tuple[int, int], slots: torch.Tensor,
+                places: list[int]) -> Logits:
+        """The head over packed positions x [n, hidden] at ``places`` of a block of
+        ``shape`` (``slots`` the same on the device); a full block is kept as it is."""
+        logits = self.head(x)  # [n, V]
+        if len(places) == shape[0] * shape[1]:  # every place carried, in order
+            return Logits(logits, shape)
+        return Logits(logits, shape, slots, places)
 
     @staticmethod
     def _plan(device: torch.device, rows: list[list[int]], old: int,
