@@ -665,36 +665,35 @@ class SpeculativeEngine:
     def _judge(self, logits: Logits, draft: Draft, inputs: DraftInputs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The target's verdict on each row's drafts (rejection.py): (out [B, n + 1],
-        accepted [B]). logits: a [B, n + 1] block. The target's own tokens are found where
-        the pass computed them; only Algorithm 1 reads the padded block."""
+        accepted [B]). logits: a [B, n + 1] block. The target's tokens and probabilities
+        are found where the pass computed them; only Algorithm 1 reads a padded block."""
         if inputs.greedy:
             return accept_matching(draft.ids, draft.num, logits.argmax())
+        target_probs, at, pos = self._target_probs(logits, inputs)  # [N, 1, V], [N], [N]
+        seeds = upload(inputs.seeds[at], target_probs.device)
+        pos = upload(pos, target_probs.device)[:, None]  # [N, 1]
         seeded = any(r.request.seed is not None and r.request.temperature > 0
                      for r in self.rows)
         if draft.probs is not None and not seeded:  # Algorithm 1: the best acceptance
-            block = logits.padded()  # [B, n + 1, V]
-            dev = block.device
-            target_probs = logits_to_probs(block, inputs.temperature, inputs.top_k,
-                                           inputs.top_p)  # [B, n + 1, V]
-            pos = upload(torch.tensor([len(r.tokens) for r in self.rows]), dev)[:, None]
-            pos = pos + torch.arange(block.shape[1], device=dev)  # [B, n + 1] their positions
-            seeds = upload(inputs.seeds, dev)
-            return rejection_sample(draft.ids, draft.num, draft.probs, target_probs,
-                                    keyed_uniform(seeds, pos[:, :-1], ACCEPT),
-                                    keyed_uniform(seeds, pos, SAMPLE))
-        return accept_matching(draft.ids, draft.num, logits.spread(self._draws(logits, inputs)))
+            accept_u, sample_u = (logits.spread(keyed_uniform(seeds, pos, stream)[:, 0])
+                                  for stream in (ACCEPT, SAMPLE))  # [B, n + 1] each
+            return rejection_sample(draft.ids, draft.num, draft.probs,
+                                    logits.spread(target_probs[:, 0]),  # [B, n + 1, V]
+                                    accept_u[:, :-1], sample_u)
+        draws = self._sample(target_probs, seeds, pos)[:, 0]  # [N]
+        return accept_matching(draft.ids, draft.num, logits.spread(draws))
 
-    def _draws(self, logits: Logits, inputs: DraftInputs) -> torch.Tensor:
-        """The target's own token at each position the pass carried [N], drawn from its
-        row's filtered distribution with the row's seed at the token's position: what the
-        row alone would draw there."""
+    def _target_probs(self, logits: Logits, inputs: DraftInputs
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The target's filtered distribution at each position the pass carried, under its
+        row's temperature, top-k and top-p. -> (probs [N, 1, V], each position's row [N]
+        and its token's position in the row [N], on the host)"""
         rows, cols = logits.positions()  # [N] each
-        at, dev = torch.tensor(rows), logits.values.device
+        at = torch.tensor(rows)
         target_probs = logits_to_probs(logits.values[:, None], inputs.temperature[at],
                                        inputs.top_k[at], inputs.top_p[at])  # [N, 1, V]
         pos = torch.tensor([len(self.rows[b].tokens) + j for b, j in zip(rows, cols)])
-        return self._sample(target_probs, upload(inputs.seeds[at], dev),
-                            upload(pos, dev)[:, None])[:, 0]  # [N]
+        return target_probs, at, pos
 
     def _sample(self, probs: torch.Tensor, seeds: torch.Tensor,
                 pos: torch.Tensor) -> torch.Tensor:
