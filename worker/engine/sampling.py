@@ -107,8 +107,10 @@ def _lowest_kept(scaled: torch.Tensor, filt_k: torch.Tensor, top_k: torch.Tensor
     for i, K in enumerate(stages):
         if not at[i]:
             continue
+        at[i].sort()  # rows moved on from the last stage join its own
         rows = torch.tensor(at[i], device=scaled.device)
-        x, fk, k, fp = scaled[rows], filt_k[rows], top_k[rows], filt_p[rows]  # [m, V], [m]
+        x = scaled if len(at[i]) == M else scaled[rows]  # [m, V]: a copy only of some rows
+        fk, k, fp = filt_k[rows], top_k[rows], filt_p[rows]  # [m]
         vals = x.topk(K, -1).values if K < V else x.sort(-1, descending=True).values  # [m, K]
         kth = vals.gather(1, (k.clamp(1, K) - 1)[:, None])[:, 0]  # the k-th likeliest
         kth = torch.where(fk, kth, float("-inf"))  # [m] lowest top-k keeps
