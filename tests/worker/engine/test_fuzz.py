@@ -6,7 +6,8 @@ max_new_tokens, stop strings, seeds, temperatures and response formats (JSON sch
 object, regex, choice). It runs them through an engine with a random drafter (draft model,
 prompt lookup, suffix, none), grammar drafts on or off, batch size, refill group, draft
 length, prefix sharing on or off, the packed pass's attention split per row wherever it can
-be (packed.split) or only where it pays, and now and then an out-of-memory error mid-run
+be (packed.split) or only where it pays, top-p's cut looked for among few candidates or the
+whole vocabulary (sampling.CANDIDATES), and now and then an out-of-memory error mid-run
 (the worker's halving path, worker/attempts.py). Every output must equal the same request
 run alone through the target by itself: token for token when greedy (a float near-tie
 excepted, and counted), and when sampled with a seed (the draw is keyed by seed and
@@ -30,7 +31,7 @@ from hypothesis import strategies as st
 from specq.configs.settings import Settings
 from specq.schema.generation import Request
 from specq.worker.attempts import generate_with_retries
-from specq.worker.engine import packed
+from specq.worker.engine import packed, sampling
 from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine, encode_prompt
 from specq.worker.engine.suffix import SuffixDrafter
@@ -77,6 +78,8 @@ class Case:
     draft_length: int
     oom_at: int | None  # raise out-of-memory at this step (None: never)
     split: bool  # attention calls priced at nothing: every ragged pass split (packed.split)
+    candidates: tuple[int, ...]  # top-k/top-p's first looks (sampling.CANDIDATES); the
+    # tiny vocabulary is under the default's, so small counts make every stage run
 
 
 @st.composite
@@ -121,6 +124,7 @@ def cases(draw) -> Case:
         draft_length=draw(st.integers(1, 6)),
         oom_at=draw(st.one_of(st.none(), st.integers(0, 12))),
         split=draw(st.booleans()),
+        candidates=draw(st.sampled_from([sampling.CANDIDATES, (8, 64)])),  # drawn last
     )
 
 
@@ -220,14 +224,15 @@ def test_every_mix_gives_what_each_request_gives_alone(case, tiny_models, tiny_t
     engine.on_step = on_step
     sink = Outcomes()
     requests = {r.id: r for r in case.requests}
-    price = packed.CALL_COLUMNS
+    price, candidates = packed.CALL_COLUMNS, sampling.CANDIDATES
     packed.CALL_COLUMNS = 0 if case.split else price  # tiny caches: at its price, seldom split
+    sampling.CANDIDATES = case.candidates
     try:
         tally = generate_with_retries(
             engine, [_item(r) for r in case.requests], {}, "fuzz", sink,
             Settings(retry_backoff=0.01, retry_backoff_max=0.01), job="fuzz")
     finally:
-        packed.CALL_COLUMNS = price
+        packed.CALL_COLUMNS, sampling.CANDIDATES = price, candidates
     assert tally.failed == 0, sink.failures
     assert not sink.failures or case.oom_at, sink.failures  # an OOM at batch 1 counts one
     assert sorted(sink.results) == sorted(requests)
