@@ -201,7 +201,17 @@ class _Prepacked:
             self._pack()
         if self.packed is None:
             return tuple(m(x) for m in self.modules)
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        # One token goes in as two rows: oneDNN's one-row kernel adds in another order than
+        # its batch kernel (from 1,536 inputs on a CPU), so a row alone would not give what
+        # it gives in a batch
+        lone, rows = x.numel() == x.shape[-1], x if x.dim() > 1 else x[None]
+        if lone:
+            rows = rows.expand(*rows.shape[:-2], 2, rows.shape[-1])
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        if lone:
+            out = out[..., :1, :]
+        if x.dim() == 1:
+            out = out[0]
         return (out,) if len(self.sizes) == 1 else out.split(self.sizes, -1)
 
 

@@ -209,6 +209,14 @@ def test_linear_layers_run_prepacked_on_a_cpu_and_follow_their_weights(monkeypat
         torch.testing.assert_close(fast(x), layer(x), rtol=1e-4, atol=1e-5)
         assert torch.equal(fast(x[:1]), fast(x)[:1])  # a row alone as in the batch
         torch.testing.assert_close(fast(x[None]), layer(x[None]), rtol=1e-4, atol=1e-5)
+        wide = nn.Linear(1536, 64)  # from 1,536 inputs oneDNN's one-row kernel adds in
+        fast_wide, y = packed.prepacked(wide), torch.randn(9, 1536)  # another order
+        every = fast_wide(y)
+        for m in range(1, 10):  # a row alone, in 2D and 3D, as in a batch: bit for bit
+            assert torch.equal(fast_wide(y[:m]), every[:m]), m
+            assert torch.equal(fast_wide(y[None, 9 - m:]), every[None, 9 - m:]), m
+        assert torch.equal(fast_wide(y[0]), every[0])
+        torch.testing.assert_close(fast_wide(y[:1]), wide(y[:1]), rtol=1e-4, atol=1e-4)
     with torch.no_grad():
         layer.weight.mul_(2.0)  # in place: its version moves
     with torch.inference_mode():
