@@ -11,7 +11,11 @@ whole vocabulary (sampling.CANDIDATES), and now and then an out-of-memory error 
 (the worker's halving path, worker/attempts.py). Every output must equal the same request
 run alone through the target by itself: token for token when greedy (a float near-tie
 excepted, and counted), and when sampled with a seed (the draw is keyed by seed and
-position, so it does not depend on the batch). No exception may escape.
+position, so it does not depend on the batch). In a quarter of the jobs the sampled rows
+carry no seed: beside a draft model the engine then takes Algorithm 1 (rejection.py) for
+every row of the step; such a row's tokens are not the reference's, but they must keep to
+its limits, stop strings and format, and the rows beside it must still equal theirs. No
+exception may escape.
 
 The suite runs the ``ci`` profile (300 examples, derandomized: the same cases every run);
 ``HYPOTHESIS_PROFILE=long`` runs 3,000 fresh ones (the bench's longer profile:
@@ -20,9 +24,15 @@ The suite runs the ``ci`` profile (300 examples, derandomized: the same cases ev
 
 from __future__ import annotations
 
+import functools
+import json
 import os
+import re
 from dataclasses import dataclass
 
+import jsonschema
+import llguidance
+import llguidance.hf
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -30,6 +40,7 @@ from hypothesis import strategies as st
 
 from specq.configs.settings import Settings
 from specq.schema.generation import Request
+from specq.schema.grammar import grammar
 from specq.worker.attempts import generate_with_retries
 from specq.worker.engine import packed, sampling
 from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
@@ -80,6 +91,7 @@ class Case:
     split: bool  # attention calls priced at nothing: every ragged pass split (packed.split)
     candidates: tuple[int, ...]  # top-k/top-p's first looks (sampling.CANDIDATES); the
     # tiny vocabulary is under the default's, so small counts make every stage run
+    unseeded: bool  # the sampled requests carry no seed (Algorithm 1 beside a draft model)
 
 
 @st.composite
@@ -113,7 +125,7 @@ def cases(draw) -> Case:
                 params["stop"] = []  # refused beside a shaping format (Request)
         requests.append(Request(id=i, **prompt, **params))
     batch = draw(st.integers(1, 16))
-    return Case(
+    case = Case(
         requests=requests,
         drafter=draw(st.sampled_from(DRAFTERS)),
         batch=batch,
@@ -124,8 +136,13 @@ def cases(draw) -> Case:
         draft_length=draw(st.integers(1, 6)),
         oom_at=draw(st.one_of(st.none(), st.integers(0, 12))),
         split=draw(st.booleans()),
-        candidates=draw(st.sampled_from([sampling.CANDIDATES, (8, 64)])),  # drawn last
+        candidates=draw(st.sampled_from([sampling.CANDIDATES, (8, 64)])),
+        unseeded=draw(st.integers(0, 3)) == 0,  # drawn last: the cases before keep theirs
     )
+    if case.unseeded:
+        case.requests = [r.model_copy(update={"seed": None}) if r.temperature > 0 else r
+                         for r in case.requests]
+    return case
 
 
 class Outcomes:
@@ -240,6 +257,9 @@ def test_every_mix_gives_what_each_request_gives_alone(case, tiny_models, tiny_t
     for i, out in sink.results.items():
         req = requests[i]
         assert out.error is None, (i, out.error)
+        if req.temperature > 0 and req.seed is None:
+            _keeps_to_its_request(req, out, tiny_tokenizer)
+            continue
         want = reference(req, raced)
         if out.token_ids == want:
             continue
@@ -249,6 +269,34 @@ def test_every_mix_gives_what_each_request_gives_alone(case, tiny_models, tiny_t
             f"{out.token_ids} != alone {want}")
         ties["ties"] += 1
     ties["examples"] += 1
+
+
+def _keeps_to_its_request(req: Request, out, tokenizer) -> None:
+    """An unseeded sampled row: any tokens, but within its limit, none past a stop string,
+    and every token one its format allows (a finished one parses and validates)."""
+    assert 0 < len(out.token_ids) <= req.max_new_tokens, (req.id, out.token_ids)
+    assert out.finish_reason in ("stop", "length"), (req.id, out.finish_reason)
+    assert not any(s in out.output for s in req.stop), (req.id, out.output, req.stop)
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return
+    matcher = llguidance.LLMatcher(_lltok(tokenizer), grammar(fmt), log_level=0)
+    assert matcher.consume_tokens(out.token_ids), (req.id, out.token_ids, matcher.get_error())
+    if out.finish_reason != "stop":
+        return
+    if fmt.type == "json_schema":
+        jsonschema.validate(json.loads(out.output), fmt.json_schema.schema_)
+    elif fmt.type == "json_object":
+        assert isinstance(json.loads(out.output), dict), out.output
+    elif fmt.type == "regex":
+        assert re.fullmatch(fmt.regex, out.output), out.output
+    else:
+        assert out.output in fmt.choice, out.output
+
+
+@functools.cache
+def _lltok(tokenizer):
+    return llguidance.hf.from_tokenizer(tokenizer)
 
 
 def _item(req: Request):
