@@ -49,6 +49,12 @@ log = logging.getLogger(__name__)
 ENV = "SPECQ_PACKED_FORWARD"  # "0", "false", "off" or "no": transformers' forward always
 LINEAR_ENV = "SPECQ_PACKED_LINEAR"  # "0", ...: each linear layer's own call (no prepacking)
 OFF = ("0", "false", "off", "no")
+# A prepacked call takes this many rows at least (fewer: the first repeated). From 1,536
+# inputs oneDNN's one-row kernel adds in another order than its batch kernel, so a row alone
+# would not get the bits it gets in a batch; and a SmolLM2 pass at batch 1 took 10-13 % longer
+# at two rows a call than at one or three (a probe; docs/benchmarks.md, "a row alone as in a
+# batch")
+FEWEST_ROWS = 3
 PROBE_TOLERANCE = 1e-3  # a prepacked layer's output beside the module's on a probe, relative
 # An attention call on a CPU, priced in query x key columns (about 0.024 us each on 2 cores,
 # three query heads a key head): a row in a call reads its keys and values once, as many as
@@ -201,17 +207,13 @@ class _Prepacked:
             self._pack()
         if self.packed is None:
             return tuple(m(x) for m in self.modules)
-        # One token goes in as two rows: oneDNN's one-row kernel adds in another order than
-        # its batch kernel (from 1,536 inputs on a CPU), so a row alone would not give what
-        # it gives in a batch
-        lone, rows = x.numel() == x.shape[-1], x if x.dim() > 1 else x[None]
-        if lone:
-            rows = rows.expand(*rows.shape[:-2], 2, rows.shape[-1])
-        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        if lone:
-            out = out[..., :1, :]
-        if x.dim() == 1:
-            out = out[0]
+        lead, flat = x.shape[:-1], x.reshape(-1, x.shape[-1])
+        n = flat.shape[0]
+        if 0 < n < FEWEST_ROWS:  # the first row repeated, its outputs dropped
+            x = torch.cat([flat, flat[:1].expand(FEWEST_ROWS - n, -1)])
+        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if 0 < n < FEWEST_ROWS:
+            out = out[:n].reshape(*lead, out.shape[-1])
         return (out,) if len(self.sizes) == 1 else out.split(self.sizes, -1)
 
 
