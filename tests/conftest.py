@@ -27,13 +27,17 @@ DERANDOMIZE = not os.environ.get("SPECQ_FUZZ_RANDOM")
 
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
-# The slowest files first. `make test` hands whole files to two xdist processes in
-# collection order (--dist loadfile: a module's fleet or model is set up once), so a slow
-# file collected last would run alone at the end while the other process idles.
+# The slowest files first, slowest leading (their times on a 2-core host, 2026-12-06). `make
+# test` hands whole files to two xdist processes in collection order (--dist loadfile: a
+# module's fleet or model is set up once; --no-loadscope-reorder, or xdist orders the files by
+# their count of tests instead), so a slow file collected last would run alone at the end
+# while the other process idles (80 s of 436 in a run where xdist reordered them).
 SLOW_FIRST = ("pipeline/test_faults.py", "worker/test_smollm2.py", "worker/engine/test_fuzz.py",
-              "pipeline/test_bench_pipeline.py", "pipeline/test_stall.py",
-              "pipeline/test_poison.py", "pipeline/test_worker_start.py",
-              "worker/test_startup.py", "pipeline/test_http.py")
+              "worker/engine/test_greedy_equivalence.py", "pipeline/test_stall.py",
+              "pipeline/test_http.py", "pipeline/test_bench_pipeline.py",
+              "pipeline/test_worker_start.py", "pipeline/test_http_abuse.py",
+              "pipeline/test_poison.py", "pipeline/test_costs.py",
+              "worker/engine/test_grammar.py", "worker/test_startup.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
