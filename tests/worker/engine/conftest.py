@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import random
+import re
 import types
 
+import jsonschema
+import llguidance
+import llguidance.hf
 import pytest
 import torch
 
@@ -22,6 +27,25 @@ def tie_gap(target, prompt: list[int], want: list[int], got: list[int]) -> tuple
         logits = target(torch.tensor([prompt + want[:i]])).logits[0, -1]
     a, b = logits[want[i]], logits[got[i]]
     return i, float((a - b).abs() / a.abs().clamp_min(1e-6))
+
+
+def assert_shaped(fmt, text: str) -> None:
+    """A finished shaped output is what its format asks: JSON that parses (and validates
+    against its schema), a full regex match, one of the choices."""
+    if fmt.type == "json_schema":
+        jsonschema.validate(json.loads(text), fmt.json_schema.schema_)
+    elif fmt.type == "json_object":
+        assert isinstance(json.loads(text), dict), text
+    elif fmt.type == "regex":
+        assert re.fullmatch(fmt.regex, text), text
+    else:
+        assert text in fmt.choice, text
+
+
+@pytest.fixture(scope="session")
+def lltok(tiny_tokenizer):
+    """The tiny tokenizer as llguidance reads it."""
+    return llguidance.hf.from_tokenizer(tiny_tokenizer)
 
 
 def mixed_requests(n: int, seed: int = 0, max_new: int = 48, **params) -> list[Request]:

@@ -24,15 +24,10 @@ The suite runs the ``ci`` profile (300 examples, derandomized: the same cases ev
 
 from __future__ import annotations
 
-import functools
-import json
 import os
-import re
 from dataclasses import dataclass
 
-import jsonschema
 import llguidance
-import llguidance.hf
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -47,7 +42,7 @@ from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.speculative import SpeculativeEngine, encode_prompt
 from specq.worker.engine.suffix import SuffixDrafter
 
-from .conftest import NEAR_TIE, tie_gap
+from .conftest import NEAR_TIE, assert_shaped, tie_gap
 
 settings.register_profile("ci", max_examples=300, derandomize=True, deadline=None,
                           suppress_health_check=list(HealthCheck), print_blob=True)
@@ -222,7 +217,7 @@ def ties():
 @settings(settings.get_profile(PROFILE))
 @given(case=cases())
 def test_every_mix_gives_what_each_request_gives_alone(case, tiny_models, tiny_tokenizer,
-                                                       reference, ties):
+                                                       reference, ties, lltok):
     target = tiny_models["target"]
     drafter = _drafter(case.drafter, tiny_models, case.share)
     engine = SpeculativeEngine(target, tiny_tokenizer, drafter, max_batch_size=case.batch,
@@ -258,7 +253,7 @@ def test_every_mix_gives_what_each_request_gives_alone(case, tiny_models, tiny_t
         req = requests[i]
         assert out.error is None, (i, out.error)
         if req.temperature > 0 and req.seed is None:
-            _keeps_to_its_request(req, out, tiny_tokenizer)
+            _keeps_to_its_request(req, out, lltok)
             continue
         want = reference(req, raced)
         if out.token_ids == want:
@@ -271,7 +266,7 @@ def test_every_mix_gives_what_each_request_gives_alone(case, tiny_models, tiny_t
     ties["examples"] += 1
 
 
-def _keeps_to_its_request(req: Request, out, tokenizer) -> None:
+def _keeps_to_its_request(req: Request, out, lltok) -> None:
     """An unseeded sampled row: any tokens, but within its limit, none past a stop string,
     and every token one its format allows (a finished one parses and validates)."""
     assert 0 < len(out.token_ids) <= req.max_new_tokens, (req.id, out.token_ids)
@@ -280,23 +275,10 @@ def _keeps_to_its_request(req: Request, out, tokenizer) -> None:
     fmt = req.response_format
     if fmt is None or fmt.type == "text":
         return
-    matcher = llguidance.LLMatcher(_lltok(tokenizer), grammar(fmt), log_level=0)
+    matcher = llguidance.LLMatcher(lltok, grammar(fmt), log_level=0)
     assert matcher.consume_tokens(out.token_ids), (req.id, out.token_ids, matcher.get_error())
-    if out.finish_reason != "stop":
-        return
-    if fmt.type == "json_schema":
-        jsonschema.validate(json.loads(out.output), fmt.json_schema.schema_)
-    elif fmt.type == "json_object":
-        assert isinstance(json.loads(out.output), dict), out.output
-    elif fmt.type == "regex":
-        assert re.fullmatch(fmt.regex, out.output), out.output
-    else:
-        assert out.output in fmt.choice, out.output
-
-
-@functools.cache
-def _lltok(tokenizer):
-    return llguidance.hf.from_tokenizer(tokenizer)
+    if out.finish_reason == "stop":
+        assert_shaped(fmt, out.output)
 
 
 def _item(req: Request):
