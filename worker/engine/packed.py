@@ -207,13 +207,14 @@ class _Prepacked:
             self._pack()
         if self.packed is None:
             return tuple(m(x) for m in self.modules)
-        lead, flat = x.shape[:-1], x.reshape(-1, x.shape[-1])
-        n = flat.shape[0]
-        if 0 < n < FEWEST_ROWS:  # the first row repeated, its outputs dropped
-            x = torch.cat([flat, flat[:1].expand(FEWEST_ROWS - n, -1)])
-        out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        if 0 < n < FEWEST_ROWS:
-            out = out[:n].reshape(*lead, out.shape[-1])
+        n = x.numel() // x.shape[-1]
+        few = 0 < n < FEWEST_ROWS  # then the first row repeated, its outputs dropped
+        rows = x.reshape(n, -1) if few else x
+        if few:
+            rows = torch.cat([rows, rows[:1].expand(FEWEST_ROWS - n, -1)])
+        out = torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+        if few:
+            out = out[:n].reshape(*x.shape[:-1], out.shape[-1])
         return (out,) if len(self.sizes) == 1 else out.split(self.sizes, -1)
 
 
