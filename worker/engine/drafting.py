@@ -93,10 +93,14 @@ class Drafting:
             prop, forced, self.looked = self.grammar.merge(prop, matchers, inputs.tokens, g,
                                                            self.policy.max_g, text)
             self.kept, self.quotes = self.grammar.kept, self.grammar.quotes
-        if any(r.unseen for r in rows):  # a row joining the pass: its prefill, no drafts
-            prop.num_draft = torch.tensor([0 if r.unseen else n for r, n in
-                                           zip(rows, prop.num_draft.tolist())])
-            forced = [[] if r.unseen else at for r, at in zip(rows, forced)]
+        if any(r.unseen for r in rows):
+            # a row joining the pass carries its prompt and, where its grammar forces its
+            # first tokens (``{"name": "``), the chain they lead: judged in the same pass as
+            # any row's; the drafter's own tokens wait for the row's next step
+            drafts = [not r.unseen or bool(at and at[0] == 0) for r, at in zip(rows, forced)]
+            prop.num_draft = torch.tensor([n if d else 0 for d, n in
+                                           zip(drafts, prop.num_draft.tolist())])
+            forced = [at if d else [] for d, at in zip(drafts, forced)]
         remaining = ([r.limit - (len(r.tokens) - r.prompt_len) for r in rows] if draining
                      else None)
         return self.spend(g, prop, forced, packed, remaining)

@@ -400,19 +400,31 @@ class SpeculativeEngine:
         return new
 
     def _joins(self) -> bool:
-        """Refills join the next step's pass (``_join``): the engine lets them, rows are
-        running, the target's pass costs the tokens it carries (batch.KVRows.packed) and the
-        drafter admits a row before its first token (a draft model prefills its own cache
-        from it)."""
-        return (self.join_refills and bool(self.rows) and self.kv.packed
-                and self.drafter.admits_unseen)
+        """Refills join the next step's pass (``_join``): rows are running and rows may join
+        a pass (``_may_join``)."""
+        return bool(self.rows) and self._may_join()
+
+    def _may_join(self) -> bool:
+        """A row may join a step's pass: the engine lets it, the target's pass costs the
+        tokens it carries (batch.KVRows.packed) and the drafter admits a row before its
+        first token (a draft model prefills its own cache from it)."""
+        return self.join_refills and self.kv.packed and self.drafter.admits_unseen
+
+    def _forces_start(self, row: Row) -> bool:
+        """The row's grammar forces its first tokens (``{"name": "``) and the grammar
+        drafts: joining a pass, the row has them judged in the pass that reads its prompt
+        (drafting.Drafting.draft). Not a row of one new token (it takes no place)."""
+        grammar = self.drafting.grammar
+        return (grammar is not None and row.matcher is not None
+                and _takes_place(row.request) and bool(grammar.forced(row.matcher)))
 
     def _join(self, waiting: deque, hand_back: Callable[[int, Result], None],
               on_admit: Callable[[list[int | str]], None] | None = None) -> None:
         """Refill free places with waiting requests that join the next step's pass: each
         new row carries its prompt (less the columns of its stored prefix, prefix.seeded)
         beside the other rows' last tokens and drafts, and the pass yields its first token
-        (it drafts from its next step: drafting.Drafting.draft). A prefill pass of its own
+        (it drafts from its next step, but for what its grammar forces at its start:
+        drafting.Drafting.draft, judged in that pass). A prefill pass of its own
         reads every weight for a few tokens: at batch 4 on a CPU a lone refill's pass cost
         about a step, and rows that accept drafts end apart and refill one at a time.
         Joining, a refill costs its tokens. Refills are prefilled as before (``_prefill``)
@@ -420,8 +432,13 @@ class SpeculativeEngine:
         share a prefix the store lacks: a prefill computes it once, joining rows each
         (the first of a template that joins is stored for the next: prefix.remember)."""
         new = self._take(waiting, hand_back)
-        if not new:
-            return
+        if new:
+            self._join_rows(new, hand_back, on_admit)
+
+    def _join_rows(self, new: list[tuple[int, Row]], hand_back: Callable[[int, Result], None],
+                   on_admit: Callable[[list[int | str]], None] | None = None) -> None:
+        """New rows (request index, row) join the next step's pass (``_join``), or are
+        prefilled where they cannot."""
         rows = [r for _, r in new]
         prompts = [r.tokens for r in rows]
         bases = stored(self.prefixes, prompts)
@@ -435,7 +452,8 @@ class SpeculativeEngine:
             on_admit(list(self.joining))
         kv = seeded(self.target, bases, self.prefixes)
         if kv.cache is None:  # no prefix served: the pass writes every column
-            self.kv.add_rows(len(rows))
+            if self.kv.cache is not None:  # (an empty batch's: its pass makes the cache)
+                self.kv.add_rows(len(rows))
         else:
             self.kv.extend(kv)
         for row, (_, n) in zip(rows, bases):
@@ -450,10 +468,20 @@ class SpeculativeEngine:
 
     def _admit(self, waiting: deque, hand_back: Callable[[int, Result], None],
                on_admit: Callable[[list[int | str]], None] | None = None) -> None:
-        """Prefill waiting requests into free rows; the prefill yields each first token."""
+        """Prefill waiting requests into free rows; the prefill yields each first token.
+        Rows whose grammar forces their first tokens (``_forces_start``) join the next
+        step's pass instead where rows may (``_may_join``): that pass reads their prompts
+        and judges those tokens, where a prefill pass would yield only the first of them
+        and the next step's pass judge the rest (one pass a row saved, of the dozen a short
+        JSON answer takes)."""
         new = self._take(waiting, hand_back)
-        if new:
-            self._prefill(new, hand_back, on_admit)
+        ahead = ([(i, r) for i, r in new if self._forces_start(r)] if self._may_join()
+                 else [])
+        rest = [(i, r) for i, r in new if not any(r is a for _, a in ahead)]
+        if rest:
+            self._prefill(rest, hand_back, on_admit)
+        if ahead:
+            self._join_rows(ahead, hand_back, on_admit)
 
     def _prefill(self, new: list[tuple[int, Row]], hand_back: Callable[[int, Result], None],
                  on_admit: Callable[[list[int | str]], None] | None = None) -> None:
@@ -713,8 +741,9 @@ class SpeculativeEngine:
         one token its grammar allows: constrained decoding would emit it whatever the
         logits, and a pass of its own would compute nothing it needs (no token follows
         it). It is counted as a forced draft the step accepted (new_tokens = accepted +
-        one token a pass holds). A joining row's pass was its prefill, not a step: it
-        ends the usual way."""
+        one token a pass holds). A joining row's pass was its prefill, not a step, but
+        where it judged what the row's grammar forces at its start; it ends the usual
+        way."""
         B = len(self.rows)
         emitted = []
         forced = step.forced or [[] for _ in range(B)]
@@ -733,8 +762,8 @@ class SpeculativeEngine:
                 n_draft, k, kept = n_draft + 1, k + 1, kept + 1
                 c.forced_proposed += 1
                 c.forced_accepted += 1
-            if not j:  # a joining row's pass was its prefill, no step of its own
-                c.observe_step(n_draft, min(k, kept), step.g)
+            if not j or n_draft:  # a joining row's pass: its prefill, and a step if it
+                c.observe_step(n_draft, min(k, kept), step.g)  # judged drafts
             c.target_passes += 1
             c.draft_time += step.t_draft / B
             c.verify_time += (step.t_step - step.t_draft) / B

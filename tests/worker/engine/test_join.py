@@ -11,7 +11,7 @@ from specq.worker.engine.drafters import DraftModel, NoDraft, PromptLookup
 from specq.worker.engine.policy import CostTable
 from specq.worker.engine.speculative import SpeculativeEngine
 from specq.worker.engine.suffix import SuffixDrafter
-from tests.worker.engine.test_grammar import shaped_requests
+from tests.worker.engine.test_grammar import FORMATS, shaped_requests
 
 DRAFTERS = {"none": NoDraft, "lookup": PromptLookup, "suffix": SuffixDrafter}
 
@@ -130,6 +130,43 @@ def test_shaped_one_token_and_stopped_rows_give_the_same_output_joined_or_prefil
         return out
 
     assert outputs(True) == outputs(False)
+
+
+def test_a_row_its_grammar_starts_has_that_start_judged_in_the_pass_of_its_prompt(
+        tiny_models, tiny_tokenizer):
+    """Rows whose grammar forces their first tokens (``{"name":``) join a pass, the job's
+    first rows too: no prefill pass of their own. The pass that reads a row's prompt judges
+    what is forced, so it yields all of it and the token after, one pass a row fewer than
+    where the rows are prefilled (the prefill yields ``{``, the next pass the rest); the
+    tokens are the same."""
+    gen = torch.Generator().manual_seed(5)
+    requests = [Request(id=i, prompt_token_ids=torch.randint(3, 259, (int(n),),
+                                                             generator=gen).tolist(),
+                        max_new_tokens=24, response_format=FORMATS[0])
+                for i, n in enumerate(torch.randint(2, 20, (7,), generator=gen))]
+
+    def run(joins: bool) -> tuple[SpeculativeEngine, list, list]:
+        steps: list = []
+        engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, NoDraft(),
+                                   max_batch_size=3, grammar_drafts=True,
+                                   join_refills=joins, on_step=steps.append)
+        return engine, engine.generate(requests), steps
+
+    joined, results, steps = run(True)
+    prefilled, reference, _ = run(False)
+    assert [r.token_ids for r in results] == [r.token_ids for r in reference]
+    assert joined.admissions == 0 and joined.joins == len(requests)
+    firsts = [(s, b) for s in steps for b, n in enumerate(s.joined) if n]
+    assert len(firsts) == len(requests)
+    start = len(b'{"name":')  # a byte a token: the tiny tokenizer's
+    for s, b in firsts:
+        assert s.forced[b][:start] == list(range(start)) and s.accepted[b] >= start
+    assert ([r.counters.target_passes for r in results]
+            == [r.counters.target_passes - 1 for r in reference])
+    for res in results:  # every pass judged drafts: each a step, its accepted counted
+        c = res.counters
+        assert sum(c.steps_by_draft_length) == c.target_passes
+        assert c.accepted + c.target_passes - 1 <= c.new_tokens <= c.accepted + c.target_passes
 
 
 @pytest.mark.parametrize("where", ["seeding", "pass"])
