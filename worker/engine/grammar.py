@@ -387,9 +387,10 @@ class ForcedDrafts:
             return []
         lltok = self.grammars.library_tokenizer()
         text = lltok.decode_bytes(context[-TEXT_CONTEXT:])
+        low = text.lower()  # "Law" finds "lawyer": a copied value may start a capital
         found = None  # (where, length) of the longest end found earlier, its latest place
         for n in range(TEXT_MIN, min(TEXT_MAX, len(text) - 1) + 1):
-            at = text.rfind(text[-n:], 0, len(text) - 1)
+            at = low.rfind(low[-n:], 0, len(low) - 1)
             if at < 0:
                 break  # an end n bytes long found nowhere: no longer one is either
             found = at, n
@@ -507,7 +508,9 @@ class ForcedDrafts:
               max_g: int, text: int = 0) -> tuple[Proposal, list[list[int]], list[bool]]:
         """The proposal with each shaped row's chain (``chain``: forced tokens and the
         follower's, in turn; ``text`` tokens at most of a row's text lookup where the
-        drafter's are none); unshaped rows keep their own. A draft model's tokens keep
+        drafter's are none, and of the follower's where forced tokens lead: the step's g
+        limits the drafter's own tokens, and the budget judges every other as it judges a
+        lookup's, ``spend``); unshaped rows keep their own. A draft model's tokens keep
         their q where they lead a row's chain; every other token is a point mass (what the
         grammar forces, or the follower proposes, is fixed by the tokens before it).
         -> (proposal, positions of the forced tokens per row, per row: a text lookup's
@@ -525,7 +528,7 @@ class ForcedDrafts:
                     forced.append([])
                     lead.append(len(own))
                     continue
-                seq, at = self.chain(m, tokens[b], own, min(g, max_g), text,
+                seq, at = self.chain(m, tokens[b], own, max(min(g, max_g), text), text,
                                      sampled=prop.probs is not None)
                 self.quotes[b] = self.quote_at
                 rows.append(seq)

@@ -236,6 +236,32 @@ def test_forced_tokens_and_the_drafter_s_take_turns_in_one_proposal(
     assert chained, "no proposal had forced tokens after the drafter's"
 
 
+def test_the_follower_continues_forced_tokens_as_far_as_a_text_lookup_may(tiny_models,
+                                                                          tiny_tokenizer):
+    """Where forced tokens lead a row, the follower's continuation of them is a lookup the
+    budget judges: it may run to the text lookup's length, not the step's g (0 at a step
+    where the drafter's own tokens do not pay)."""
+    from specq.worker.engine.drafters import Proposal
+    from specq.worker.engine.grammar import ForcedDrafts, Grammars
+
+    grammars = Grammars(tiny_tokenizer, tiny_models["target"].config.vocab_size)
+    drafts = ForcedDrafts(grammars)
+    encode = lambda text: tiny_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
+        "type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+        "additionalProperties": False}}}
+    matcher = grammars.matcher(Request(prompt_token_ids=[3], response_format=fmt)
+                               .response_format)
+    start = drafts.forced(matcher)
+    context = encode("Seen: ") + start + encode('Maria Lopez"}\nNow: ')
+    empty = Proposal(torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.long), None)
+    for g, text, follows in ((0, 0, ""), (0, 4, "Mari"), (2, 4, "Mari"), (2, 0, "Ma")):
+        prop, forced, _ = drafts.merge(empty, [matcher], [context], g, 4, text)
+        seq = prop.token_ids[0, : int(prop.num_draft[0])].tolist()
+        assert seq[: len(start)] == start and forced[0] == list(range(len(start)))
+        assert tiny_tokenizer.decode(seq[len(start):]) == follows, (g, text)
+
+
 @pytest.mark.parametrize("bs", [1, 3])
 def test_the_suffix_drafters_row_indexes_stay_with_the_rows_under_a_grammar(
         bs, monkeypatch, tiny_models, tiny_tokenizer, check_shaped):
@@ -288,6 +314,9 @@ def test_a_value_the_prompt_holds_is_looked_up_by_its_bytes(tiny_models, tiny_to
     assert len(looked) == 8 and rest.startswith(decode(looked)) and len(decode(looked)) >= 6
     assert drafts.text(context, 0) == [] and drafts.text(encode("abcdefg"), 8) == []
     assert decode(drafts.text(encode("xyz abc xyz"), 4)).startswith(" a")  # the longest end
+    # a value copied with a capital where the text has none: the case of letters is no match
+    capital = decode(drafts.text(encode('Text: she is a lawyer.\n{"job": "Law'), 8))
+    assert capital.startswith("yer.")
     fmt = {"type": "json_schema", "json_schema": {"name": "p", "schema": {
         "type": "object", "properties": {"name": {"type": "string", "maxLength": 40}},
         "required": ["name"]}}}
