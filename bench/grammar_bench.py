@@ -15,7 +15,9 @@ size:
 For each: wall seconds, tokens per target pass, the share of outputs that parse and validate
 against their schema, forced tokens proposed and accepted, and the grammar mask's cost (per
 generated token, and as a share of the run). Speedups are wall-time ratios against
-``shaped`` and against the same drafter without grammar drafts, measured in the same process.
+``shaped`` and against the same drafter without grammar drafts, measured in the same process;
+with ``--repeat``, a round runs each configuration once (each round starting one later), and
+the speedup over ``shaped`` is the median of the rounds' with their range.
 Every shaped run's greedy output must equal ``shaped``'s token for token (mismatches are
 counted; the engine tests hold it against transformers' generate).
 """
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -194,18 +197,25 @@ def bench(args: argparse.Namespace) -> dict:
         raise ValueError("--grammar-configs: shaped is every speedup's baseline; keep it")
     rows = []
     for batch in args.batch_sizes:
+        runs: dict[str, list[dict]] = {c.label: [] for c in chosen}
+        for i in range(args.repeat):  # a round runs each config once, each round one later
+            for cfg in chosen[i % len(chosen):] + chosen[: i % len(chosen)]:
+                runs[cfg.label].append(run_config(pair, cfg, convs, batch,
+                                                  args.max_new_tokens))
         for cfg in chosen:
-            runs = [run_config(pair, cfg, convs, batch, args.max_new_tokens)
-                    for _ in range(args.repeat)]
-            row = sorted(runs, key=lambda r: r["seconds"])[len(runs) // 2]
-            row["seconds_of_repeats"] = [r["seconds"] for r in runs]
+            row = sorted(runs[cfg.label], key=lambda r: r["seconds"])[args.repeat // 2]
+            row["seconds_of_repeats"] = [r["seconds"] for r in runs[cfg.label]]
+            row["tokens_per_pass_of_repeats"] = [r["tokens_per_pass"] for r in runs[cfg.label]]
             rows.append(row)
             log.info("%s B=%d: %.1f s, %.2f tokens/pass, %d/%d valid", cfg.label, batch,
                      row["seconds"], row["tokens_per_pass"], row["valid"], len(convs))
     for row in rows:  # speedups and greedy identity, against runs of the same batch size
         same = {r["config"]: r for r in rows if r["batch_size"] == row["batch_size"]}
         base = same["shaped"]
-        row["speedup_vs_shaped"] = base["seconds"] / row["seconds"]
+        # each round's ratio (its configs ran one after another): the median and its spread
+        row["speedup_vs_shaped_rounds"] = [b / s for b, s in zip(base["seconds_of_repeats"],
+                                                                 row["seconds_of_repeats"])]
+        row["speedup_vs_shaped"] = statistics.median(row["speedup_vs_shaped_rounds"])
         without = same.get(row["config"].removesuffix("+grammar") or "shaped")
         row["speedup_vs_no_grammar_drafts"] = (
             without["seconds"] / row["seconds"]
@@ -218,8 +228,9 @@ def bench(args: argparse.Namespace) -> dict:
 
 
 def table(report: dict) -> str:
-    head = (f"{'config':<16} {'B':>3} {'s':>7} {'tok/pass':>8} {'valid':>7} {'forced':>11} "
-            f"{'mask us/tok':>11} {'mask %':>6} {'x shaped':>8} {'x no-gd':>7} {'mism':>4}")
+    head = (f"{'config':<16} {'B':>3} {'s':>7} {'tok/pass (rounds)':>17} {'valid':>7} "
+            f"{'forced':>11} {'mask us/tok':>11} {'mask %':>6} {'x shaped (rounds)':>17} "
+            f"{'x no-gd':>7} {'mism':>4}")
     lines = [head, "-" * len(head)]
     n = report["prompts"]
     for r in report["runs"]:
@@ -227,17 +238,28 @@ def table(report: dict) -> str:
         gd = r["speedup_vs_no_grammar_drafts"]
         lines.append(
             f"{r['config']:<16} {r['batch_size']:>3} {r['seconds']:>7.1f} "
-            f"{r['tokens_per_pass']:>8.2f} {r['valid']:>3}/{n:<3} {forced:>11} "
+            f"{_spread(r['tokens_per_pass'], r['tokens_per_pass_of_repeats']):>17} "
+            f"{r['valid']:>3}/{n:<3} {forced:>11} "
             f"{r['mask_us_per_token']:>11.1f} {100 * r['mask_share']:>6.2f} "
-            f"{r['speedup_vs_shaped']:>8.2f} {'-' if gd is None else f'{gd:.2f}':>7} "
+            f"{_spread(r['speedup_vs_shaped'], r['speedup_vs_shaped_rounds']):>17} "
+            f"{'-' if gd is None else f'{gd:.2f}':>7} "
             f"{'-' if r['mismatches'] is None else r['mismatches']:>4}")
     return "\n".join(lines)
 
 
-LEGEND = """valid: outputs that parse and validate against their schema; forced: forced tokens
-accepted/proposed; mask us/tok: grammar mask seconds per generated token (us), mask %: of the
-run's wall time; x shaped: speedup over constrained decoding without drafts; x no-gd: over the
-same drafter without grammar drafts; mism: greedy outputs that differ from shaped's."""
+def _spread(figure: float, rounds: list[float]) -> str:
+    """``1.76 (1.70-1.80)``: the figure and its rounds' range (the figure alone for one)."""
+    if len(rounds) < 2:
+        return f"{figure:.2f}"
+    return f"{figure:.2f} ({min(rounds):.2f}-{max(rounds):.2f})"
+
+
+LEGEND = """tok/pass: of the run with the median seconds (rounds: each run's); valid: outputs
+that parse and validate against their schema; forced: forced tokens accepted/proposed; mask
+us/tok: grammar mask seconds per generated token (us), mask %: of the run's wall time; x
+shaped: speedup over constrained decoding without drafts, the median of the rounds' (a round
+runs each config once, in turn); x no-gd: over the same drafter without grammar drafts,
+medians' ratio; mism: greedy outputs that differ from shaped's."""
 
 
 def run(args: argparse.Namespace) -> int:
