@@ -475,9 +475,11 @@ class SpeculativeEngine:
         and the next step's pass judge the rest (one pass a row saved, of the dozen a short
         JSON answer takes)."""
         new = self._take(waiting, hand_back)
-        ahead = ([(i, r) for i, r in new if self._forces_start(r)] if self._may_join()
-                 else [])
-        rest = [(i, r) for i, r in new if not any(r is a for _, a in ahead)]
+        joins = self._may_join()
+        ahead: list[tuple[int, Row]] = []
+        rest: list[tuple[int, Row]] = []
+        for item in new:
+            (ahead if joins and self._forces_start(item[1]) else rest).append(item)
         if rest:
             self._prefill(rest, hand_back, on_admit)
         if ahead:
