@@ -169,6 +169,35 @@ def test_a_row_its_grammar_starts_has_that_start_judged_in_the_pass_of_its_promp
         assert c.accepted + c.target_passes - 1 <= c.new_tokens <= c.accepted + c.target_passes
 
 
+@pytest.mark.parametrize("drafter,temperature", [("none", 0.0), ("lookup", 0.9)])
+def test_rows_their_grammar_forces_whole_give_the_same_output_joined_or_prefilled(
+        drafter, temperature, tiny_models, tiny_tokenizer):
+    """Grammars that force all of a row's output (a one-option choice, a constant, a fixed
+    regex) or its start and end: the joining pass judges it all, up to the row's limit.
+    Tokens, finish reasons and counts are those of rows prefilled, no row past its limit."""
+    formats = [{"type": "choice", "choice": ["yes"]}, {"type": "regex", "regex": "abcdefghij"},
+               {"type": "json_schema", "json_schema": {"name": "c", "schema": {
+                   "const": {"a": [1, 2, 3]}}}},
+               {"type": "regex", "regex": "abc[0-9]{2}xyz"}]
+    requests = [Request(id=i, prompt_token_ids=[5 + i, 7, 9, 11 + i], max_new_tokens=limit,
+                        response_format=formats[i % 4], temperature=temperature,
+                        seed=i if temperature else None)
+                for i, limit in enumerate([1, 2, 3, 5, 30, 30, 30, 30, 4, 8, 30, 30])]
+
+    def outputs(joins: bool) -> list[tuple]:
+        engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, DRAFTERS[drafter](),
+                                   max_batch_size=3, grammar_drafts=True, join_refills=joins)
+        out = [(r.token_ids, r.finish_reason, r.error, r.counters.new_tokens)
+               for r in engine.generate(requests)]
+        assert (engine.joins > 0) is joins
+        return out
+
+    joined = outputs(True)
+    assert joined == outputs(False)
+    for (tokens, _, error, new), req in zip(joined, requests):
+        assert error is None and new == len(tokens) <= req.max_new_tokens
+
+
 @pytest.mark.parametrize("where", ["seeding", "pass"])
 def test_an_error_while_a_refill_joins_names_its_rows_and_the_next_run_starts_clean(
         where, tiny_models, tiny_tokenizer, make_requests, check_greedy, monkeypatch):
