@@ -132,6 +132,16 @@ def test_shaped_one_token_and_stopped_rows_give_the_same_output_joined_or_prefil
     assert outputs(True) == outputs(False)
 
 
+def _forced_start(n: int, seed: int) -> list[Request]:
+    """n requests of random prompts (2-19 tokens) under a JSON schema that forces their
+    first tokens (``{"name":``)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [Request(id=i, prompt_token_ids=torch.randint(3, 259, (int(k),),
+                                                         generator=gen).tolist(),
+                    max_new_tokens=24, response_format=FORMATS[0])
+            for i, k in enumerate(torch.randint(2, 20, (n,), generator=gen))]
+
+
 def test_a_row_its_grammar_starts_has_that_start_judged_in_the_pass_of_its_prompt(
         tiny_models, tiny_tokenizer):
     """Rows whose grammar forces their first tokens (``{"name":``) join a pass, the job's
@@ -139,11 +149,7 @@ def test_a_row_its_grammar_starts_has_that_start_judged_in_the_pass_of_its_promp
     what is forced, so it yields all of it and the token after, one pass a row fewer than
     where the rows are prefilled (the prefill yields ``{``, the next pass the rest); the
     tokens are the same."""
-    gen = torch.Generator().manual_seed(5)
-    requests = [Request(id=i, prompt_token_ids=torch.randint(3, 259, (int(n),),
-                                                             generator=gen).tolist(),
-                        max_new_tokens=24, response_format=FORMATS[0])
-                for i, n in enumerate(torch.randint(2, 20, (7,), generator=gen))]
+    requests = _forced_start(7, seed=5)
 
     def run(joins: bool) -> tuple[SpeculativeEngine, list, list]:
         steps: list = []
@@ -225,6 +231,35 @@ def test_an_error_while_a_refill_joins_names_its_rows_and_the_next_run_starts_cl
         assert requests[3].id in engine.active_ids()  # the first refill, joining
     check_greedy(requests, engine.generate(requests))
     assert engine.joins > 0
+
+
+def test_an_error_in_the_pass_a_job_s_first_rows_join_names_them_and_the_next_run_is_exact(
+        tiny_models, tiny_tokenizer, monkeypatch):
+    """A job's first rows that join the first step's pass for their grammar's forced start
+    (no row is running: the pass makes the cache): an error in that pass ends the generation
+    with every one of them among the active requests, and the next generation gives what
+    prefilled rows give."""
+    requests = _forced_start(5, seed=16)
+
+    def engine(joins: bool) -> SpeculativeEngine:
+        return SpeculativeEngine(tiny_models["target"], tiny_tokenizer, NoDraft(),
+                                 max_batch_size=3, grammar_drafts=True, join_refills=joins)
+
+    joined = engine(True)
+    with monkeypatch.context() as m:
+        real = KVRows.logits
+
+        def broken(self, *args, first=None, **kwargs):
+            if first is not None:
+                raise RuntimeError("the joined pass failed")
+            return real(self, *args, first=first, **kwargs)
+        m.setattr(KVRows, "logits", broken)
+        with pytest.raises(RuntimeError, match="joined pass"):
+            joined.generate(requests)
+        assert set(joined.active_ids()) == {r.id for r in requests[:3]}
+    want = [r.token_ids for r in engine(False).generate(requests)]
+    assert [r.token_ids for r in joined.generate(requests)] == want
+    assert joined.admissions == 0
 
 
 def test_a_pass_that_prefilled_joining_rows_teaches_no_cost(
