@@ -273,6 +273,7 @@ def bench(args: argparse.Namespace, workload: str | None = None) -> dict:
         row = figures(run, hf, none)
         row["seconds_of_repeats"] = [r.seconds for r in tried[key]]
         row["speedup_vs_none_by_round"] = by_round(tried[key], tried.get((NONE, key[1])))
+        row.update(against_best_fixed(key, tried, median))
         row["reference"] = run is reference
         row["greedy"] = None if run is reference else compare(reference.outputs, run.outputs,
                                                               near_tie)
@@ -298,15 +299,34 @@ def bench(args: argparse.Namespace, workload: str | None = None) -> dict:
 
 
 def by_round(runs: list[Run], none: list[Run] | None) -> list[float] | None:
-    """Speedup over no speculation in each round of repeats: a run against the
-    no-speculation run of its own round. A round's configurations run one after another,
-    so a slow spell of the machine that spans the round falls on both sides of its ratio;
-    the spread of these ratios is what the median speedup can be trusted to. None without
-    no-speculation runs in the same rounds (hf-assisted runs have rounds of their own)."""
+    """Speedup over no speculation (``none``: or another configuration) in each round of
+    repeats: a run against the other's run of its own round. A round's configurations run
+    one after another, so a slow spell of the machine that spans the round falls on both
+    sides of its ratio; the spread of these ratios is what the median speedup can be
+    trusted to. None without such runs in the same rounds (hf-assisted runs have rounds of
+    their own)."""
     if not none or len(none) != len(runs) or runs[0].method == ASSISTED:
         return None
     return [(r.new_tokens / r.seconds) / (n.new_tokens / n.seconds)
             for r, n in zip(runs, none)]
+
+
+def against_best_fixed(key: tuple, tried: dict[tuple, list[Run]],
+                       median: dict[tuple, Run]) -> dict:
+    """An adaptive run against the fixed draft length that ran fastest with the same
+    drafter at its batch size (the best median): ``best_fixed_g``, the ratio of the two
+    medians' tokens per second (``speedup_vs_best_fixed``) and each round's own ratio
+    (``speedup_vs_best_fixed_by_round``: the two ran in one round, minutes apart rather
+    than tens of minutes). Empty for any other run, or without fixed runs beside it."""
+    if key[0] != ADAPTIVE:
+        return {}
+    fixed = [k for k in median if k[0] == FIXED and k[1:3] == key[1:3]]
+    if not fixed:
+        return {}
+    best = max(fixed, key=lambda k: median[k].new_tokens / median[k].seconds)
+    rate = [r.new_tokens / r.seconds for r in (median[key], median[best])]
+    return {"best_fixed_g": best[3], "speedup_vs_best_fixed": rate[0] / rate[1],
+            "speedup_vs_best_fixed_by_round": by_round(tried[key], tried[best])}
 
 
 def run(args: argparse.Namespace) -> int:

@@ -34,6 +34,10 @@ def _cell(row: dict, key: str, fmt: str) -> str:
         return f"{v['equal']}/{v['equal'] + v['near_ties'] + v['mismatches']}{tie}{flag}"
     if key == "speedup_vs_none_by_round":  # the rounds' range: what the median is worth
         return "-" if not v or row.get("reference") else f"{min(v):.2f}-{max(v):.2f}"
+    if key == "speedup_vs_best_fixed":  # the medians' ratio, the best g, the rounds' range
+        rounds = row.get("speedup_vs_best_fixed_by_round")
+        spread = f" ({min(rounds):.2f}-{max(rounds):.2f})" if rounds else ""
+        return "-" if v is None else f"{v:.2f} g={row['best_fixed_g']}{spread}"
     if key == "g" and v is None and row["method"] == ADAPTIVE:
         return "auto"
     return "-" if v is None else fmt.format(v)
@@ -103,7 +107,7 @@ WORKLOAD_COLUMNS = [  # header, key, format
     ("draft", "draft", "{}"), ("method", "method", "{}"), ("B", "batch_size", "{}"),
     ("g", "g", "{}"), ("tok/pass", "tokens_per_step", "{:.2f}"),
     ("xnone", "speedup_vs_none", "{:.2f}"), ("rounds", "speedup_vs_none_by_round", "{}"),
-    ("xdec", "decode_speedup_vs_none", "{:.2f}"),
+    ("xdec", "decode_speedup_vs_none", "{:.2f}"), ("x best g", "speedup_vs_best_fixed", "{}"),
     ("xHF", "speedup_vs_hf", "{:.2f}"), ("acc", "acceptance_rate", "{:.2f}"),
     ("ver/tok", "verified_per_token", "{:.2f}"), ("pad/tok", "padded_per_token", "{:.2f}"),
     ("propose", "propose_share", "{:.3f}"), ("greedy", "greedy", "{}"),
@@ -111,7 +115,9 @@ WORKLOAD_COLUMNS = [  # header, key, format
 WORKLOAD_LEGEND = (
     "tok/pass: tokens a row gains per target pass while decoding; rounds: with --repeat, "
     "the lowest and highest xnone of one round (a run against the no-speculation run of "
-    "its own round): the noise the median xnone carries; ver/tok: target tokens verified "
+    "its own round): the noise the median xnone carries; x best g: adaptive against the "
+    "fixed g with the fastest median run (the same drafter and batch size), the medians' "
+    "ratio, that g, and the range of each round's own ratio; ver/tok: target tokens verified "
     "per token emitted (the rows' own tokens: what a packed pass computes; plain: 1); "
     "pad/tok: the same as a padded pass computes it (every row as wide as the widest); "
     "propose: drafting time over target-pass time in the steps that drafted."

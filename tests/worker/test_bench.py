@@ -14,7 +14,7 @@ from specq.bench.drafts import DraftBuildError, shallow_draft, skip_draft
 from specq.bench.figures import alpha_mle, figures, predicted, t_verify_at
 from specq.bench.greedy import NearTieCheck, compare
 from specq.bench.prompts import PromptFileError, load_prompts
-from specq.bench.runner import FIXED, NONE, Run, Step
+from specq.bench.runner import ADAPTIVE, FIXED, NONE, Run, Step
 from specq.bench.workloads import WORKLOADS, workload_names
 from specq.schema.counters import Counters
 from specq.schema.generation import Request
@@ -85,6 +85,18 @@ def test_bench_runs_end_to_end(tmp_path, capsys, pair, drafts, repeat):
             assert r["c"] > 0 and r["predicted_theorem"] > 0 and r["efficiency"] > 0
             assert r["steps"] == r["g_counts"][str(r["g"])]
     assert report["greedy_mismatched_runs"] == 0
+    for r in runs:  # adaptive against the fixed g of the fastest median, round by round
+        if r["method"] != ADAPTIVE:
+            assert "speedup_vs_best_fixed" not in r
+            continue
+        fixed = [f for f in runs if f["method"] == FIXED and f["draft"] == r["draft"]
+                 and f["batch_size"] == r["batch_size"]]
+        best = max(fixed, key=lambda f: f["tokens_per_s"])
+        assert r["best_fixed_g"] == best["g"]
+        assert r["speedup_vs_best_fixed"] == pytest.approx(r["tokens_per_s"]
+                                                           / best["tokens_per_s"])
+        assert r["speedup_vs_best_fixed_by_round"] == pytest.approx(
+            [b / s for s, b in zip(r["seconds_of_repeats"], best["seconds_of_repeats"])])
 
 
 def test_bench_workloads_table(tmp_path, capsys):
@@ -107,6 +119,9 @@ def test_bench_workloads_table(tmp_path, capsys):
             # suffix drafter's Python can take as long as the pass (a fresh clone: 1.01)
             assert r["propose_share"] is None or 0 <= r["propose_share"] < float("inf")
             assert r["propose_share"] is not None or r["method"] != FIXED
+        for r in runs:  # adaptive beside the fixed g it is weighed against
+            if r["method"] != FIXED:
+                assert f"{r['speedup_vs_best_fixed']:.2f} g={r['best_fixed_g']}" in table
         for r in report["runs"]:
             cells = f"{name}  {r['draft'] or '-'}  {r['method']}"
             assert any(" ".join(cells.split()) in " ".join(line.split())
