@@ -204,6 +204,17 @@ def test_rows_their_grammar_forces_whole_give_the_same_output_joined_or_prefille
         assert error is None and new == len(tokens) <= req.max_new_tokens
 
 
+def _break_joined_passes(m: pytest.MonkeyPatch) -> None:
+    """Every pass that rows join (``first``: where their prompts start) raises."""
+    real = KVRows.logits
+
+    def broken(self, *args, first=None, **kwargs):
+        if first is not None:
+            raise RuntimeError("the joined pass failed")
+        return real(self, *args, first=first, **kwargs)
+    m.setattr(KVRows, "logits", broken)
+
+
 @pytest.mark.parametrize("where", ["seeding", "pass"])
 def test_an_error_while_a_refill_joins_names_its_rows_and_the_next_run_starts_clean(
         where, tiny_models, tiny_tokenizer, make_requests, check_greedy, monkeypatch):
@@ -219,13 +230,7 @@ def test_an_error_while_a_refill_joins_names_its_rows_and_the_next_run_starts_cl
                 raise RuntimeError("out of memory copying a prefix")
             m.setattr(speculative, "seeded", broken)
         else:
-            real = KVRows.logits
-
-            def broken(self, *args, first=None, **kwargs):
-                if first is not None:
-                    raise RuntimeError("the joined pass failed")
-                return real(self, *args, first=first, **kwargs)
-            m.setattr(KVRows, "logits", broken)
+            _break_joined_passes(m)
         with pytest.raises(RuntimeError):
             engine.generate(requests)
         assert requests[3].id in engine.active_ids()  # the first refill, joining
@@ -247,13 +252,7 @@ def test_an_error_in_the_pass_a_job_s_first_rows_join_names_them_and_the_next_ru
 
     joined = engine(True)
     with monkeypatch.context() as m:
-        real = KVRows.logits
-
-        def broken(self, *args, first=None, **kwargs):
-            if first is not None:
-                raise RuntimeError("the joined pass failed")
-            return real(self, *args, first=first, **kwargs)
-        m.setattr(KVRows, "logits", broken)
+        _break_joined_passes(m)
         with pytest.raises(RuntimeError, match="joined pass"):
             joined.generate(requests)
         assert set(joined.active_ids()) == {r.id for r in requests[:3]}
