@@ -14,7 +14,9 @@ size:
 
 For each: wall seconds, tokens per target pass, the share of outputs that parse and validate
 against their schema, forced tokens proposed and accepted, and the grammar mask's cost (per
-generated token, and as a share of the run). Speedups are wall-time ratios against
+generated token, and as a share of the run), and where the run's wall time went, phase by
+phase (the engine's profile: prefill, drafting, the target's pass, the grammar's masks...).
+Speedups are wall-time ratios against
 ``shaped`` and against the same drafter without grammar drafts, measured in the same process;
 with ``--repeat``, a round runs each configuration once (each round starting one later), and
 the speedup over ``shaped`` is the median of the rounds' with their range.
@@ -36,7 +38,7 @@ from pathlib import Path
 import jsonschema
 import torch
 
-from specq.bench.report import write_json
+from specq.bench.report import PROFILE_LEGEND, profile_table, write_json
 from specq.bench.runner import load_bench_pair
 from specq.schema.generation import Message, Request
 from specq.worker.engine.drafters import Drafter, NoDraft, PromptLookup
@@ -161,9 +163,11 @@ def run_config(pair, cfg: Config, convs, batch: int, max_new: int) -> dict:
                     job="warm-up")
     engine.calibrate([batch])
     engine.grammars.masking.reset()
+    engine.profile.reset()
     t0 = time.perf_counter()
     results = engine.generate(requests, job="bench")
     seconds = time.perf_counter() - t0
+    profile = dict(engine.profile.seconds)
     for r in results:
         if r.error:
             raise RuntimeError(f"prompt {r.id}: {r.error}")
@@ -181,6 +185,8 @@ def run_config(pair, cfg: Config, convs, batch: int, max_new: int) -> dict:
         "mask_seconds": engine.grammars.mask_seconds,
         "mask_us_per_token": 1e6 * engine.grammars.mask_seconds / max(new, 1),
         "mask_share": engine.grammars.mask_seconds / seconds,
+        "profile": profile, "profile_shares": {p: t / seconds for p, t in profile.items()},
+        "profile_coverage": sum(profile.values()) / seconds,
         "outputs": [r.token_ids for r in results],
         "texts": [r.text for r in results],
     }
@@ -272,6 +278,8 @@ def run(args: argparse.Namespace) -> int:
           f"{args.max_new_tokens} new tokens, {report['threads']} torch threads")
     print(table(report))
     print(LEGEND)
+    print(profile_table(report["runs"], {"config": "config", "batch_size": "B"}))
+    print(PROFILE_LEGEND)
     print(f"wrote {out / f'bench-{NAME}.json'}")
     mismatched = sum(r["mismatches"] or 0 for r in report["runs"])
     return 1 if mismatched else 0

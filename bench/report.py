@@ -74,19 +74,22 @@ LEGEND = (
 )
 
 
-def profile_table(rows: list[dict]) -> str:
+PROFILE_KEYS = {"draft": "draft", "method": "method", "batch_size": "B", "g": "g"}
+
+
+def profile_table(rows: list[dict], keys: dict[str, str] = PROFILE_KEYS) -> str:
     """One line per specq run: each phase's share of its wall time, in percent, and the
-    phases' sum (worker/engine/profile.py)."""
+    phases' sum (worker/engine/profile.py). ``keys``: the row's keys that name the run, and
+    each one's column head."""
     runs = [r for r in rows if r.get("profile_shares")]
     if not runs:
         return ""
     phases = list(runs[0]["profile_shares"])
-    head = ["draft", "method", "B", "g", *phases, "sum"]
+    head = [*keys.values(), *phases, "sum"]
     cells = [head]
     for r in runs:
         shares = r["profile_shares"]
-        cells.append([_cell(r, "draft", "{}"), _cell(r, "method", "{}"),
-                      _cell(r, "batch_size", "{}"), _cell(r, "g", "{}"),
+        cells.append([*(_cell(r, k, "{}") for k in keys),
                       *(f"{100 * shares[p]:.1f}" for p in phases),
                       f"{100 * r['profile_coverage']:.1f}"])
     return aligned(cells)

@@ -343,3 +343,20 @@ def test_sampling_bench_runs_both_ways_with_the_same_texts(capsys):
     assert sampling_bench.main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("texts identical 5/5") == 2 and "one sort" in out
+
+
+def test_profile_table_names_runs_by_the_keys_given():
+    """The grammar bench names its runs by configuration and batch size, the others by
+    drafter, method, batch size and g: each gets its phases' shares and their sum."""
+    from specq.bench.report import profile_table
+
+    shares = {"admit": 0.25, "verify": 0.7, "host": 0.05}
+    rows = [{"config": "suffix+grammar", "batch_size": 16, "profile_shares": shares,
+             "profile_coverage": 1.0},
+            {"config": "shaped", "batch_size": 16, "profile_shares": None}]
+    lines = profile_table(rows, {"config": "config", "batch_size": "B"}).splitlines()
+    assert lines[0].split() == ["config", "B", "admit", "verify", "host", "sum"]
+    assert [line.split() for line in lines[2:]] == [
+        ["suffix+grammar", "16", "25.0", "70.0", "5.0", "100.0"]]  # no profile: no line
+    default = profile_table([{**rows[0], "draft": "suffix", "method": NONE, "g": 0}])
+    assert default.splitlines()[0].split()[:4] == ["draft", "method", "B", "g"]
