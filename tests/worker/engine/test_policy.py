@@ -9,6 +9,7 @@ from specq.worker.engine.drafters import DraftModel, PromptLookup
 from specq.worker.engine.policy import (
     CONFIDENCE_DECAY,
     CONFIDENCE_PRIOR,
+    HINDSIGHT_FLOOR,
     PLAIN_REFRESH,
     PROBE_GAP,
     Calibration,
@@ -376,6 +377,40 @@ def test_calibration_learns_what_a_confidence_is_worth():
     assert cal(0.95) == pytest.approx(0.95), "other bins keep what they knew"
     cal.add([0.9, 0.9, 0.9], 0)  # the first judged and rejected: the others never judged
     assert cal.judged[9] == pytest.approx(CONFIDENCE_PRIOR * CONFIDENCE_DECAY + 1)
+
+
+def test_calibration_checks_its_bins_out_of_sample():
+    """Each verdict is weighed against what the bins predicted before learning from it:
+    while they promised more than the target gave, every calibrated acceptance is scaled
+    down (a bin never judged included), never below HINDSIGHT_FLOOR of itself; once the
+    bins predict what the target gives, the scale returns to 1; it never scales up."""
+    cal = Calibration()
+    assert cal.hindsight == 1.0
+    for k in range(8):  # single drafts at 0.75 that the target takes one time in two
+        cal.add([0.75], k % 2)
+    assert 0.6 < cal.hindsight < 0.95
+    # promised: each verdict's bin rate before it, from the prior 0.75 down; given: 4 of 8
+    assert cal(0.95) == pytest.approx(0.95 * cal.hindsight)  # a bin never judged, scaled
+    assert cal(0.75) == pytest.approx(cal._rate(0.75) * cal.hindsight)
+    for k in range(400):  # the bin has learnt: its predictions hold
+        cal.add([0.75], k % 2)
+    assert cal.hindsight > 0.9 and cal._rate(0.75) == pytest.approx(0.5, abs=0.05)
+
+    sure = Calibration()
+    for _ in range(50):  # drafts at 0.35 the target always takes: more than promised
+        sure.add([0.35, 0.35], 2)
+    assert sure.hindsight == 1.0 and sure(0.95) == pytest.approx(0.95)
+
+    wrong = Calibration()
+    for _ in range(200):  # sure drafts always refused: the scale stops at its floor
+        wrong.add([0.95, 0.95], 0)
+        assert wrong.hindsight >= HINDSIGHT_FLOOR
+    assert wrong.hindsight == HINDSIGHT_FLOOR
+
+    policy = Widths(default=4, max_g=8)  # the budget's survivals are the scaled ones
+    policy.calibration = cal
+    assert policy.survivals([2], [[]], [[0.95, 0.95]]) == [
+        pytest.approx([0.95 * cal.hindsight, (0.95 * cal.hindsight) ** 2])]
 
 
 def test_width_goes_wide_on_sure_drafts_and_plain_on_guesses():
