@@ -550,7 +550,10 @@ class Calibration:
 
     @property
     def hindsight(self) -> float:
-        """The verdicts over the bins' predictions of them, in [HINDSIGHT_FLOOR, 1]."""
+        """The verdicts over the bins' predictions of them, in [HINDSIGHT_FLOOR, 1] (1 once
+        both decayed to nothing: bins whose every rate decayed to 0 predict no verdict)."""
+        if self.predicted <= 0.0:
+            return 1.0
         return min(max(self.realized / self.predicted, HINDSIGHT_FLOOR), 1.0)
 
     def __call__(self, confidence: float) -> float:

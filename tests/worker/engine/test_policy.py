@@ -406,6 +406,8 @@ def test_calibration_checks_its_bins_out_of_sample():
         wrong.add([0.95, 0.95], 0)
         assert wrong.hindsight >= HINDSIGHT_FLOOR
     assert wrong.hindsight == HINDSIGHT_FLOOR
+    wrong.predicted = wrong.realized = 0.0  # a record decayed to nothing predicts nothing
+    assert wrong.hindsight == 1.0
 
     policy = Widths(default=4, max_g=8)  # the budget's survivals are the scaled ones
     policy.calibration = cal
