@@ -112,7 +112,7 @@ def figures(run: Run, hf: Run | None, none: Run | None) -> dict:
     out["speedup_vs_none"] = _ratio(out["tokens_per_s"], none)
     out["prefill_seconds"] = run.prefill_seconds
     out["decode_speedup_vs_none"] = decode_speedup(run, none)
-    out.update(profile_figures(run))
+    out.update(profile_figures(run.profile, run.seconds))
     if run.results is None:
         return out
     counters = [r.counters for r in run.results]
@@ -206,15 +206,15 @@ def decode_speedup(run: Run, none: Run | None) -> float | None:
     return (run.new_tokens / mine) / (none.new_tokens / base)
 
 
-def profile_figures(run: Run) -> dict:
-    """Where the run's time went (worker/engine/profile.py): seconds per phase, each
-    phase's share of the run's wall time, and the phases' sum over the wall time (the run's
-    time the profile saw; the rest is the bench's own sync around generate)."""
-    if run.profile is None or run.seconds <= 0:
+def profile_figures(profile: dict[str, float] | None, seconds: float) -> dict:
+    """Where a run's time went (worker/engine/profile.py): seconds per phase, each phase's
+    share of the run's wall time (``seconds``), and the phases' sum over the wall time (the
+    run's time the profile saw; the rest is the bench's own sync around generate)."""
+    if profile is None or seconds <= 0:
         return {"profile": None, "profile_shares": None, "profile_coverage": None}
-    return {"profile": dict(run.profile),
-            "profile_shares": {p: s / run.seconds for p, s in run.profile.items()},
-            "profile_coverage": sum(run.profile.values()) / run.seconds}
+    return {"profile": dict(profile),
+            "profile_shares": {p: s / seconds for p, s in profile.items()},
+            "profile_coverage": sum(profile.values()) / seconds}
 
 
 def step_time(run: Run) -> float | None:

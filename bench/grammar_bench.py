@@ -38,6 +38,7 @@ from pathlib import Path
 import jsonschema
 import torch
 
+from specq.bench.figures import profile_figures
 from specq.bench.report import PROFILE_LEGEND, profile_table, write_json
 from specq.bench.runner import load_bench_pair
 from specq.schema.generation import Message, Request
@@ -185,8 +186,7 @@ def run_config(pair, cfg: Config, convs, batch: int, max_new: int) -> dict:
         "mask_seconds": engine.grammars.mask_seconds,
         "mask_us_per_token": 1e6 * engine.grammars.mask_seconds / max(new, 1),
         "mask_share": engine.grammars.mask_seconds / seconds,
-        "profile": profile, "profile_shares": {p: t / seconds for p, t in profile.items()},
-        "profile_coverage": sum(profile.values()) / seconds,
+        **profile_figures(profile, seconds),
         "outputs": [r.token_ids for r in results],
         "texts": [r.text for r in results],
     }
