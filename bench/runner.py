@@ -45,7 +45,8 @@ class Run:
     g: int | None = None  # fixed draft length; None for adaptive and HF
     results: list[Result] | None = None
     steps: list[Step] = field(default_factory=list)
-    snapshot: dict | None = None  # the engine policy's own (decayed) estimates
+    snapshot: dict | None = None  # the engine policy's own (decayed) estimates, and the
+    # drafting regime's (drafting.Scored: the steps its drafter rested)
     prefill_seconds: float | None = None  # of ``seconds``, spent prefilling prompts (specq)
     profile: dict[str, float] | None = None  # of ``seconds``, per phase (engine/profile.py)
 
@@ -160,5 +161,5 @@ def run_specq(t: Target, prompts: list[list[int]], batch_size: int, max_new: int
             raise RuntimeError(f"request {r.id}: {r.error}")
     method = NONE if g == 0 else ADAPTIVE if adaptive else FIXED
     return Run(method, batch_size, seconds, [r.token_ids for r in results], draft=draft, g=g,
-               results=results, steps=steps, snapshot=eng.policy.snapshot(),
+               results=results, steps=steps, snapshot=eng.drafting.snapshot(),
                prefill_seconds=eng.prefill_seconds, profile=dict(eng.profile.seconds))

@@ -53,6 +53,11 @@ class VerifyCost(Protocol):
 
     step: float  # seconds a step that verifies any draft adds, however many
 
+    @property
+    def plain(self) -> float:
+        """Seconds of a plain step's pass (one token a row)."""
+        ...
+
     def allot(self, survivals: list[list[float]]) -> list[int]:
         """Per row, how many of its first draft tokens to verify. ``survivals``: per row,
         the predicted survival of each candidate token, non-increasing along the row."""
@@ -72,6 +77,10 @@ class Padded:
     seconds: list[float]  # [w]: seconds of a pass over w + 1 tokens per row, w = 0, 1, ...
     batch: int
     step: float = 0.0  # host seconds a drafting step adds (Packed.step)
+
+    @property
+    def plain(self) -> float:
+        return self.seconds[0]
 
     def pass_seconds(self, w: int) -> float:
         s = self.seconds
@@ -244,6 +253,18 @@ def drain(cost: VerifyCost, survivals: list[list[float]], remaining: list[int],
         if net > best_net:
             best, best_net = kept, net
     return best
+
+
+def gain(cost: VerifyCost, survivals: list[list[float]], kept: list[int]) -> float:
+    """What a step verifying ``kept`` draft tokens per row is expected to gain over a plain
+    step, as a share of its speed: its rows' tokens, each one and the kept tokens'
+    survivals, over its seconds, against a plain step's one token a row (0: a plain step;
+    below 0: it costs more than it yields)."""
+    batch = len(survivals)
+    if not batch or cost.plain <= 0:
+        return 0.0
+    tokens = batch + sum(sum(row[:k]) for row, k in zip(survivals, kept))
+    return tokens / batch * cost.plain / (cost.plain + cost.extra(kept)) - 1.0
 
 
 def split(plain: float, lone: float, batch: int) -> tuple[float, float]:

@@ -36,6 +36,10 @@ from specq.worker.engine.grammar import ForcedDrafts
 from specq.worker.engine.policy import DraftLengthPolicy, Pinned, Shadowed, Widths
 from specq.worker.engine.step import Step
 
+IDLE_AFTER = 4  # a scored drafter's proposals in a row the budget kept none of before it rests
+IDLE_REST = 8  # the most steps it rests at a time (Scored)
+WORTH_DECAY = 0.9  # per proposing step: what proposing is worth follows the latest steps
+
 
 def drafting_for(drafter: Drafter, *, default: int, max_g: int, adaptive: bool) -> Drafting:
     """The regime for this drafter: g starts at ``default`` (0: never draft) and adapts up
@@ -105,6 +109,10 @@ class Drafting:
                      else None)
         return self.spend(g, prop, forced, packed, remaining)
 
+    def snapshot(self) -> dict:
+        """The policy's estimates (policy.snapshot), and the regime's own where it keeps any."""
+        return self.policy.snapshot()
+
     def spend(self, g: int, prop: Proposal, forced: list[list[int]], packed: bool,
               remaining: list[int] | None = None) -> tuple[int, Proposal, list[list[int]]]:
         """Each row cut to the tokens the step's budget verifies (policy.allot). g stays
@@ -170,16 +178,45 @@ class ShadowedDrafting(Drafting):
 
 class Scored(Drafting):
     """Proposals at max_g with each token's confidence; the policy keeps the width that
-    pays for them (policy.Widths), and each step's verdicts teach its calibration."""
+    pays for them (policy.Widths), and each step's verdicts teach its calibration.
+
+    Proposing costs the drafter's lookups and the budget's ranking every step, kept or
+    not: on open chat at batch 16 on a CPU 1-2 % of a run for drafts the budget kept in
+    one step of ten (docs/benchmarks.md, "a drafter at rest"), a larger share where a pass
+    is shorter. So the drafter rests while its proposals are worth less than they cost:
+    the budget's expected gain of each proposing step (budget.gain: 0 where it kept
+    nothing), decayed (WORTH_DECAY), below the share of those steps' seconds spent
+    drafting. After IDLE_AFTER proposals in a row the budget kept none of, it skips one
+    step's proposal, then 2, 4, up to IDLE_REST; a step that verifies its tokens ends the
+    run. At batch 1, where a kept draft saves a good part of a pass, the worth stays far
+    above the cost and it never rests in a generation that drafts at all. The drafter
+    reads the rows as they are when it next proposes (suffix.py catches up); a row that
+    would have drafted in a rest waits at most IDLE_REST steps."""
 
     def __init__(self, drafter: Drafter, policy: DraftLengthPolicy) -> None:
         super().__init__(drafter, policy)
         self._full: Proposal | None = None  # the latest step's proposal at max_g
+        self.idle = 0  # proposals in a row the budget kept none of
+        self.rest = 0  # steps left before the drafter proposes again
+        # decayed over proposing steps: the budget's expected gain (budget.gain), and the
+        # share of the step's seconds spent drafting; None until a step priced them
+        self.worth: float | None = None
+        self.cost = 0.0
+        self.rested = 0  # steps it rested, counted for the benches (``snapshot``)
 
     def propose(self, inputs: DraftInputs, rows: list[Row]) -> tuple[int, Proposal]:
+        if self.rest:
+            self.rest -= 1
+            self.rested += 1
+            self._full = None
+            return 0, nothing(len(rows))
         self._full = full = self.drafter.propose(inputs, self.policy.max_g)
         g = self.policy.choose(batch=len(rows), confidence=full.confidences)
         return min(g, max(full.num_draft.tolist(), default=0)), full
+
+    def snapshot(self) -> dict:
+        return {**super().snapshot(), "rested": self.rested, "worth": self.worth,
+                "draft_share": self.cost}
 
     def confidence(self, prop: Proposal, batch: int) -> list[list[float]]:
         """The scorer's confidences, read from its proposal at max_g (a grammar's merge
@@ -199,6 +236,24 @@ class Scored(Drafting):
             step.judged = verdicts(self._full, step, self.confidence(self._full, len(rows)))
             self.policy.observe_confidence(step.judged)
             self._full = None
+            self._weigh(step)
+
+    def _weigh(self, step: Step) -> None:
+        """After a proposing step: what proposing is worth against what it costs, and
+        whether the drafter rests (the class's docstring)."""
+        gain = self.policy.gain
+        if gain is None or step.t_step <= 0:  # a measuring step, or costs still unknown
+            self.idle = 0
+            return
+        share = step.t_draft / step.t_step
+        if self.worth is None:
+            self.worth, self.cost = gain, share
+        else:
+            self.worth = WORTH_DECAY * self.worth + (1 - WORTH_DECAY) * gain
+            self.cost = WORTH_DECAY * self.cost + (1 - WORTH_DECAY) * share
+        self.idle = 0 if step.g else self.idle + 1
+        if self.idle >= IDLE_AFTER and self.worth < self.cost:
+            self.rest = min(2 ** (self.idle - IDLE_AFTER), IDLE_REST)
 
 
 def own(step: Step) -> tuple[list[int], list[int]]:

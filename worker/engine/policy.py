@@ -613,6 +613,9 @@ class DraftLengthPolicy:
         self._plain_at: dict[int, int] = {}  # batch size -> step of its latest plain pass
         self._drafted_at = 0  # step of the latest drafting step
         self.measuring = True  # the latest choice measures: its step is verified whole
+        # the latest allotment's expected gain over a plain step (budget.gain; 0: nothing
+        # to verify, None: kept whole, unpriced: a measuring step, or costs unknown)
+        self.gain: float | None = None
 
     # -- estimates ----------------------------------------------------------------
 
@@ -712,10 +715,12 @@ class DraftLengthPolicy:
         batch drains: budget.drain); ``quotes``: per row, where a guessed closing quote
         stands in it (grammar.ForcedDrafts.chain), or None."""
         widest = max(num_draft, default=0)
+        self.gain = None if widest and self.measuring else 0.0
         if self.measuring or not widest:
             return list(num_draft)
         seconds = [self.t_verify(w + 1) for w in range(widest + 1)]
         if any(t is None for t in seconds):
+            self.gain = None
             return list(num_draft)
         fit = self.costs.pass_fit(len(num_draft)) if packed else None
         step = self.costs.drafting_step(len(num_draft))
@@ -727,11 +732,15 @@ class DraftLengthPolicy:
             cost = budget.verify_cost([t for t in seconds if t is not None], len(num_draft),
                                       packed, step)
         survivals = self.survivals(num_draft, forced, confidence, looked, quotes)
+        kept = None
         if remaining is not None and len(num_draft) > 1:
             split = self._split(len(num_draft), fit[0] if fit else seconds[0])
             if split is not None:
-                return budget.drain(cost, survivals, remaining, *split)
-        return cost.allot(survivals)
+                kept = budget.drain(cost, survivals, remaining, *split)
+        if kept is None:
+            kept = cost.allot(survivals)
+        self.gain = budget.gain(cost, survivals, kept)
+        return kept
 
     def _split(self, batch: int, plain: float | None) -> tuple[float, float] | None:
         """A plain step at this batch size in two parts, seconds: what the step costs
