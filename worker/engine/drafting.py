@@ -113,6 +113,10 @@ class Drafting:
         """The policy's estimates (policy.snapshot), and the regime's own where it keeps any."""
         return self.policy.snapshot()
 
+    def reset(self) -> None:
+        """A generation starts (or a failed one ended): what the regime held of the rows
+        goes (the policy's estimates stay: policy.forget_data drops those)."""
+
     def spend(self, g: int, prop: Proposal, forced: list[list[int]], packed: bool,
               remaining: list[int] | None = None) -> tuple[int, Proposal, list[list[int]]]:
         """Each row cut to the tokens the step's budget verifies (policy.allot). g stays
@@ -217,6 +221,11 @@ class Scored(Drafting):
     def snapshot(self) -> dict:
         return {**super().snapshot(), "rested": self.rested, "worth": self.worth,
                 "draft_share": self.cost}
+
+    def reset(self) -> None:
+        """A new generation's rows, perhaps another job's, propose from its first step: the
+        run of idle proposals and its rest start again (the worth, decayed, stays)."""
+        self._full, self.idle, self.rest = None, 0, 0
 
     def confidence(self, prop: Proposal, batch: int) -> list[list[float]]:
         """The scorer's confidences, read from its proposal at max_g (a grammar's merge

@@ -346,6 +346,7 @@ class SpeculativeEngine:
         (a half-made step, a drafter's pending tokens) cannot reach the next one."""
         self.kv = KVRows(self.target)
         self.drafter.reset()
+        self.drafting.reset()
         self.rows: list[Row] = []
         self.order: list[int] = []  # request index of each row
         self.joining: list[int | str] = []  # ids of requests being prefilled

@@ -146,3 +146,14 @@ def test_an_engine_rests_a_drafter_the_budget_never_keeps_and_stays_exact(
     assert len(proposing) < 0.6 * len(steps)
     assert max(b - a for a, b in zip(proposing, proposing[1:])) <= drafting.IDLE_REST + 1
     assert engine.drafting.worth < engine.drafting.cost
+
+
+def test_a_new_generation_proposes_from_its_first_step():
+    """A rest belongs to the rows it was earned on: the engine's next generation (perhaps
+    another job's) has its drafter propose at once."""
+    drafter = _Counting()
+    scored = drafting.Scored(drafter, policy.Widths(default=4, max_g=8))
+    _proposals(scored, drafter, [0.0] * 6, [False] * 6, share=0.02)
+    assert scored.rest
+    scored.reset()
+    assert _proposals(scored, drafter, [0.0] * 4, [False] * 4, share=0.02) == [True] * 4
