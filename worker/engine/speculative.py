@@ -223,6 +223,7 @@ class SpeculativeEngine:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self._ends_job: Hashable = None  # the job whose rows' ends are counted
         self._ends = {True: 0, False: 0}  # its rows ended at their limit (True) or before
+        self._ends_all = {True: 0, False: 0}  # the same over every job this engine ran
         self.prefill_seconds = 0.0  # spent prefilling prompts, over the engine's life
         self.admissions = 0  # prefills that admitted rows (each of one or a few passes)
         self.joins = 0  # rows that joined a running pass instead (_join)
@@ -301,8 +302,16 @@ class SpeculativeEngine:
         """Most of the job's rows so far ran to their ``max_new_tokens``: a row's limit
         says when it ends, and a draining batch's budget (budget.drain) can tell which
         row ends last. Rows that end at their EOS first (a JSON object closed, an answer
-        given) end where nobody knows: the budget keeps to tokens per second."""
-        return self._ends[True] > 0 and self._ends[True] >= self._ends[False]
+        given) end where nobody knows: the budget keeps to tokens per second.
+
+        Until a row of the job has ended, the rows the engine ran before (other jobs') say
+        it: a job whose rows all start together (64 prompts at batch 64) drains from its
+        first step, and priced as if refills waited its budget kept 26-74 drafts a step
+        where a row that ends a step sooner saves less than they cost (json at 0.94x no
+        speculation, docs/benchmarks.md, "a drafter at rest"). With no row ended
+        anywhere, tokens per second."""
+        ends = self._ends if any(self._ends.values()) else self._ends_all
+        return ends[True] > 0 and ends[True] >= ends[False]
 
     def _room_for(self, waiting: int) -> bool:
         """Admit now? Once ``admit_group`` rows are free (or all the waiting fit, or the
@@ -538,6 +547,7 @@ class SpeculativeEngine:
         if row.result.error is None:  # a failed row teaches the drafter nothing
             self.drafter.finish(row.tokens)
             self._ends[row.result.finish_reason == "length"] += 1
+            self._ends_all[row.result.finish_reason == "length"] += 1
         hand_back(i, row.finish())
 
     def _retire(self, hand_back: Callable[[int, Result], None]) -> None:

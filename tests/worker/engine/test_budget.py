@@ -507,3 +507,37 @@ def test_the_engine_drains_only_where_rows_run_to_their_limit(tiny_models, tiny_
     ended = engine.generate(requests, job="to the end")
     assert all(r.finish_reason == "stop" for r in ended) and told
     assert all(t is None for t in told)
+
+
+def test_a_job_that_starts_full_drains_as_the_rows_before_it_ended(tiny_models, tiny_tokenizer,
+                                                                   make_requests):
+    """All of a job's rows start together (no request waits) and none has ended yet: the
+    rows the engine ran before say how rows end. On an engine that never saw a row end,
+    tokens per second; after a job whose rows ran to their limit, the next job drains from
+    its first step; once the job's own rows end, theirs decide."""
+    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, SuffixDrafter(),
+                               max_batch_size=4)
+    told, allot = [], engine.policy.allot
+
+    def spy(num, *args, **kwargs):
+        told.append(kwargs.get("remaining", args[4] if len(args) > 4 else None))
+        return allot(num, *args, **kwargs)
+
+    engine.policy.allot = spy  # type: ignore[method-assign]
+    requests = [r.model_copy(update={"max_new_tokens": 12}) for r in make_requests(4, seed=7)]
+    first = engine.generate(requests, job="first")
+    assert all(r.finish_reason == "length" for r in first)
+    assert told and told[0] is None  # nothing known of how rows end: tokens per second
+    told.clear()
+    engine.generate(requests, job="second")
+    assert told and all(t is not None for t in told)  # drained from its first step
+    # a job whose rows end at their EOS: its first chunk priced by the earlier rows, its
+    # next chunk (a worker's next generation of the same job) by its own ends
+    engine.eos_ids = engine.eos_ids | {r.token_ids[3] for r in first}
+    told.clear()
+    ended = engine.generate(requests, job="third")
+    assert all(r.finish_reason == "stop" for r in ended)
+    assert told and all(t is not None for t in told)
+    told.clear()
+    engine.generate(requests, job="third")
+    assert told and all(t is None for t in told)
