@@ -481,11 +481,9 @@ def test_a_draining_batch_fills_a_width_its_longest_rows_paid_for():
     assert kept == [2, 2, 1]
 
 
-def test_the_engine_drains_only_where_rows_run_to_their_limit(tiny_models, tiny_tokenizer,
-                                                              make_requests):
-    """A job whose rows end at their max_new_tokens: once no request waits, the budget
-    is told each row's remaining tokens (budget.drain). A job whose rows end at their EOS
-    first: never (a limit does not say which row ends last)."""
+def _told_remaining(tiny_models, tiny_tokenizer) -> tuple[SpeculativeEngine, list]:
+    """An engine of 4 rows with the suffix drafter, and per step its budget priced, the
+    ``remaining`` the engine told it (None: the batch was not draining), filled as it runs."""
     engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, SuffixDrafter(),
                                max_batch_size=4)
     told, allot = [], engine.policy.allot
@@ -495,6 +493,15 @@ def test_the_engine_drains_only_where_rows_run_to_their_limit(tiny_models, tiny_
         return allot(num, *args, **kwargs)
 
     engine.policy.allot = spy  # type: ignore[method-assign]
+    return engine, told
+
+
+def test_the_engine_drains_only_where_rows_run_to_their_limit(tiny_models, tiny_tokenizer,
+                                                              make_requests):
+    """A job whose rows end at their max_new_tokens: once no request waits, the budget
+    is told each row's remaining tokens (budget.drain). A job whose rows end at their EOS
+    first: never (a limit does not say which row ends last)."""
+    engine, told = _told_remaining(tiny_models, tiny_tokenizer)
     requests = [r.model_copy(update={"max_new_tokens": 12}) for r in make_requests(7, seed=5)]
     results = engine.generate(requests, job="to the limit")
     assert all(r.finish_reason == "length" for r in results)
@@ -515,15 +522,7 @@ def test_a_job_that_starts_full_drains_as_the_rows_before_it_ended(tiny_models, 
     rows the engine ran before say how rows end. On an engine that never saw a row end,
     tokens per second; after a job whose rows ran to their limit, the next job drains from
     its first step; once the job's own rows end, theirs decide."""
-    engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, SuffixDrafter(),
-                               max_batch_size=4)
-    told, allot = [], engine.policy.allot
-
-    def spy(num, *args, **kwargs):
-        told.append(kwargs.get("remaining", args[4] if len(args) > 4 else None))
-        return allot(num, *args, **kwargs)
-
-    engine.policy.allot = spy  # type: ignore[method-assign]
+    engine, told = _told_remaining(tiny_models, tiny_tokenizer)
     requests = [r.model_copy(update={"max_new_tokens": 12}) for r in make_requests(4, seed=7)]
     first = engine.generate(requests, job="first")
     assert all(r.finish_reason == "length" for r in first)
