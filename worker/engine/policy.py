@@ -715,12 +715,14 @@ class DraftLengthPolicy:
         batch drains: budget.drain); ``quotes``: per row, where a guessed closing quote
         stands in it (grammar.ForcedDrafts.chain), or None."""
         widest = max(num_draft, default=0)
-        self.gain = None if widest and self.measuring else 0.0
-        if self.measuring or not widest:
+        if not widest:
+            self.gain = 0.0
+            return list(num_draft)
+        self.gain = None  # kept whole, unpriced, unless the budget below prices it
+        if self.measuring:
             return list(num_draft)
         seconds = [self.t_verify(w + 1) for w in range(widest + 1)]
         if any(t is None for t in seconds):
-            self.gain = None
             return list(num_draft)
         fit = self.costs.pass_fit(len(num_draft)) if packed else None
         step = self.costs.drafting_step(len(num_draft))
@@ -732,12 +734,11 @@ class DraftLengthPolicy:
             cost = budget.verify_cost([t for t in seconds if t is not None], len(num_draft),
                                       packed, step)
         survivals = self.survivals(num_draft, forced, confidence, looked, quotes)
-        kept = None
-        if remaining is not None and len(num_draft) > 1:
-            split = self._split(len(num_draft), fit[0] if fit else seconds[0])
-            if split is not None:
-                kept = budget.drain(cost, survivals, remaining, *split)
-        if kept is None:
+        split = (self._split(len(num_draft), fit[0] if fit else seconds[0])
+                 if remaining is not None and len(num_draft) > 1 else None)
+        if remaining is not None and split is not None:
+            kept = budget.drain(cost, survivals, remaining, *split)
+        else:
             kept = cost.allot(survivals)
         self.gain = budget.gain(cost, survivals, kept)
         return kept
