@@ -5,7 +5,11 @@
    `--carrying` of the rows carry g drafts and the rest carry their last token alone; the
    packed forward against the padded one (transformers' forward) in the same cache, and a
    plain pass (one token per row, packed) for scale. Each pass's columns are taken back
-   out after it, outside the timer, so every pass sees the same length.
+   out after it, outside the timer, so every pass sees the same length. From the packed
+   and the plain pass, what a draft token costs (their difference over the drafts
+   carried), what a row's token of the plain pass costs (the plain pass over B), and their
+   ratio: the survival a draft token needs to pay for itself while requests wait for a
+   place (budget.py prices it so), at each batch size and each `--context` given.
 2. No speculation: the engine (packed forward) against transformers' own padded `generate`
    and against the engine on the padded forward, greedy, `--prompts-per-row` prompts per
    batch row of the built-in prompts, `--max-new-tokens` each; their outputs compared.
@@ -14,6 +18,8 @@ Rounds interleave the configurations (each round starts one later); a figure is 
 over `--rounds` rounds with the rounds' range, and ratios are taken round by round.
 
     python -m specq.bench.verify_bench --pair smollm2-135m --batch-sizes 16,64 --rounds 3
+    python -m specq.bench.verify_bench --pair smollm2-135m --parts verify --context 8,300 \
+        --batch-sizes 16,32,64 --draft-length 2 --carrying 0.25
 """
 
 from __future__ import annotations
@@ -97,7 +103,8 @@ def _pass_ms(kv: KVRows, ids: torch.Tensor, valid: torch.Tensor, context: int,
 @torch.inference_mode()
 def verify_passes(model: PreTrainedModel, batches: list[int], context: int, g: int,
                   carrying: float, passes: int, rounds: int) -> list[dict]:
-    """Part 1: per batch size, the ragged verify pass packed and padded, and a plain pass."""
+    """Part 1: per batch size, the ragged verify pass packed and padded, and a plain pass;
+    a draft token's price beside a row's plain token (``break_even``)."""
     dev, W = model.device, g + 1
     gen = torch.Generator().manual_seed(context)
     vocab = model.config.vocab_size
@@ -125,13 +132,18 @@ def verify_passes(model: PreTrainedModel, batches: list[int], context: int, g: i
             for go in configs.values():
                 go()
         ms = _rounds(configs, rounds)
-        ratio = [a / b for a, b in zip(ms["packed"], ms["padded"])]
+        ratio = [a / b for a, b in zip(ms["packed"], ms["plain"])]
+        drafts = carriers * g
+        draft = [(a - b) / drafts for a, b in zip(ms["packed"], ms["plain"])]
+        row = [b / B for b in ms["plain"]]
         out.append({"batch": B, "context": context, "width": W, "carrying_rows": carriers,
                     "tokens_carried": int(valid.sum()), "tokens_padded": B * W,
                     **{f"{k}_ms": _spread(v) for k, v in ms.items()},
-                    "packed_over_padded": _spread(ratio),
-                    "packed_over_plain": _spread([a / b for a, b in zip(ms["packed"],
-                                                                        ms["plain"])])})
+                    "packed_over_padded": _spread([a / b for a, b in zip(ms["packed"],
+                                                                         ms["padded"])]),
+                    "packed_over_plain": _spread(ratio),
+                    "draft_token_ms": _spread(draft), "row_token_ms": _spread(row),
+                    "break_even": _spread([d / r for d, r in zip(draft, row)])})
         log.info("verify B=%d: packed %.1f ms, padded %.1f ms", B,
                  out[-1]["packed_ms"]["median"], out[-1]["padded_ms"]["median"])
     return out
@@ -185,14 +197,17 @@ def no_speculation(pair, batches: list[int], per_row: int, max_new: int,
 def markdown(report: dict) -> str:
     lines = []
     if report.get("verify"):
-        lines += ["| batch | rows carrying g | tokens carried / padded | packed ms | "
-                  "padded ms | packed / padded | packed / plain pass |",
-                  "|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["| batch | context | rows carrying g | tokens carried / padded | packed ms | "
+                  "padded ms | packed / padded | packed / plain pass | draft token ms | "
+                  "row's token ms | break-even survival |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in report["verify"]:
             lines.append(
-                f"| {r['batch']} | {r['carrying_rows']} | {r['tokens_carried']} / "
-                f"{r['tokens_padded']} | {_cell(r['packed_ms'], 1)} | {_cell(r['padded_ms'], 1)} "
-                f"| {_cell(r['packed_over_padded'], 2)} | {_cell(r['packed_over_plain'], 2)} |")
+                f"| {r['batch']} | {r['context']} | {r['carrying_rows']} | "
+                f"{r['tokens_carried']} / {r['tokens_padded']} | {_cell(r['packed_ms'], 1)} | "
+                f"{_cell(r['padded_ms'], 1)} | {_cell(r['packed_over_padded'], 2)} | "
+                f"{_cell(r['packed_over_plain'], 2)} | {_cell(r['draft_token_ms'], 2)} | "
+                f"{_cell(r['row_token_ms'], 2)} | {_cell(r['break_even'], 2)} |")
         lines.append("")
     if report.get("no_speculation"):
         lines += ["| batch | prompts | HF generate s | engine packed s | engine padded s | "
@@ -225,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="part 1, the ragged verify pass")
     p.add_argument("--plain-batch-sizes", type=_ints, default=[1, 16, 64],
                    help="part 2, no speculation against transformers' generate")
-    p.add_argument("--context", type=positive_int, default=256)
+    p.add_argument("--context", type=_ints, default=[256],
+                   help="part 1: each row's real columns before the pass (a list: each)")
     p.add_argument("--draft-length", type=positive_int, default=4)
     p.add_argument("--carrying", type=float, default=0.25,
                    help="share of the rows that carry drafts in the verify pass")
@@ -241,9 +257,10 @@ def main(argv: list[str] | None = None) -> int:
                     "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                     "packed": KVRows(pair.target).packed}
     if "verify" in parts:
-        report["verify"] = verify_passes(pair.target, args.batch_sizes, args.context,
-                                         args.draft_length, args.carrying, args.passes,
-                                         args.rounds)
+        report["verify"] = [r for context in args.context
+                            for r in verify_passes(pair.target, args.batch_sizes, context,
+                                                   args.draft_length, args.carrying,
+                                                   args.passes, args.rounds)]
     if "plain" in parts:
         report["no_speculation"] = no_speculation(pair, args.plain_batch_sizes,
                                                   args.prompts_per_row, args.max_new_tokens,

@@ -329,8 +329,28 @@ def test_verify_bench_runs_packed_and_padded_side_by_side(capsys):
             "--max-new-tokens", "4"]
     assert verify_bench.main(argv) == 0
     out = capsys.readouterr().out
-    assert "| 4 | 1 | 8 / 20 |" in out  # one row of four carries 4 drafts: 8 of 20 tokens
+    assert "| 4 | 16 | 1 | 8 / 20 |" in out  # one row of four carries 4 drafts: 8 of 20
     assert "| 2/2, 2/2 |" in out  # packed and padded engines both equal transformers' greedy
+
+
+def test_verify_bench_prices_a_draft_token_beside_a_rows_token(tiny_models):
+    """Each context, each batch size: a draft token's price is the packed pass's excess
+    over the plain pass, shared by the drafts carried; a row's token the plain pass over
+    the rows; the break-even survival their ratio, round by round."""
+    from specq.bench import verify_bench
+
+    rows = [r for context in (8, 24) for r in verify_bench.verify_passes(
+        tiny_models["target"], [4, 8], context, 2, 0.5, passes=1, rounds=2)]
+    assert [(r["context"], r["batch"]) for r in rows] == [(8, 4), (8, 8), (24, 4), (24, 8)]
+    for r in rows:
+        drafts = r["carrying_rows"] * 2
+        assert r["tokens_carried"] == r["batch"] + drafts
+        for i in range(2):
+            packed, plain = r["packed_ms"]["rounds"][i], r["plain_ms"]["rounds"][i]
+            draft, row = r["draft_token_ms"]["rounds"][i], r["row_token_ms"]["rounds"][i]
+            assert draft == pytest.approx((packed - plain) / drafts)
+            assert row == pytest.approx(plain / r["batch"]) and row > 0
+            assert r["break_even"]["rounds"][i] == pytest.approx(draft / row)
 
 
 def test_sampling_bench_runs_both_ways_with_the_same_texts(capsys):
