@@ -58,6 +58,11 @@ class VerifyCost(Protocol):
         """Seconds of a plain step's pass (one token a row)."""
         ...
 
+    @property
+    def token(self) -> float:
+        """Seconds one more token adds to a pass, a column it may widen aside."""
+        ...
+
     def allot(self, survivals: list[list[float]]) -> list[int]:
         """Per row, how many of its first draft tokens to verify. ``survivals``: per row,
         the predicted survival of each candidate token, non-increasing along the row."""
@@ -81,6 +86,10 @@ class Padded:
     @property
     def plain(self) -> float:
         return self.seconds[0]
+
+    @property
+    def token(self) -> float:  # a column of every row, a row's share of it
+        return max(self.pass_seconds(1) - self.pass_seconds(0), 0.0) / max(self.batch, 1)
 
     def pass_seconds(self, w: int) -> float:
         s = self.seconds
@@ -140,6 +149,10 @@ class Packed:
     def extra(self, kept: list[int]) -> float:
         return self.per_token * sum(kept) + self.step if any(kept) else 0.0
 
+    @property
+    def token(self) -> float:
+        return self.per_token
+
 
 @dataclass
 class TwoPart:
@@ -189,6 +202,10 @@ class TwoPart:
             return 0.0
         return self.per_token * sum(kept) + self.per_column * max(kept) + self.step
 
+    @property
+    def token(self) -> float:
+        return self.per_token
+
 
 def drain(cost: VerifyCost, survivals: list[list[float]], remaining: list[int],
           fixed: float, per_row: float) -> list[int]:
@@ -197,8 +214,9 @@ def drain(cost: VerifyCost, survivals: list[list[float]], remaining: list[int],
     While requests wait, a token a row gains is a token of the job sooner: a row that ends
     early takes the next request (``allot``'s tokens per second). Once none waits the job
     ends with its last row, and a token saves only the time it takes off the rest of the
-    job: the row's own share of each pass it no longer joins (``per_row`` seconds, about
-    what the token cost to verify: it rarely pays alone), and, if it shortens the longest
+    job: the row's own share of each pass it no longer joins (``per_row`` seconds, never
+    more than a token of the pass costs, ``cost.token``: it rarely pays alone), and, if it
+    shortens the longest
     row's remaining work, a pass's fixed part (``fixed``: the weights read, the launches)
     for each step the job no longer runs. ``remaining``: per row, the tokens it may still
     emit (a step emits one anyway; its limit, not its end of sequence, which nobody knows).
@@ -210,7 +228,16 @@ def drain(cost: VerifyCost, survivals: list[list[float]], remaining: list[int],
     most seconds over its price wins, else a plain step. On rows that end together (a
     batch of rows run to one limit) a step is saved only when all of them gain: the tail
     of such a job runs plain, where tokens per second drafted on and lost (the chat
-    workload at batch 16, docs/benchmarks.md)."""
+    workload at batch 16, docs/benchmarks.md).
+
+    A row in a plain pass is one token of it, so its share is what a token costs the
+    pass. The two are measured apart (the share from plain passes at 1 row and at this
+    batch size, at the job's context; a token from the ragged passes' fit), and where the
+    share came out dearer the token's price stands: at batch 64 on a CPU a share of 2.0 ms
+    beside a token's 1.5 paid for any draft of survival above 0.75 alone, and a draining
+    batch of 64 verified 224 drafts promised 0.94 in one step; the target took 79, and the
+    pass cost three plain ones (docs/benchmarks.md, "a row's share is a token")."""
+    per_row = min(per_row, cost.token)
     rows = [row[:max(0, r - 1)] for row, r in zip(survivals, remaining)]  # the last
     # token a row may emit ends it: a draft past it is never kept
     longest = max(remaining, default=0)

@@ -438,7 +438,8 @@ def test_a_draining_batch_drafts_its_longest_row():
 def test_drain_saves_what_the_best_allotment_saves(seed):
     """Against every allotment of small batches, scored exactly (every accept outcome):
     drain's choice (the longest rows' tokens depth by depth, then others' tokens one by
-    one) saves what the best saves (500 seeds checked so when it was written)."""
+    one) saves what the best saves (500 seeds checked so when it was written), a row's
+    share priced at most a token's (``drain``)."""
     rng = random.Random(seed)
     B = rng.randint(2, 3)
     survivals = [chain([rng.random() ** 0.5 for _ in range(rng.randint(0, 3))])
@@ -446,14 +447,33 @@ def test_drain_saves_what_the_best_allotment_saves(seed):
     remaining = [rng.randint(1, 6) for _ in range(B)]
     cost = TwoPart(plain=0.1, per_token=rng.uniform(0.001, 0.02),
                    per_column=rng.uniform(0.0, 0.01), batch=B, step=rng.uniform(0.0, 0.01))
-    fixed, per_row = rng.uniform(0.01, 0.1), rng.uniform(0.001, 0.02)
+    fixed, share = rng.uniform(0.01, 0.1), rng.uniform(0.001, 0.02)
+    per_row = min(share, cost.token)
     usable = [row[:max(0, r - 1)] for row, r in zip(survivals, remaining)]
     best = max(drain_net(survivals, remaining, list(kept), cost, fixed, per_row)
                for kept in itertools.product(*(range(len(r) + 1) for r in usable)))
     got = drain_net(survivals, remaining, budget.drain(cost, survivals, remaining, fixed,
-                                                       per_row), cost, fixed, per_row)
+                                                       share), cost, fixed, per_row)
     assert got >= 0.0
     assert got == pytest.approx(best, rel=1e-9, abs=1e-12)
+
+
+def test_a_rows_share_dearer_than_a_token_pays_for_no_draft_alone():
+    """A row in a plain pass is one token of it: where its share, measured apart, came out
+    dearer than the token's price, drafts of any survival short of 1 are not kept for the
+    share alone (a draining batch of 64 kept 224 drafts at a share of 2.0 ms beside a
+    token's 1.5, promised 0.94 each, and the target took 79); the pass's fixed part, a
+    step the job no longer runs, still pays for the longest row's, and for sure tokens in
+    every row."""
+    cost = TwoPart(plain=0.15, per_token=0.0015, per_column=0.0, batch=64)
+    likely = [chain([0.94] * 4)] * 64
+    assert budget.drain(cost, likely, [20] * 64, fixed=0.02, per_row=0.002) == [0] * 64
+    assert budget.drain(cost, likely, [20] * 64, fixed=0.02, per_row=0.001) == [0] * 64
+    kept = budget.drain(cost, likely, [30] + [20] * 63, fixed=0.02, per_row=0.002)
+    assert kept[0] > 0 and kept[1:] == [0] * 63
+    sure = [[1.0] * 4] * 64  # a grammar's forced tokens in every row: steps the job saves
+    assert budget.drain(cost, sure, [20] * 64, fixed=0.02, per_row=0.002) == [4] * 64
+    assert Padded([0.1, 0.164], 64).token == pytest.approx(0.001)
 
 
 def test_the_policy_drains_once_no_request_waits():
@@ -474,11 +494,13 @@ def test_the_policy_drains_once_no_request_waits():
 def test_a_draining_batch_fills_a_width_its_longest_rows_paid_for():
     """Tokens of other rows inside the columns the longest rows' depth pays for cost a
     token each; one that would widen the pass costs its column too. A sure token that
-    widens is refused and a likely one inside the width still kept."""
-    cost = TwoPart(plain=0.1, per_token=0.002, per_column=0.003, batch=3)
-    survivals = [[1.0] * 4, chain([0.9, 0.9]), [0.95]]  # forced, the longest, a guess
-    kept = budget.drain(cost, survivals, [10, 30, 10], fixed=0.05, per_row=0.004)
-    assert kept == [2, 2, 1]
+    widens is refused; a sure one inside the width is kept (it costs a token of the pass
+    and saves its row one), a likely one not (a row's share is at most a token's)."""
+    cost = TwoPart(plain=0.1, per_token=0.002, per_column=0.003, batch=4)
+    # forced, the longest, forced, a guess
+    survivals = [[1.0] * 4, chain([0.9, 0.9]), [1.0], [0.95]]
+    kept = budget.drain(cost, survivals, [10, 30, 10, 10], fixed=0.05, per_row=0.004)
+    assert kept == [2, 2, 1, 0]
 
 
 def _told_remaining(tiny_models, tiny_tokenizer) -> tuple[SpeculativeEngine, list]:
