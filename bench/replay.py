@@ -14,9 +14,15 @@ The same proposals under each way of keeping drafts:
 - oracle: each row keeps exactly the drafts that survive: the drafter's ceiling;
 - budget: the engine's own budget (budget.TwoPart over the policy's survivals, its
   calibration learning from each pass's verdicts as drafting.verdicts teaches it), and
-  once no prompt waits for a place the engine's draining budget (budget.drain);
-- rate: the same budget at tokens per second to the end, as the engine kept it before
-  it knew a batch drains;
+  once no prompt waits for a place the engine's draining budget (budget.drain), told each
+  row's true end;
+- rate: the same budget at tokens per second to the end, as the engine keeps it where
+  rows end at their end of sequence (and kept it everywhere before it knew a batch
+  drains);
+- limit: the drain told each row's limit (--max-new-tokens) as its end, as the engine
+  drains where rows end at their limit (where they end sooner, the limit misleads it);
+- level: the drain told every row is as long as the longest (a job of rows whose ends
+  nobody knows: a step is saved only where every row gains);
 - g = k: every row keeps its first k drafts (a fixed draft length).
 
 Only the verify passes are priced, all alike (no prefill, no host work, no drafting), so
@@ -45,7 +51,8 @@ from specq.worker.engine import budget
 from specq.worker.engine.drafters import Drafter, DraftInputs, NoDraft
 from specq.worker.engine.policy import Widths
 
-ORACLE, BUDGET, RATE = "oracle", "budget", "rate"
+ORACLE, BUDGET, RATE, LIMIT, LEVEL = "oracle", "budget", "rate", "limit", "level"
+DRAINS = (BUDGET, LIMIT, LEVEL)  # the draining budget, each told the rows' ends its way
 
 
 @dataclass(frozen=True)
@@ -106,9 +113,12 @@ def plain_run(model, tokenizer, prompts: list[list[int]], max_new: int, batch: i
 
 def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
            make_drafter: Callable[[], Drafter], keep: str | int, price: Price,
-           max_g: int = 8) -> Replayed:
+           max_g: int = 8, limit: int | None = None) -> Replayed:
     """Step the outputs as the engine would at this batch size, keeping drafts by ``keep``
-    (ORACLE, BUDGET, RATE or a fixed g; 0: plain decoding), each pass priced by ``price``."""
+    (ORACLE, BUDGET, RATE, LIMIT, LEVEL or a fixed g; 0: plain decoding), each pass priced
+    by ``price``; ``limit``: the requests' max_new_tokens (LIMIT; by default the longest
+    output's length)."""
+    limit = max(map(len, outputs), default=0) if limit is None else limit
     drafter = make_drafter()
     policy = Widths(max_g=max_g)  # its survivals and its calibration, as the engine's
     calibration = policy.calibration
@@ -130,7 +140,7 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
         B = len(rows)
         zeros = torch.zeros(B, dtype=torch.long)
         rest = [outputs[i][n:] for i, n in rows]
-        asked = max_g if keep in (ORACLE, BUDGET, RATE) else int(keep)
+        asked = max_g if isinstance(keep, str) else int(keep)
         if asked:
             prop = drafter.propose(DraftInputs(seqs, zeros, zeros.float(), zeros,
                                                torch.ones(B), greedy=True), asked)
@@ -143,14 +153,16 @@ def replay(prompts: list[list[int]], outputs: list[list[int]], batch: int,
         right = [_agree(d, r) for d, r in zip(drafts, rest)]
         if keep == ORACLE:
             kept = right
-        elif keep in (BUDGET, RATE):
+        elif keep in (RATE, *DRAINS):
             survivals = policy.survivals([len(c) for c in conf], [[] for _ in conf], conf)
             cost = budget.TwoPart(price.rows(B), price.per_token, price.per_column, B,
                                   price.per_pass)
             if not any(survivals):
                 kept = [0] * B
-            elif keep == BUDGET and not waiting and B > 1:  # as policy.allot drains
-                kept = budget.drain(cost, survivals, [len(r) for r in rest],
+            elif keep in DRAINS and not waiting and B > 1:  # as policy.allot drains
+                ends = {BUDGET: [len(r) for r in rest], LIMIT: [limit - n for _, n in rows],
+                        LEVEL: [max(map(len, rest))] * B}[keep]
+                kept = budget.drain(cost, survivals, ends,
                                     *budget.split(price.rows(B), price.rows(1), B))
             else:
                 kept = cost.allot(survivals)
@@ -255,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         price = measured_price(pair.target, pair.tokenizer, SuffixDrafter, args.batch_size,
                                args.max_g)
     plain = replay(prompts, outputs, args.batch_size, SuffixDrafter, 0, price)
-    keeps: list[str | int] = [ORACLE, BUDGET, RATE,
+    keeps: list[str | int] = [ORACLE, BUDGET, RATE, LIMIT, LEVEL,
                               *(int(g) for g in args.draft_lengths.split(","))]
     print(f"replay: {args.pair}, {args.workload}, {len(prompts)} prompts, batch "
           f"{args.batch_size}, {sum(map(len, outputs))} tokens; a pass {1e3 * price.plain:.1f} "
@@ -269,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{'keep':<8} {'x plain':>7} {'x run':>6} {'passes':>6} {'carried':>7} "
           f"{'accepted':>8}")
     for keep in keeps:
-        r = replay(prompts, outputs, args.batch_size, SuffixDrafter, keep, price, args.max_g)
+        r = replay(prompts, outputs, args.batch_size, SuffixDrafter, keep, price, args.max_g,
+                   args.max_new_tokens)
         name = keep if isinstance(keep, str) else f"g = {keep}"
         run = (prefill + plain.seconds) / (prefill + r.seconds)
         print(f"{name:<8} {plain.seconds / r.seconds:>6.3f}x {run:>5.3f}x {r.passes:>6} "

@@ -6,7 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specq.bench.replay import BUDGET, ORACLE, RATE, Price, greedy_outputs, plain_run, replay
+from specq.bench.replay import (
+    BUDGET,
+    LEVEL,
+    LIMIT,
+    ORACLE,
+    RATE,
+    Price,
+    Replayed,
+    greedy_outputs,
+    plain_run,
+    replay,
+)
 from specq.worker.engine.suffix import SuffixDrafter
 
 MAX_G = 6
@@ -92,3 +103,25 @@ def test_a_draining_batch_verifies_less_for_the_time_it_saves(tiny_models, tiny_
             seconds[keep] += r.seconds
     assert carried[BUDGET] < carried[RATE]
     assert seconds[BUDGET] <= seconds[RATE]
+
+
+def test_the_drain_told_limits_or_a_level_end_replays_the_true_ends_where_they_are_so(job):
+    """LIMIT tells the drain each row's limit as its end, LEVEL every row as long as the
+    longest: where the outputs all run to their limit, LIMIT is the drain told the truth
+    (BUDGET), pass for pass; where they also start together (a batch as large as the job),
+    so is LEVEL."""
+    prompts, outputs = job
+    long = [(p, o[:12]) for p, o in zip(prompts, outputs) if len(o) >= 12]
+    assert len(long) >= 8
+    prompts, cut = [p for p, _ in long], [o for _, o in long]
+    price = Price(0.1, 0.001, 0.0005, per_row=0.002, batch=4)
+    truth = replay(prompts, cut, 4, SuffixDrafter, BUDGET, price, MAX_G, limit=12)
+    assert truth.carried > 0
+    assert replay(prompts, cut, 4, SuffixDrafter, LIMIT, price, MAX_G, limit=12) == (
+        Replayed(LIMIT, truth.passes, truth.seconds, truth.carried, truth.accepted))
+    B = len(prompts)
+    whole = Price(0.1, 0.001, 0.0005, per_row=0.002, batch=B)
+    truth = replay(prompts, cut, B, SuffixDrafter, BUDGET, whole, MAX_G, limit=12)
+    level = replay(prompts, cut, B, SuffixDrafter, LEVEL, whole, MAX_G, limit=12)
+    assert (level.passes, level.seconds, level.carried) == (truth.passes, truth.seconds,
+                                                            truth.carried)

@@ -225,7 +225,8 @@ def drain(cost: VerifyCost, survivals: list[list[float]], remaining: list[int],
     (``remaining``) gains what it lacks; with survivals independent, the chance is the
     product of their survivals at that depth. Each depth d (0: none) keeps those tokens,
     then any other whose ``per_row`` share beats its price; the allotment that saves the
-    most seconds over its price wins, else a plain step. On rows that end together (a
+    most seconds over its price wins (at equal savings the one with more tokens for no
+    more seconds: free tokens are kept), else a plain step. On rows that end together (a
     batch of rows run to one limit) a step is saved only when all of them gain: the tail
     of such a job runs plain, where tokens per second drafted on and lost (the chat
     workload at batch 16, docs/benchmarks.md).
@@ -277,7 +278,8 @@ def drain(cost: VerifyCost, survivals: list[list[float]], remaining: list[int],
             price = more
         net = (fixed * saved + per_row * sum(sum(row[:k]) for row, k in zip(rows, kept))
                - cost.extra(kept))
-        if net > best_net:
+        if net > best_net or (net == best_net and sum(kept) > sum(best)
+                              and cost.extra(kept) <= cost.extra(best)):  # free tokens
             best, best_net = kept, net
     return best
 
