@@ -127,9 +127,8 @@ class Packed:
     @classmethod
     def from_widths(cls, seconds: list[float], batch: int, step: float = 0.0) -> Packed:
         """From the padded pass's measured seconds at w = 0 and 1: one more token per row
-        (B tokens) costs their difference."""
-        per_token = max(seconds[1] - seconds[0], 0.0) / batch if len(seconds) > 1 else 0.0
-        return cls(seconds[0], per_token, batch, step)
+        (B tokens) costs their difference (Padded.token)."""
+        return cls(seconds[0], Padded(seconds, batch).token, batch, step)
 
     def allot(self, survivals: list[list[float]]) -> list[int]:
         ranked = _ranked(survivals)
