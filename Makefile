@@ -24,12 +24,13 @@ demo: venv
 services:
 	bash .ci/services
 
-# mypy runs beside pytest, not before it: the pipeline tests leave a fifth of the two cores
-# idle while they wait on workers and leases, and a cold mypy (about 50 s) fills most of it.
+# Three pytest processes on two cores, and mypy beside them, not before: the pipeline tests
+# wait on workers, leases and stalls (a tenth to a half of two processes' cores idle), and
+# a third process and a cold mypy (about 25 s) fill it (docs/benchmarks.md, the test suite).
 # Its verdict counts as before: the target fails when either fails.
 test: venv services
 	@start=$$(date +%s); $(PY) -m mypy > .mypy.out 2>&1 & mypy=$$!; \
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder; tests=$$?; \
+	$(PY) -m pytest -q -n 3 --dist loadfile --no-loadscope-reorder; tests=$$?; \
 	wait $$mypy; typed=$$?; echo "mypy:"; cat .mypy.out; rm -f .mypy.out; \
 	echo "the suite (pytest beside mypy): $$(( $$(date +%s) - start )) s"; \
 	[ $$tests -eq 0 ] && [ $$typed -eq 0 ]
@@ -40,8 +41,8 @@ test-fast: venv services
 	HYPOTHESIS_PROFILE=quick $(PY) -m pytest -q -x -n 2 --ignore=tests/pipeline \
 		--ignore=tests/worker/test_smollm2.py
 
-# the whole package, as pyproject.toml's [tool.mypy] says (about 10 s with .mypy_cache warm,
-# 90 s cold)
+# the whole package, as pyproject.toml's [tool.mypy] says (a few seconds with .mypy_cache
+# warm, 25 s cold)
 typecheck: venv
 	$(PY) -m mypy
 

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from specq.db.session import get_engine
 from specq.worker.tiny import build_tiny_pair
 
-if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: the cores are shared out, one each
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n N: one thread a process, the cores shared
     torch.set_num_threads(1)
 
 # Property tests draw the same cases every run in the suite (a red CI run is a real bug that
@@ -28,7 +28,7 @@ DERANDOMIZE = not os.environ.get("SPECQ_FUZZ_RANDOM")
 PG_ADMIN = "postgresql+psycopg://postgres@127.0.0.1:5432/postgres"
 
 # The slowest files first, slowest leading (their times on a 2-core host, 2026-12-06). `make
-# test` hands whole files to two xdist processes in collection order (--dist loadfile: a
+# test` hands whole files to three xdist processes in collection order (--dist loadfile: a
 # module's fleet or model is set up once; --no-loadscope-reorder, or xdist orders the files by
 # their count of tests instead), so a slow file collected last would run alone at the end
 # while the other process idles (80 s of 436 in a run where xdist reordered them).

@@ -97,7 +97,7 @@ def load_model(
         raise PairError(problem) from exc
     if saved is not None and kwargs:
         _save_converted(model, tokenizer, saved)
-    model.to(device).eval()  # type: ignore[arg-type]  # mypy misreads transformers' wrapped `to`
+    model.to(device).eval()
     _check_cache_layout(model, where)
     return model, tokenizer
 
