@@ -161,10 +161,10 @@ def start_worker(tmp_path_factory):
         return w
 
     yield start
-    for w in started:  # all at once: a warm shutdown each, in parallel, 10 s at most (the
-        if w.proc.poll() is None:  # session is over: a worker still busy then is killed)
-            w.proc.terminate()
-    deadline = time.monotonic() + 10
+    for w in started:  # all at once: a warm shutdown each, in parallel, 3 s at most (the
+        if w.proc.poll() is None:  # session is over: a worker still busy then is killed;
+            w.proc.terminate()  # waiting 10 s held the last test's process 5-10 s)
+    deadline = time.monotonic() + 3
     for w in started:
         try:
             w.proc.wait(max(0.1, deadline - time.monotonic()))
