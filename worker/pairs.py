@@ -6,6 +6,8 @@ import hashlib
 import logging
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +65,42 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
+@contextmanager
+def _gguf_read_once(gguf_file: bool) -> Iterator[None]:
+    """While a GGUF file converts: one reader of it for every call, one tensor-name map per
+    architecture. transformers reads the whole file three times (for the config, the
+    tokenizer and the weights: gguf's reader parses every metadata field, SmolLM2's 49,152
+    vocabulary strings among them) and builds gguf's name map once for each of the model's
+    ~400 modules: most of SmolLM2's 19 s first load on a 2-core CPU. Both are read-only
+    there, and the gguf module's own names come back after."""
+    if not gguf_file:
+        yield
+        return
+    import gguf  # installed with the worker (pyproject.toml): transformers reads GGUF with it
+
+    module: Any = gguf  # its names are rebound below, for the conversion's calls
+    reader_class, name_map = module.GGUFReader, module.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+    maps: dict[tuple[Any, int], Any] = {}
+
+    def reader(path: Any, mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = reader_class(path, mode)
+        return readers[key]
+
+    def names(arch: Any, n_blocks: int) -> Any:
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = name_map(arch, n_blocks)
+        return maps[arch, n_blocks]
+
+    module.GGUFReader, module.get_tensor_name_map = reader, names
+    try:
+        yield
+    finally:
+        module.GGUFReader, module.get_tensor_name_map = reader_class, name_map
+
+
 def load_model(
     source: ModelSource,
     *,
@@ -84,12 +122,13 @@ def load_model(
         where, kwargs = str(saved), {}
     log.info("loading %s %s on %s as %s", where, kwargs.get("gguf_file", ""), device, dtype)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code,
-                                                  **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa",
-            **kwargs,
-        )
+        with _gguf_read_once(bool(kwargs.get("gguf_file"))):
+            tokenizer = AutoTokenizer.from_pretrained(
+                where, trust_remote_code=trust_remote_code, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(
+                where, dtype=dtype, trust_remote_code=trust_remote_code,
+                attn_implementation="sdpa", **kwargs,
+            )
     except OSError as exc:  # transformers' wrapping of the hub's and the disk's errors
         problem = hub_problem(exc, where)
         if problem is None:
