@@ -73,6 +73,23 @@ def test_the_gguf_checkpoint_is_converted_once_and_loads_the_same(smollm2, smoll
     assert again.engine().context == smollm2.engine().context
 
 
+def test_a_conversion_that_fails_gives_gguf_its_names_back(tmp_path):
+    """The one-reader conversion (pairs._gguf_read_once) rebinds gguf's reader and name
+    map while transformers converts: a file that is no GGUF file fails the load, and gguf
+    is left as it was, for the next load in the process."""
+    from specq.configs.presets import ModelSource
+    from specq.worker.pairs import load_model
+
+    (tmp_path / "m.gguf").write_bytes(b"not a gguf file" * 300)
+    reader, names = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(ValueError, match="GGUF"):
+        load_model(ModelSource(path=str(tmp_path), gguf_file="m.gguf"),
+                   device=torch.device("cpu"), dtype=torch.float32, data_dir=tmp_path / "d")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, names)
+    assert not (tmp_path / "d" / CONVERTED).exists() or not any(
+        (tmp_path / "d" / CONVERTED).iterdir())  # nothing half-converted kept
+
+
 def test_a_conversion_is_named_for_the_file_not_where_it_lies(tmp_path):
     """Two copies of one GGUF file (a new virtual environment's package) share a conversion;
     a file whose size or ends (a GGUF file's header and metadata lead it) differ, or another
