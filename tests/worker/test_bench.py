@@ -315,8 +315,24 @@ def test_bench_json_schema_workload(tmp_path, capsys):
     assert all(r["mismatches"] == 0 for name, r in runs.items() if name != "free")
     assert runs["+grammar"]["forced_proposed"] > 0 and runs["shaped"]["forced_proposed"] == 0
     assert runs["+grammar"]["tokens_per_pass"] > runs["shaped"]["tokens_per_pass"]
+    assert all(r["tokens_per_pass_median"] == r["tokens_per_pass"] for r in runs.values())
     assert runs["shaped"]["mask_seconds"] > 0 and runs["free"]["mask_seconds"] == 0
     assert runs["lookup+grammar"]["speedup_vs_no_grammar_drafts"] is not None
+
+
+def test_schema_table_reads_tokens_a_pass_as_the_rounds_median():
+    """The schema bench's tokens a pass is the rounds' median with their range, not the
+    median-seconds run's own figure (which may be any round's)."""
+    from specq.bench.grammar_bench import table
+
+    run_ = {"config": "lookup+grammar", "batch_size": 4, "seconds": 9.4, "valid": 3,
+            "tokens_per_pass": 2.66, "tokens_per_pass_of_repeats": [3.05, 3.06, 2.66],
+            "tokens_per_pass_median": 3.05, "forced_accepted": 9, "forced_proposed": 10,
+            "mask_us_per_token": 1.0, "mask_share": 0.01, "speedup_vs_shaped": 1.6,
+            "speedup_vs_shaped_rounds": [1.6, 1.6, 1.8], "speedup_vs_no_grammar_drafts": None,
+            "mismatches": 0}
+    row = table({"prompts": 3, "runs": [run_]}).splitlines()[2]
+    assert "3.05 (2.66-3.06)" in row and "2.66 (" not in row
 
 
 def test_verify_bench_runs_packed_and_padded_side_by_side(capsys):
