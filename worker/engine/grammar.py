@@ -50,6 +50,7 @@ MAX_FORCED = 16  # forced tokens drafted at most per row and step
 # The text lookup (ForcedDrafts.text): the longest end of a row's text, TEXT_MIN to TEXT_MAX
 # bytes, found earlier in its last TEXT_CONTEXT tokens; TEXT_AHEAD bytes after it proposed
 TEXT_MIN, TEXT_MAX, TEXT_AHEAD, TEXT_CONTEXT = 3, 24, 48, 1024
+WORD_TRIES = 32  # occurrences of a value's first bytes looked at for a word's start (_word)
 # bytes at which a value copied from the text likely ends: the lookup stops there and
 # proposes the string's closing quote, then what the grammar forces after it
 VALUE_ENDS = frozenset(b',.;:!?()[]{}"\n')
@@ -377,12 +378,16 @@ class ForcedDrafts:
             tokens += more[: matcher.validate_tokens(tokens + more) - len(tokens)]
         return tokens[:MAX_FORCED]
 
-    def text(self, context: list[int], budget: int) -> list[int]:
+    def text(self, context: list[int], budget: int, value: bool = False) -> list[int]:
         """The row's text looked up in itself by bytes, not tokens: the tokens of what
         followed the longest end of the text found earlier (``budget`` at most). A value
         a schema copies from the prompt starts after a quote where the prompt has a space
         (" Madrid" is one token in the prompt, "Mad" + "rid" in ``"city": "Madrid"``), so
-        token lookup misses its rest; the bytes match."""
+        token lookup misses its rest; the bytes match. ``value``: the row is in a string;
+        where the longest end reaches back past its opening quote, the value's own first
+        bytes are looked up as a word instead (``_word``): ``"city": "L`` found ``"Lucas``,
+        a value the row wrote before, where the text says "in Lyon" (no such word: the
+        longest end all the same)."""
         if budget <= 0:
             return []
         lltok = self.grammars.library_tokenizer()
@@ -394,6 +399,10 @@ class ForcedDrafts:
             if at < 0:
                 break  # an end n bytes long found nowhere: no longer one is either
             found = at, n
+        start = text.rfind(b'"') + 1  # where the string the row is in began
+        prefix = len(text) - start if value else 0  # the value's bytes so far
+        if prefix and (found is None or found[1] > prefix):
+            found = _word(low, low[start:], start - 1) or found
         if found is None:
             return []
         at, n = found
@@ -453,11 +462,12 @@ class ForcedDrafts:
         self.quote_at = None
         ends = False  # the proposal was cut where a value likely ends: its quote follows
         if not seq and (own or text_budget > 0):
+            string = self._may_close(matcher)
             if not own:
                 with self.grammars.masking.paused(), self.following:  # drafting
-                    own = self.text(context, text_budget)
+                    own = self.text(context, text_budget, string)
                 budget, sampled = max(budget, len(own)), False
-            if own and not sampled and self._may_close(matcher):  # in a string
+            if own and not sampled and string:  # in a string
                 cut, ends = self.value(own)
                 if ends and not cut:  # the value ends where the row's text is now
                     own, ends, self.quote_at = self.closing(matcher), False, 0
@@ -554,6 +564,21 @@ class ForcedDrafts:
         num = torch.tensor([len(r) for r in rows], dtype=torch.long)
         # the chained tokens' confidences are not the scoring drafter's: none is given
         return Proposal(ids, num, probs, None), forced, looked
+
+
+def _word(low: bytes, prefix: bytes, end: int) -> tuple[int, int] | None:
+    """(where, length) of the latest word of ``low`` before ``end`` that starts with
+    ``prefix``: after a byte that is no letter, digit or quote (a quoted word is a key or
+    a value written before, not the text's), or None; WORD_TRIES occurrences looked at."""
+    at = end
+    for _ in range(WORD_TRIES):
+        at = low.rfind(prefix, 0, at)
+        if at < 0:
+            return None
+        before = low[at - 1: at]
+        if not before or not (before.isalnum() or before == b'"'):
+            return at, len(prefix)
+    return None
 
 
 def _common(a: list[int], b: list[int]) -> int:

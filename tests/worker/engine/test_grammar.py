@@ -328,6 +328,7 @@ def test_a_value_the_prompt_holds_is_looked_up_by_its_bytes(tiny_models, tiny_to
     seq, _ = drafts.chain(matcher, context, encode("X"), 0, 8)
     assert decode(seq) == "X"  # the drafter's own tokens first: no lookup then
     assert drafts.chain(matcher, context, [], 0, 0) == ([], [])
+
     # merged into a step's proposal, marked as the lookup's: a scorer's confidences, cut
     # from the row by the step's g, must not price it or learn from its verdicts
     empty = Proposal(torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.long),
@@ -348,6 +349,28 @@ def test_a_value_the_prompt_holds_is_looked_up_by_its_bytes(tiny_models, tiny_to
     looked_up = [(n, k) for s in steps for n, k, f in zip(s.num_draft, s.accepted, s.forced)
                  if n > len(f)]  # tokens that neither the drafter nor the grammar gave
     assert looked_up  # proposed and judged (a tiny random model takes what it takes)
+
+
+def test_a_value_s_first_bytes_are_looked_up_as_a_word_of_the_text(tiny_tokenizer,
+                                                                     tiny_models):
+    """In a string, a value's first bytes are looked up as the start of a word of the text
+    (after no letter, digit or quote) where the longest end of the row's text reaches back
+    past the value's opening quote: "L" after ``"city": "`` is the text's "Lyon", not
+    ``"Lucas``, a value the row wrote before. No such word: the longest end as before."""
+    from specq.worker.engine.grammar import ForcedDrafts, Grammars
+
+    drafts = ForcedDrafts(Grammars(tiny_tokenizer, tiny_models["target"].config.vocab_size))
+    encode = lambda text: tiny_tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    decode = lambda ids: tiny_tokenizer.decode(ids)  # noqa: E731
+    row = encode('Text: Lucas lives in Lyon.\n{"name": "Lucas", "city": "L')
+    assert decode(drafts.text(row, 8)).startswith("ucas")  # the longest end: ``": "L``
+    assert decode(drafts.text(row, 8, value=True)).startswith("yon.")
+    # a capital where the text has none, and a quoted word passed over for a bare one
+    row = encode('Text: the pilot lives in "Paris".\n{"job": "P')
+    assert decode(drafts.text(row, 8, value=True)).startswith("ilot")
+    # the value's bytes in no word of the text: the longest end, as outside a string
+    row = encode('Text: "Lucas".\n{"name": "Lucas", "city": "L')
+    assert drafts.text(row, 8, value=True) == drafts.text(row, 8)
 
 
 def test_a_value_copied_into_a_string_ends_at_its_punctuation_then_its_quote(
@@ -526,10 +549,10 @@ def test_a_text_lookup_that_raises_leaves_every_matcher_where_it_was(
     class FailingText(ForcedDrafts):
         armed = False
 
-        def text(self, context, budget):
+        def text(self, context, budget, value=False):
             if self.armed:
                 raise RuntimeError("the text lookup failed (injected by the test)")
-            return super().text(context, budget)
+            return super().text(context, budget, value)
 
     requests, _ = _chained(tiny_models, tiny_tokenizer, rows=4, max_new=40)
     engine = SpeculativeEngine(tiny_models["target"], tiny_tokenizer, _Blank(),
