@@ -399,10 +399,11 @@ class ForcedDrafts:
             if at < 0:
                 break  # an end n bytes long found nowhere: no longer one is either
             found = at, n
-        start = text.rfind(b'"') + 1  # where the string the row is in began
-        prefix = len(text) - start if value else 0  # the value's bytes so far
-        if prefix and (found is None or found[1] > prefix):
-            found = _word(low, low[start:], start - 1) or found
+        if value:
+            start = text.rfind(b'"') + 1  # where the string the row is in began
+            prefix = len(text) - start  # the value's bytes so far
+            if prefix and (found is None or found[1] > prefix):
+                found = _word(low, low[start:], start - 1) or found
         if found is None:
             return []
         at, n = found
@@ -462,7 +463,8 @@ class ForcedDrafts:
         self.quote_at = None
         ends = False  # the proposal was cut where a value likely ends: its quote follows
         if not seq and (own or text_budget > 0):
-            string = self._may_close(matcher)
+            # in a string (a draft model's sampled tokens read it only for a text lookup)
+            string = (not own or not sampled) and self._may_close(matcher)
             if not own:
                 with self.grammars.masking.paused(), self.following:  # drafting
                     own = self.text(context, text_budget, string)

@@ -328,7 +328,6 @@ def test_a_value_the_prompt_holds_is_looked_up_by_its_bytes(tiny_models, tiny_to
     seq, _ = drafts.chain(matcher, context, encode("X"), 0, 8)
     assert decode(seq) == "X"  # the drafter's own tokens first: no lookup then
     assert drafts.chain(matcher, context, [], 0, 0) == ([], [])
-
     # merged into a step's proposal, marked as the lookup's: a scorer's confidences, cut
     # from the row by the step's g, must not price it or learn from its verdicts
     empty = Proposal(torch.zeros(1, 0, dtype=torch.long), torch.zeros(1, dtype=torch.long),
