@@ -23,12 +23,23 @@ from specq.configs.settings import Settings
 from specq.db.models import Job as JobRow
 from specq.db.session import migrate
 from specq.worker.tiny import build_tiny_pair
+from tests.conftest import fresh_pg_database
 
 ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="session")
-def settings(pg_url, tmp_path_factory):
+def fleet_pg_url():
+    """The fleets' own PostgreSQL database, not the session's pg_url: the session's workers
+    live until its end, and their reconcilers settle any job of their database with no
+    item pending (tests/db builds such jobs by hand in pg_url and reads them as built)."""
+    with fresh_pg_database() as url:
+        yield url
+
+
+@pytest.fixture(scope="session")
+def settings(fleet_pg_url, tmp_path_factory):
     """PostgreSQL + Redis settings; the queue prefix keeps this session's queues apart."""
+    pg_url = fleet_pg_url
     migrate(pg_url)
     data_dir = tmp_path_factory.mktemp("data")
     build_tiny_pair(data_dir / "tiny")
