@@ -11,11 +11,11 @@ A chunk sent ``max_chunk_runs`` times that is lost again is not sent once more w
 workers saw it fail (`given_up`): its pending items fail, with the reason its job keeps (a
 chunk that fails on every worker before its items reach the engine, say, whose messages
 vanish without a lease). Messages the broker alone lost are sent again however many times.
-It also ends jobs none
-of whose items is pending (their last writer died before it could),
-and keeps every unfinished job's turn on its queue: a job with chunks not sent yet and
-fewer than ``dispatch_window`` messages on the broker gets its next chunks sent (a producer
-that died before sending any, a submission while the broker was down, a flushed broker).
+It also ends jobs none of whose items is pending (their last writer died before it could):
+its own deployment's, and those run in a process of their own. And it keeps every
+unfinished job's turn on its queue: a job with chunks not sent yet and fewer than
+``dispatch_window`` messages on the broker gets its next chunks sent (a producer that died
+before sending any, a submission while the broker was down, a flushed broker).
 A chunk sent within ``reconcile_grace`` counts as waiting even before the broker shows its
 message: a producer publishes after its commit, and filling that gap would put twice the
 window on the queue.
@@ -131,9 +131,8 @@ def _reconcile(settings: Settings, *, job_id: int | None,
     sessions = sessions or session_factory(settings.sqlalchemy_url, settings.db_timeout)
     report = ReconcileReport()
     with sessions.begin() as s:
-        for jid in repo.unsettled_jobs(s):
-            if job_id is None or jid == job_id:
-                report.settled[jid] = repo.settle_job(s, job_id=jid).value
+        for jid in repo.unsettled_jobs(s, queue_prefix=settings.queue_prefix, job_id=job_id):
+            report.settled[jid] = repo.settle_job(s, job_id=jid).value
     with sessions() as s:
         stmt = (select(Job.queue).where(Job.status.in_(RUNNING), Job.queue.is_not(None),
                                         chunks.deployment(settings.queue_prefix))

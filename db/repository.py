@@ -22,6 +22,7 @@ from sqlalchemy import (
     case,
     func,
     insert,
+    or_,
     select,
     text,
     update,
@@ -531,14 +532,20 @@ def retry_failed(session: Session, *, job_id: int) -> list[int]:
     return indices
 
 
-def unsettled_jobs(session: Session) -> list[int]:
+def unsettled_jobs(
+    session: Session, *, queue_prefix: str | None = None, job_id: int | None = None
+) -> list[int]:
     """Unfinished jobs none of whose items is pending (their last writer died before
-    settling them): settle_job ends them."""
+    settling them): settle_job ends them. With ``queue_prefix``, only that deployment's
+    jobs and those run in a process of their own (no queue: no deployment's); another
+    deployment's are its reconciler's. With ``job_id``, that job only."""
     pending = select(Item.index).where(Item.job_id == Job.id, Item.status == PENDING)
-    return list(session.scalars(
-        select(Job.id).where(Job.status.in_(RUNNING),
-                             ~pending.exists())
-    ))
+    stmt = select(Job.id).where(Job.status.in_(RUNNING), ~pending.exists())
+    if queue_prefix is not None:
+        stmt = stmt.where(or_(Job.queue.is_(None), chunks.deployment(queue_prefix)))
+    if job_id is not None:
+        stmt = stmt.where(Job.id == job_id)
+    return list(session.scalars(stmt))
 
 
 def cancel_pending(

@@ -138,6 +138,23 @@ def test_failures_count_attempts_and_retry_keeps_them(sessions):
         assert job_id in repo.unsettled_jobs(s)  # none pending, not yet ended
 
 
+def test_a_deployment_settles_its_own_jobs_and_those_run_in_a_process(sessions):
+    """The reconciler of the deployment whose queues are named PREFIX.PAIR ends its own
+    jobs and those with no queue (run in a process of their own), never another's."""
+    ids = {queue: _job(sessions, n=2, chunk_size=2, queue=queue)
+           for queue in ("fleet.tiny", "fleet-b.tiny", "fleetx.tiny", None)}
+    with sessions.begin() as s:
+        for job_id in ids.values():
+            repo.start_job(s, job_id=job_id)
+            repo.write_outcomes(s, job_id=job_id, outcomes=[_done(0), _done(1)])
+    with sessions() as s:
+        assert set(repo.unsettled_jobs(s, queue_prefix="fleet")) & set(ids.values()) == {
+            ids["fleet.tiny"], ids[None]}
+        assert repo.unsettled_jobs(s, queue_prefix="fleet-b", job_id=ids["fleet.tiny"]) == []
+        assert repo.unsettled_jobs(s, queue_prefix="fleet-b", job_id=ids["fleet-b.tiny"]) == [
+            ids["fleet-b.tiny"]]
+
+
 def _done(i):
     return Outcome(i, ItemStatus.completed, output="o", token_ids=[1],
                    finish_reason="length", prompt_tokens=1, counters=Counters(), worker="w")

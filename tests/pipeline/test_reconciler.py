@@ -70,13 +70,16 @@ def test_lost_chunks_are_sent_again_a_dead_workers_first(settings):
 
 
 def test_a_job_whose_last_writer_died_before_settling_is_ended(settings):
+    """Its own deployment's reconciler ends it; another's, on the same database, leaves
+    it (the session's workers reconcile too: a job of no queue would be theirs as well)."""
     own = own_deployment(settings, "rec")
     client = Client(own)
-    job = client.submit(["settle me"], pair="tiny-lookup", max_new_tokens=4, enqueue=False)
+    job = client.submit(["settle me"], pair="tiny-lookup", max_new_tokens=4)
     with client.sessions.begin() as s:
         repo.start_job(s, job_id=job.id)
         repo.write_outcomes(s, job_id=job.id, outcomes=[
             Outcome(0, ItemStatus.completed, output="o", token_ids=[1], worker="w")])
+    assert job.id not in reconcile(own_deployment(settings, "other")).settled
     assert job.status(check_workers=False).status == "in_progress"
     assert reconcile(own).settled.get(job.id) == "completed"
     assert job.status(check_workers=False).status == "completed"
