@@ -39,13 +39,12 @@ def fleet_pg_url():
 @pytest.fixture(scope="session")
 def settings(fleet_pg_url, tmp_path_factory):
     """PostgreSQL + Redis settings; the queue prefix keeps this session's queues apart."""
-    pg_url = fleet_pg_url
-    migrate(pg_url)
+    migrate(fleet_pg_url)
     data_dir = tmp_path_factory.mktemp("data")
     build_tiny_pair(data_dir / "tiny")
     prefix = f"specq-test-{uuid.uuid4().hex[:8]}"
     db = random.choice(redis_databases())
-    yield Settings(database_url=pg_url, broker_url=f"redis://127.0.0.1:6379/{db}",
+    yield Settings(database_url=fleet_pg_url, broker_url=f"redis://127.0.0.1:6379/{db}",
                    data_dir=data_dir, queue_prefix=prefix, visibility_timeout=10, chunk_size=25)
     r = redis.Redis(host="127.0.0.1", port=6379, db=db)
     keys = list(r.scan_iter(f"{prefix}*"))
