@@ -197,6 +197,18 @@ def _drafters(spec: str, pair: Pair, lookup_tokens: int
     return out
 
 
+def batch_variance_note(device: torch.device, dtype: torch.dtype) -> str:
+    """Why greedy outputs may differ from the reference without a fault of speculation: in
+    a half-precision dtype on a CPU the target's own greedy output moves with the batch's
+    shape (its attention's rounding follows the shape; docs/engine.md, "Lossless")."""
+    if device.type != "cpu" or dtype == torch.float32:
+        return ""
+    name = str(dtype).removeprefix("torch.")
+    return (f"; in {name} on a CPU the target's own greedy output moves with the batch's "
+            f"shape, with or without drafts (docs/engine.md, Lossless): --dtype float32 "
+            f"compares token for token")
+
+
 def environment(pair: Pair) -> dict:
     dev = pair.target.device
     return {
@@ -280,7 +292,8 @@ def bench(args: argparse.Namespace, workload: str | None = None) -> dict:
         rows.append(row)
     mismatched = sum(1 for r in rows if r["greedy"] and r["greedy"]["mismatches"])
     if mismatched:
-        log.error("greedy outputs differ from the reference in %d run(s)", mismatched)
+        log.error("greedy outputs differ from the reference in %d run(s)%s", mismatched,
+                  batch_variance_note(pair.target.device, pair.target.dtype))
     return {
         "environment": environment(pair),
         "config": {

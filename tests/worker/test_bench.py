@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from specq.bench import add_arguments, run
+from specq.bench import add_arguments, batch_variance_note, run
 from specq.bench.drafts import DraftBuildError, shallow_draft, skip_draft
 from specq.bench.figures import alpha_mle, figures, predicted, t_verify_at
 from specq.bench.greedy import NearTieCheck, compare
@@ -209,6 +209,15 @@ def test_greedy_compare_flags_a_real_mismatch(tiny_models):
     same = compare([[best, 9]], [[best, 9]], check)
     assert same == {"equal": 1, "near_ties": 0, "mismatches": 0, "mismatch_ids": []}
     assert compare([[best, 9]], [[worst, 9]], check)["mismatches"] == 1
+
+
+def test_a_mismatch_in_half_precision_on_a_cpu_says_the_batch_moves_the_target():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    note = batch_variance_note(cpu, torch.bfloat16)
+    assert "bfloat16 on a CPU" in note and "--dtype float32" in note
+    assert "float16 on a CPU" in batch_variance_note(cpu, torch.float16)
+    # float32, or a GPU: a mismatch there is the engine's to answer for, and says nothing else
+    assert batch_variance_note(cpu, torch.float32) == batch_variance_note(gpu, torch.bfloat16) == ""
 
 
 def test_prompts_cycle_and_file_errors(tmp_path):
