@@ -230,6 +230,7 @@ class SpeculativeEngine:
         # shared prefixes' keys and values: they depend on the tokens alone, so they
         # outlive a failed generation
         self.prefixes = PrefixStore() if share_prefixes else None
+        self.reset()  # no rows, empty caches
 
     @property
     def max_batch_size(self) -> int:
@@ -241,8 +242,7 @@ class SpeculativeEngine:
         an out-of-memory error: a group fixed at the old size would wait for an empty batch,
         and continuous batching would quietly turn static)."""
         self._max_batch_size = rows
-        self.admit_group = min(getattr(self, "_admit_group", None) or -(-rows // ADMIT_SHARE),
-                               rows)
+        self.admit_group = min(self._admit_group or -(-rows // ADMIT_SHARE), rows)
 
     # -- the loop -------------------------------------------------------------------
 
@@ -365,8 +365,7 @@ class SpeculativeEngine:
     def active_ids(self) -> list[int | str]:
         """Ids of the requests in the batch (and joining it) right now: after an
         exception, the requests that were being generated when it struck."""
-        return [r.request.id for r in getattr(self, "rows", [])] + list(
-            getattr(self, "joining", []))
+        return [r.request.id for r in self.rows] + list(self.joining)
 
     def _take(self, waiting: deque, hand_back: Callable[[int, Result], None]
               ) -> list[tuple[int, Row]]:
