@@ -396,10 +396,11 @@ class PackedForward:
         picks = None if first is None else _picks(rows, first)
         if picks is not None:  # [n] each: among the packed tokens, and in the block
             wanted, slots = (torch.tensor(v, dtype=torch.long, device=dev) for v in picks[:2])
-        plan = self._plan(dev, rows, max(host[:B], default=0), stops)
+        calls = self._calls(self._plan(dev, rows, max(host[:B], default=0), stops), allowed,
+                            self.groups)
         for i, (layer, attn, mlp) in enumerate(zip(self.layers, self.attention, self.mlps)):
             x = x + self._attention(attn, layer.input_layernorm(x), cache, i,
-                                    index, place, (B, T, width), cos, sin, allowed, plan)
+                                    index, place, (B, T, width), cos, sin, calls)
             x = x + mlp(layer.post_attention_layernorm(x))
         x = self.norm(x)  # [N, hidden]
         if last_only:
@@ -435,21 +436,38 @@ class PackedForward:
                                              if e > t]
 
     @staticmethod
+    def _calls(plan: tuple[int, int, list[tuple[int, int, int]]], allowed: torch.Tensor,
+               groups: int) -> list[tuple[slice, int, int, int, torch.Tensor]]:
+        """The attention calls of a pass cut by ``plan`` (``_plan``), each as (its rows, its
+        first and last + 1 query, the columns it reads, its mask [rows, 1, groups * n,
+        columns]), the masks cut once for every layer; one call: every row padded, over
+        ``allowed`` ([B, 1, groups * T, L], row_mask) as it is."""
+        t, narrow, wide = plan
+        B, _, GT, L = allowed.shape
+        T = GT // groups
+        if t == T:
+            return [(slice(None), 0, T, L, allowed)]
+        m = allowed.view(B, 1, groups, T, L)
+        return [(rows, start, stop, cols,
+                 m[rows, :, :, start:stop, :cols].reshape(-1, 1, groups * (stop - start), cols))
+                for rows, start, stop, cols in [(slice(None), 0, t, narrow)] + [
+                    (slice(b, b + 1), t, e, end) for b, e, end in wide]]
+
+    @staticmethod
     def _attention(attn: Any, h: torch.Tensor, cache: Columns, layer: int,
                    index: torch.Tensor, place: tuple[torch.Tensor, torch.Tensor],
                    shape: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor,
-                   allowed: torch.Tensor,
-                   plan: tuple[int, int, list[tuple[int, int, int]]]) -> torch.Tensor:
+                   calls: list[tuple[slice, int, int, int, torch.Tensor]]) -> torch.Tensor:
         """One layer's attention for packed tokens h [N, hidden]; returns [N, hidden].
 
         The new keys and values are written at their rows' columns (``place``: row and
         column of each); the queries, padded to [B, heads, T, D], attend over the rows'
-        first L columns as ``allowed`` says ([B, 1, groups * T, L], row_mask). Grouped-query
-        heads go without copying the keys: the query heads that share a key head are laid
-        along the query axis of that head ([B, kv_heads, groups * T, D]). ``plan``
-        (``_plan``): the first t queries of every row in one call; each row listed, its
-        queries t..extent - 1 in a call of its own over its own columns (views of the
-        cache, nothing copied); the other queries are padding and never computed.
+        first L columns as their masks say (row_mask). Grouped-query heads go without
+        copying the keys: the query heads that share a key head are laid along the query
+        axis of that head ([B, kv_heads, groups * T, D]). ``calls`` (``_calls``): the first
+        t queries of every row in one call; each row listed, its queries t..extent - 1 in a
+        call of its own over its own columns (views of the cache, nothing copied); the
+        other queries are padding and never computed. One call: every row padded to T.
         """
         B, T, L = shape
         D = attn.head_dim
@@ -461,20 +479,16 @@ class PackedForward:
         G = H // Hkv
         keys, values = cache.write(layer, place, k, v, B, L)  # [B, kv_heads, L, D] each
         q = _spread(q, index, B, T).transpose(1, 2).reshape(B, Hkv, G, T, D)
-        t, narrow, wide = plan
-        if t == T:
+        if len(calls) == 1 and calls[0][2] == T:  # every row padded to T, in one call
             out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), keys, values,
-                                                 attn_mask=allowed, scale=attn.scaling)
+                                                 attn_mask=calls[0][4], scale=attn.scaling)
         else:
-            m = allowed.view(B, 1, G, T, L)
             out = q.new_empty(B, Hkv, G, T, D)  # padding queries: never computed, never read
-            for rows, start, stop, cols in [(slice(None), 0, t, narrow)] + [
-                    (slice(b, b + 1), t, e, end) for b, e, end in wide]:
+            for rows, start, stop, cols, mask in calls:
                 n = stop - start
                 out[rows, :, :, start:stop] = F.scaled_dot_product_attention(
                     q[rows, :, :, start:stop].reshape(-1, Hkv, G * n, D),
-                    keys[rows, :, :cols], values[rows, :, :cols],
-                    attn_mask=m[rows, :, :, start:stop, :cols].reshape(-1, 1, G * n, cols),
+                    keys[rows, :, :cols], values[rows, :, :cols], attn_mask=mask,
                     scale=attn.scaling).reshape(-1, Hkv, G, n, D)
         out = out.reshape(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
         return attn.o_proj(out.index_select(0, index))  # [N, hidden]
