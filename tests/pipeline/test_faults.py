@@ -259,14 +259,18 @@ def test_kill_9_mid_chunk_another_worker_resumes_it_within_a_minute(fleet):
     job = fleet.client.submit(prompts(320, "kill"), pair=LOOKUP, max_new_tokens=24,
                               chunk_size=16)
 
-    def c_holds_a_chunk():
+    held: list[int] = []  # the chunk c held when the wait saw it (it may end right after)
+
+    def c_holds_a_chunk() -> bool:
         with fleet.client.sessions() as s:
-            return s.execute(select(Chunk.start).where(
+            row = s.execute(select(Chunk.start).where(
                 Chunk.job_id == job.id, Chunk.lease_owner.like(f"{c.name}@%"),
                 Chunk.done.is_(False))).first()
+        held[:] = [] if row is None else [row.start]
+        return bool(held)
 
     wait_for(lambda: done(job) >= 16 and c_holds_a_chunk(), 120, "c ran nothing", fleet)
-    start = c_holds_a_chunk().start
+    start = held[0]
     c.kill()
     resumed = wait_for(lambda: _resumed(fleet, job.id, start, c.name), 60,
                        "the killed worker's chunk was not resumed", fleet)
