@@ -352,11 +352,13 @@ def test_redis_as_composed_refuses_strangers_and_its_healthcheck_tells(tmp_path)
     try:
         client = redis.Redis(host="127.0.0.1", port=port, password=SECRETS["REDIS_PASSWORD"],
                              decode_responses=True)
-        for _ in range(100):
+        deadline = time.monotonic() + 30  # a busy machine starts it later
+        while True:
             try:
                 client.ping()
                 break
             except redis.exceptions.ConnectionError:
+                assert time.monotonic() < deadline, "redis-server did not start in 30 s"
                 time.sleep(0.05)
         assert client.config_get("appendonly") == {"appendonly": "yes"}
         assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}

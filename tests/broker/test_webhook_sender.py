@@ -177,8 +177,10 @@ def test_a_receiver_that_keeps_failing_is_retried_with_backoff_then_given_up(url
     ep, receiver.secret = endpoint(sessions, receiver.port)
     ended_jobs(sessions, 1)
     stop = threading.Event()
-    sender = threading.Thread(target=Sender(settings_for(url, webhook_retry_for=3.0)).run,
-                              args=(stop,))
+    # a busy machine's receiver (a thread of this process) may take more than half a second
+    # to answer: the error would then be the timeout's, not the 503
+    patient = settings_for(url, webhook_retry_for=3.0, webhook_timeout=5.0)
+    sender = threading.Thread(target=Sender(patient).run, args=(stop,))
     sender.start()
     try:
         wait_until(lambda: set(deliveries(sessions, ep).values()) == {"failed"}, 30,

@@ -255,8 +255,8 @@ def test_cancel_mid_run_keeps_what_finished_and_a_running_batch_downloads_partia
     running = sdk.batches.retrieve(batch.id)
     raw = sdk.files.with_raw_response.content(running.output_file_id)
     partial = [json.loads(x) for x in raw.text.splitlines()]
-    if running.status == "in_progress":  # what has finished so far, in input order
-        assert raw.headers["specq-partial"] == "true"
+    if raw.headers["specq-partial"] == "true":  # what has finished so far, in input order
+        # (the status read before may be older than the content: the batch may end between)
         indices = [int(x["custom_id"][1:]) for x in partial]
         assert indices == sorted(indices) and 0 < len(indices) < 400
 
