@@ -235,6 +235,12 @@ def bench(args: argparse.Namespace, workload: str | None = None) -> dict:
         convs = load_prompts(args.prompts or DEFAULT_PROMPTS, args.prompts_file)
     prompts = [encode_prompt(pair.tokenizer, Request(messages=m, max_new_tokens=new),
                              engine.context) for m in convs]
+    distinct = len({tuple(p) for p in prompts})
+    if distinct < len(prompts):
+        log.warning("%d prompts, %d of them distinct: a repeated prompt's greedy output is one "
+                    "the job already wrote, and a drafter that reads the job's outputs (suffix, "
+                    "the job index) copies it whole; speculation's figures are then not a new "
+                    "job's", len(prompts), distinct)
     drafters = _drafters(args.draft, pair, args.hf_lookup_tokens)
     methods = {METHODS[m] for m in args.methods}
     max_g = max(args.draft_lengths)
@@ -298,7 +304,7 @@ def bench(args: argparse.Namespace, workload: str | None = None) -> dict:
         "environment": environment(pair),
         "config": {
             "pair": args.pair, "workload": workload, "drafts": [d[0] for d in drafters],
-            "prompts": len(prompts),
+            "prompts": len(prompts), "distinct_prompts": distinct,
             "prompt_tokens": [len(p) for p in prompts], "max_new_tokens": new,
             "batch_sizes": args.batch_sizes, "draft_lengths": args.draft_lengths,
             "methods": sorted(methods), "hf_lookup_tokens": args.hf_lookup_tokens,
@@ -363,8 +369,10 @@ def run(args: argparse.Namespace) -> int:
         write_json(out / f"{stem}.json", report)
         plot(out / f"{stem}.png", report["runs"])
         env = report["environment"]
+        n, distinct = report["config"]["prompts"], report["config"]["distinct_prompts"]
+        repeated = "" if distinct == n else f" ({distinct} distinct: repeats are copied)"
         print(f"specq bench: {args.pair}, {workload or 'prompts'}: "
-              f"{report['config']['prompts']} prompts, {args.max_new_tokens} new tokens, "
+              f"{n} prompts{repeated}, {args.max_new_tokens} new tokens, "
               f"{env['device']} {env['dtype']}, {env['cpu_count']} CPUs, torch "
               f"{env['torch']}; reference: {report['reference']}")
         print(table(report["runs"]))

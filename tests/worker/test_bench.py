@@ -109,6 +109,8 @@ def test_bench_workloads_table(tmp_path, capsys):
     for name in ("json", "chat"):
         report = json.loads((tmp_path / "out" / f"bench-{name}.json").read_text())
         assert report["config"]["workload"] == name and report["config"]["prompts"] == 6
+        assert report["config"]["distinct_prompts"] == 6
+        assert f"{name}: 6 prompts, " in out  # none repeated: the header says nothing more
         assert report["greedy_mismatched_runs"] == 0
         assert (tmp_path / "out" / f"bench-{name}.png").exists()
         runs = [r for r in report["runs"] if r["method"] != NONE]
@@ -126,6 +128,22 @@ def test_bench_workloads_table(tmp_path, capsys):
             cells = f"{name}  {r['draft'] or '-'}  {r['method']}"
             assert any(" ".join(cells.split()) in " ".join(line.split())
                        for line in table.splitlines())
+
+
+def test_a_bench_of_repeated_prompts_says_how_many_are_distinct(tmp_path, capsys, caplog):
+    """More prompts than a workload has: the prompts cycle, and a drafter that reads the
+    job's outputs copies a repeat's whole output; the header and the JSON say so."""
+    from specq.bench import WORKLOADS
+
+    n = len(WORKLOADS["chat"]()) + 2
+    args = _args(tmp_path, "--pair", "tiny-suffix", "--draft", "preset", "--workload",
+                 "chat", "--methods", "none", "--batch-sizes", "4", "--prompts", str(n),
+                 "--max-new-tokens", "2")
+    assert run(args) == 0
+    config = json.loads((tmp_path / "out" / "bench-chat.json").read_text())["config"]
+    assert (config["prompts"], config["distinct_prompts"]) == (n, n - 2)
+    assert f"chat: {n} prompts ({n - 2} distinct: repeats are copied)" in capsys.readouterr().out
+    assert "of them distinct" in caplog.text
 
 
 def test_workloads_are_distinct_prompt_sets():
