@@ -7,8 +7,9 @@ flattened to [N, hidden], so a row that carries no draft costs one token. Attent
 per row over the row's own cache columns, its mask of real columns and the causal order of
 the new ones ([B, heads, T, L]); on a CPU, where it costs what it computes, a pass with
 a few wide rows computes the narrow width for every row in one call and the wide rows' other
-queries in a call each (``split``): a lone row of 9 tokens no longer makes all 16 rows'
-attention 9 tokens wide (docs/benchmarks.md, "ragged attention").
+queries in a call each (``split``), each call's queries gathered from the packed tokens: a
+lone row of 9 tokens no longer makes all 16 rows' attention 9 tokens wide (docs/benchmarks.md,
+"ragged attention").
 
 The weights, the RoPE module (with the model's rope scaling), the norms and the MLP are the
 loaded transformers model's own modules; only the wiring between them is ours. Each row's
@@ -35,6 +36,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -58,10 +60,12 @@ FEWEST_ROWS = 3
 PROBE_TOLERANCE = 1e-3  # a prepacked layer's output beside the module's on a probe, relative
 # An attention call on a CPU, priced in query x key columns (about 0.024 us each on 2 cores,
 # three query heads a key head): a row in a call reads its keys and values once, as many as
-# ROW_QUERIES queries would, and a call of its own (the SDPA call, the slices of queries and
-# mask it needs, its output's copy) costs CALL_COLUMNS (docs/benchmarks.md, "ragged attention")
+# ROW_QUERIES queries would, and a call of its own (the SDPA call, the gathers of its queries
+# and outputs from and to the packed tokens) costs CALL_COLUMNS, fitted to whole passes of 16
+# rows x 200 columns: the split the planner picks was the faster in 9 shapes of 9
+# (docs/benchmarks.md, "ragged attention"; "a split pass's queries gathered")
 ROW_QUERIES = 3.5
-CALL_COLUMNS = 3000
+CALL_COLUMNS = 600
 FAMILIES = ("llama", "qwen2")  # model_type values whose layers have the shape below
 LAYER_PARTS = ("input_layernorm", "post_attention_layernorm", "mlp", "self_attn")
 ATTENTION_PARTS = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -337,6 +341,37 @@ def _spread(x: torch.Tensor, index: torch.Tensor, B: int, T: int) -> torch.Tenso
     return out.index_copy_(0, index, x).view(B, T, *x.shape[1:])
 
 
+@dataclass(frozen=True)
+class _Call:
+    """One attention call of a pass (PackedForward._calls): its rows of the batch, its
+    queries start..stop - 1 of each, the cache columns it reads, its mask [rows, 1, groups
+    x (stop - start), cols]. ``reads`` [rows x (stop - start)]: the packed token each query
+    is taken from (a padding query takes token 0; its output is never kept); ``writes``:
+    the packed tokens its outputs go to, ``kept`` the outputs that are theirs (None: all,
+    in order)."""
+
+    rows: slice
+    start: int
+    stop: int
+    cols: int
+    mask: torch.Tensor
+    reads: torch.Tensor
+    writes: torch.Tensor
+    kept: torch.Tensor | None
+
+
+def _places(packed: list[list[int]], device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(reads, writes, kept) of a call (``_Call``) from its rows' positions' places among
+    the packed tokens (-1: padding)."""
+    flat = [p for row in packed for p in row]
+    kept = [i for i, p in enumerate(flat) if p >= 0]
+    reads = torch.tensor([max(p, 0) for p in flat], dtype=torch.long, device=device)
+    writes = torch.tensor([flat[i] for i in kept], dtype=torch.long, device=device)
+    every = len(kept) == len(flat)
+    return reads, writes, None if every else torch.tensor(kept, dtype=torch.long, device=device)
+
+
 class PackedForward:
     """The forward pass of a Llama-family model over packed tokens, into a KVRows cache."""
 
@@ -397,7 +432,7 @@ class PackedForward:
         if picks is not None:  # [n] each: among the packed tokens, and in the block
             wanted, slots = (torch.tensor(v, dtype=torch.long, device=dev) for v in picks[:2])
         calls = self._calls(self._plan(dev, rows, max(host[:B], default=0), stops), allowed,
-                            self.groups)
+                            self.groups, rows)
         for i, (layer, attn, mlp) in enumerate(zip(self.layers, self.attention, self.mlps)):
             x = x + self._attention(attn, layer.input_layernorm(x), cache, i,
                                     index, place, (B, T, width), cos, sin, calls)
@@ -437,37 +472,43 @@ class PackedForward:
 
     @staticmethod
     def _calls(plan: tuple[int, int, list[tuple[int, int, int]]], allowed: torch.Tensor,
-               groups: int) -> list[tuple[slice, int, int, int, torch.Tensor]]:
-        """The attention calls of a pass cut by ``plan`` (``_plan``), each as (its rows, its
-        first and last + 1 query, the columns it reads, its mask [rows, 1, groups * n,
-        columns]), the masks cut once for every layer; one call: every row padded, over
-        ``allowed`` ([B, 1, groups * T, L], row_mask) as it is."""
+               groups: int, rows: list[list[int]]) -> torch.Tensor | list[_Call]:
+        """The attention calls of a pass cut by ``plan`` (``_plan``), their masks and the
+        packed tokens each reads and writes, made once for every layer. One call, every row
+        padded to T: its mask, ``allowed`` ([B, 1, groups * T, L], row_mask) as it is.
+        ``rows``: per row, its valid flags."""
         t, narrow, wide = plan
         B, _, GT, L = allowed.shape
         T = GT // groups
         if t == T:
-            return [(slice(None), 0, T, L, allowed)]
+            return allowed
         m = allowed.view(B, 1, groups, T, L)
-        return [(rows, start, stop, cols,
-                 m[rows, :, :, start:stop, :cols].reshape(-1, 1, groups * (stop - start), cols))
-                for rows, start, stop, cols in [(slice(None), 0, t, narrow)] + [
+        packed, k = [], 0  # per row, each position's place among the packed tokens (or -1)
+        for flags in rows:
+            packed.append([(k := k + 1) - 1 if v else -1 for v in flags])
+        dev = allowed.device
+        return [_Call(r, start, stop, cols,
+                      m[r, :, :, start:stop, :cols].reshape(-1, 1, groups * (stop - start), cols),
+                      *_places([p[start:stop] for p in packed[r]], dev))
+                for r, start, stop, cols in [(slice(None), 0, t, narrow)] + [
                     (slice(b, b + 1), t, e, end) for b, e, end in wide]]
 
     @staticmethod
     def _attention(attn: Any, h: torch.Tensor, cache: Columns, layer: int,
                    index: torch.Tensor, place: tuple[torch.Tensor, torch.Tensor],
                    shape: tuple[int, int, int], cos: torch.Tensor, sin: torch.Tensor,
-                   calls: list[tuple[slice, int, int, int, torch.Tensor]]) -> torch.Tensor:
+                   calls: torch.Tensor | list[_Call]) -> torch.Tensor:
         """One layer's attention for packed tokens h [N, hidden]; returns [N, hidden].
 
         The new keys and values are written at their rows' columns (``place``: row and
-        column of each); the queries, padded to [B, heads, T, D], attend over the rows'
-        first L columns as their masks say (row_mask). Grouped-query heads go without
-        copying the keys: the query heads that share a key head are laid along the query
-        axis of that head ([B, kv_heads, groups * T, D]). ``calls`` (``_calls``): the first
-        t queries of every row in one call; each row listed, its queries t..extent - 1 in a
-        call of its own over its own columns (views of the cache, nothing copied); the
-        other queries are padding and never computed. One call: every row padded to T.
+        column of each); the queries attend over the rows' first L columns as their masks
+        say (row_mask). Grouped-query heads go without copying the keys: the query heads
+        that share a key head are laid along the query axis of that head ([B, kv_heads,
+        groups * T, D]). One call (``calls`` its mask): the queries padded to [B, heads, T,
+        D]. Several (``_calls``): each call takes its queries from the packed tokens and
+        puts its outputs back there (the first t queries of every row in one call; each row
+        listed, its queries t..extent - 1 in a call of its own over its own columns, views
+        of the cache); no [B, T] block is made.
         """
         B, T, L = shape
         D = attn.head_dim
@@ -475,20 +516,24 @@ class PackedForward:
         q = rotate(q.unflatten(-1, (-1, D)), cos, sin)  # [N, heads, D]
         k = rotate(k.unflatten(-1, (-1, D)), cos, sin)  # [N, kv_heads, D]
         v = v.unflatten(-1, (-1, D))  # [N, kv_heads, D]
-        H, Hkv = q.shape[1], k.shape[1]
+        N, H, Hkv = q.shape[0], q.shape[1], k.shape[1]
         G = H // Hkv
         keys, values = cache.write(layer, place, k, v, B, L)  # [B, kv_heads, L, D] each
-        q = _spread(q, index, B, T).transpose(1, 2).reshape(B, Hkv, G, T, D)
-        if len(calls) == 1 and calls[0][2] == T:  # every row padded to T, in one call
-            out = F.scaled_dot_product_attention(q.reshape(B, Hkv, G * T, D), keys, values,
-                                                 attn_mask=calls[0][4], scale=attn.scaling)
-        else:
-            out = q.new_empty(B, Hkv, G, T, D)  # padding queries: never computed, never read
-            for rows, start, stop, cols, mask in calls:
-                n = stop - start
-                out[rows, :, :, start:stop] = F.scaled_dot_product_attention(
-                    q[rows, :, :, start:stop].reshape(-1, Hkv, G * n, D),
-                    keys[rows, :, :cols], values[rows, :, :cols], attn_mask=mask,
-                    scale=attn.scaling).reshape(-1, Hkv, G, n, D)
-        out = out.reshape(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
-        return attn.o_proj(out.index_select(0, index))  # [N, hidden]
+        if isinstance(calls, torch.Tensor):  # every row padded to T, in one call
+            q = _spread(q, index, B, T).transpose(1, 2).reshape(B, Hkv, G * T, D)
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=calls,
+                                                 scale=attn.scaling)
+            out = out.reshape(B, H, T, D).transpose(1, 2).reshape(B * T, H * D)
+            return attn.o_proj(out.index_select(0, index))  # [N, hidden]
+        o = q.new_empty(N, H * D)  # every packed token's output: each is some call's
+        q = q.view(N, Hkv, G, D)
+        for c in calls:
+            n = c.stop - c.start
+            x = q.index_select(0, c.reads).view(-1, n, Hkv, G, D)  # [rows, n, kv, G, D]
+            x = x.permute(0, 2, 3, 1, 4).reshape(-1, Hkv, G * n, D)
+            out = F.scaled_dot_product_attention(x, keys[c.rows, :, :c.cols],
+                                                 values[c.rows, :, :c.cols],
+                                                 attn_mask=c.mask, scale=attn.scaling)
+            out = out.view(-1, Hkv, G, n, D).permute(0, 3, 1, 2, 4).reshape(-1, H * D)
+            o.index_copy_(0, c.writes, out if c.kept is None else out.index_select(0, c.kept))
+        return attn.o_proj(o)  # [N, hidden]
