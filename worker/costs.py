@@ -34,9 +34,10 @@ from specq.worker.engine.speculative import SpeculativeEngine
 log = logging.getLogger(__name__)
 
 FOLDER = "calibration"  # under the data directory
-VERSION = 4  # of the file and of what it holds (2: the largest batch size measured too;
+VERSION = 5  # of the file and of what it holds (2: the largest batch size measured too;
 # 3: the packed pass's two-part fit, calibration's ragged passes in it; 4: linear layers
-# prepacked on a CPU, passes about 3x cheaper than the costs kept before)
+# prepacked on a CPU, passes about 3x cheaper than the costs kept before; 5: a split pass's
+# queries gathered from the packed tokens, a lone wide row's pass about half its cost)
 
 
 def cost_key(preset: PairPreset, engine: SpeculativeEngine) -> dict[str, Any]:
