@@ -483,13 +483,17 @@ class PackedForward:
         if t == T:
             return allowed
         m = allowed.view(B, 1, groups, T, L)
-        packed, k = [], 0  # per row, each position's place among the packed tokens (or -1)
+        places: list[list[int]] = []  # per row, each position's place among the packed
+        k = 0  # tokens (-1: padding)
         for flags in rows:
-            packed.append([(k := k + 1) - 1 if v else -1 for v in flags])
+            places.append([])
+            for v in flags:
+                places[-1].append(k if v else -1)
+                k += v
         dev = allowed.device
         return [_Call(r, start, stop, cols,
                       m[r, :, :, start:stop, :cols].reshape(-1, 1, groups * (stop - start), cols),
-                      *_places([p[start:stop] for p in packed[r]], dev))
+                      *_places([p[start:stop] for p in places[r]], dev))
                 for r, start, stop, cols in [(slice(None), 0, t, narrow)] + [
                     (slice(b, b + 1), t, e, end) for b, e, end in wide]]
 
