@@ -128,7 +128,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "and last B layers); see bench/drafts.py")
     p.add_argument("--prompts", type=positive_int, default=None,
                    help=f"number of prompts (cycled; default {DEFAULT_PROMPTS}, or all of "
-                   "a workload)")
+                   "a workload; a repeat's output is one the job already wrote, which a "
+                   "drafter reading the job's outputs copies)")
     p.add_argument("--prompts-file", type=Path, default=None,
                    help="JSONL prompts (string, {prompt} or {messages}) instead of the built-in")
     p.add_argument("--workload", type=_workloads, default=None,
